@@ -1,0 +1,57 @@
+"""Loads the core library through cffi in ABI mode from its one C header (c_api.h)."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+
+import cffi
+
+_PKG = Path(__file__).resolve().parent.parent
+_lock = threading.Lock()
+_lib = None
+ffi = cffi.FFI()
+
+
+def _header_text() -> str:
+    for candidate in (
+        _PKG / "_lib" / "c_api.h",
+        _PKG.parent / "native" / "include" / "bagua_hvd" / "c_api.h",
+    ):
+        if candidate.exists():
+            text = candidate.read_text()
+            match = re.search(r"/\* BHVD_CDEF_BEGIN \*/(.*)/\* BHVD_CDEF_END \*/", text, re.S)
+            if match is None:
+                raise ImportError(f"{candidate} lacks the BHVD_CDEF markers")
+            return match.group(1)
+    raise ImportError("bagua_hvd: c_api.h not found; reinstall with `pip install .`")
+
+
+def _library_path() -> Path:
+    override = os.environ.get("BAGUA_HVD_LIBRARY")
+    if override:
+        return Path(override)
+    path = _PKG / "_lib" / "libbagua_hvd.so"
+    if not path.exists():
+        raise ImportError(
+            f"bagua_hvd core library not found at {path}; build it with `pip install .` "
+            "(or `pip install -e .` for a development tree)"
+        )
+    return path
+
+
+def lib():
+    """The loaded core library (cffi ABI-mode handle); loaded on first use."""
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                ffi.cdef(_header_text())
+                _lib = ffi.dlopen(str(_library_path()))
+    return _lib
+
+
+def last_error() -> str:
+    return ffi.string(lib().bhvd_last_error()).decode("utf-8", "replace")

@@ -1,0 +1,174 @@
+/*
+ * bagua_hvd C API: the only boundary between the Python package and the C++ core.
+ *
+ * The Python side loads this header with cffi in ABI mode (no compiler needed at import), so the
+ * header must stay plain C and free of preprocessor logic other than the include guard and the
+ * extern "C" block: cffi's cdef parser reads everything between the BHVD_CDEF markers.
+ *
+ * Conventions
+ *  - Every function that can fail returns an int status (BHVD_OK == 0); the message of the last
+ *    failure on the calling thread is returned by bhvd_last_error().
+ *  - Tensors are described by a pointer, a dtype and a shape. The caller keeps input and output
+ *    memory alive until the handle completes (bhvd_poll/bhvd_wait) and is released.
+ *  - Handles are int64 > 0. A handle must be released with bhvd_release() once its result has
+ *    been consumed.
+ */
+#ifndef BAGUA_HVD_C_API_H
+#define BAGUA_HVD_C_API_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* BHVD_CDEF_BEGIN */
+
+/* Status codes; the values follow Horovod's StatusType. */
+enum bhvd_status {
+  BHVD_OK = 0,
+  BHVD_UNKNOWN_ERROR = 1,
+  BHVD_PRECONDITION_ERROR = 2, /* cross-rank mismatch: HorovodInternalError */
+  BHVD_ABORTED = 3,            /* shut down, peer lost: HorovodInternalError */
+  BHVD_INVALID_ARGUMENT = 4,   /* bad input at enqueue: ValueError */
+  BHVD_IN_PROGRESS = 5,
+  BHVD_TIMED_OUT = 6,
+  BHVD_NOT_IMPLEMENTED = 7     /* NotImplementedError */
+};
+
+/* Data types; values follow Horovod's DataType, bfloat16 added. */
+enum bhvd_dtype {
+  BHVD_UINT8 = 0,
+  BHVD_INT8 = 1,
+  BHVD_UINT16 = 2,
+  BHVD_INT16 = 3,
+  BHVD_INT32 = 4,
+  BHVD_INT64 = 5,
+  BHVD_FLOAT16 = 6,
+  BHVD_FLOAT32 = 7,
+  BHVD_FLOAT64 = 8,
+  BHVD_BOOL = 9,
+  BHVD_BFLOAT16 = 10
+};
+
+/* Reduce ops; values are Horovod's (hvd.Average == 0 ...). */
+enum bhvd_reduce_op {
+  BHVD_AVERAGE = 0,
+  BHVD_SUM = 1,
+  BHVD_ADASUM = 2,
+  BHVD_MIN = 3,
+  BHVD_MAX = 4,
+  BHVD_PRODUCT = 5
+};
+
+/* Request types; values follow Horovod's Request::RequestType. */
+enum bhvd_op_type {
+  BHVD_OP_ALLREDUCE = 0,
+  BHVD_OP_ALLGATHER = 1,
+  BHVD_OP_BROADCAST = 2,
+  BHVD_OP_JOIN = 3,
+  BHVD_OP_ADASUM = 4,
+  BHVD_OP_ALLTOALL = 5,
+  BHVD_OP_BARRIER = 6,
+  BHVD_OP_REDUCESCATTER = 7
+};
+
+typedef struct bhvd_tensor {
+  void* data;           /* NULL allowed for outputs the core allocates (allgather, alltoall) */
+  int32_t dtype;        /* enum bhvd_dtype */
+  int32_t ndim;
+  const int64_t* shape; /* ndim entries */
+} bhvd_tensor;
+
+typedef struct bhvd_request {
+  int32_t op_type;        /* enum bhvd_op_type */
+  const char* name;       /* full name, e.g. "allreduce.grad0"; NULL: the core names it "<op>.noname.<handle>" */
+  int32_t process_set_id; /* 0: global */
+  int32_t reduce_op;      /* enum bhvd_reduce_op (allreduce, reducescatter) */
+  int32_t root_rank;      /* broadcast: a GLOBAL rank */
+  int32_t device;         /* -1: CPU, >= 0: CUDA device ordinal */
+  double prescale_factor;
+  double postscale_factor;
+  int32_t num_tensors;    /* > 1 for grouped ops: members are fused together */
+  const bhvd_tensor* inputs;
+  const bhvd_tensor* outputs; /* allreduce/broadcast/reducescatter: caller-allocated (may alias inputs) */
+  const int32_t* splits;      /* alltoall: one entry per process-set rank, or NULL */
+  int32_t num_splits;
+  int32_t urgent;             /* the caller blocks on this handle at once: do not hold it for fusion */
+} bhvd_request;
+
+/* ---- lifecycle ---------------------------------------------------------------------------- */
+
+/* Starts the background thread and connects to the peers found through the rendezvous named by
+ * the environment (HOROVOD_RANK, HOROVOD_SIZE, ..., HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT,
+ * BAGUA_HVD_SECRET). Without a rendezvous address the job has size 1.
+ * process_sets: static process sets, flattened: num_sets sets, set i has set_sizes[i] ranks.
+ * Calling it while initialized is a no-op returning BHVD_OK. */
+int bhvd_init(const int32_t* set_ranks, const int32_t* set_sizes, int32_t num_sets,
+              int32_t dynamic_process_sets);
+int bhvd_shutdown(void);
+int bhvd_is_initialized(void);
+const char* bhvd_last_error(void);
+const char* bhvd_version(void);
+
+int bhvd_rank(void);
+int bhvd_size(void);
+int bhvd_local_rank(void);
+int bhvd_local_size(void);
+int bhvd_cross_rank(void);
+int bhvd_cross_size(void);
+int bhvd_is_homogeneous(void);
+
+/* ---- build and runtime facts ---------------------------------------------------------------- */
+int bhvd_cuda_built(void);
+int bhvd_nccl_built(void); /* NCCL_VERSION_CODE or 0 */
+/* Name of the transport used between two ranks of the global set: "self", "shm" or "tcp". */
+const char* bhvd_transport_name(int32_t peer_rank);
+
+/* ---- process sets ------------------------------------------------------------------------- */
+/* Number of registered sets (the global set included) and their ids. */
+int bhvd_process_set_ids(int32_t* ids_out, int32_t capacity);
+/* Ranks of set id into ranks_out (capacity entries); returns the set size or -1 if unknown. */
+int bhvd_process_set_ranks(int32_t id, int32_t* ranks_out, int32_t capacity);
+/* This process's rank in set id, -1 if not a member, -2 if the set is unknown. */
+int bhvd_process_set_rank(int32_t id);
+/* Collective over all ranks (HOROVOD_DYNAMIC_PROCESS_SETS=1): registers ranks as a new set. */
+int bhvd_add_process_set(const int32_t* ranks, int32_t n, int32_t* id_out);
+int bhvd_remove_process_set(int32_t id);
+
+/* ---- operations --------------------------------------------------------------------------- */
+/* Queues an operation; returns BHVD_OK and a handle, or BHVD_INVALID_ARGUMENT etc. at once. */
+int bhvd_enqueue(const bhvd_request* request, int64_t* handle_out);
+/* 1 when done (successfully or not), 0 while in flight, -1 for an unknown handle. */
+int bhvd_poll(int64_t handle);
+/* Blocks up to timeout_ms (< 0: no limit) and returns the handle's final status, BHVD_TIMED_OUT,
+ * or BHVD_INVALID_ARGUMENT for an unknown handle. Releases no resources. */
+int bhvd_wait(int64_t handle, int64_t timeout_ms);
+/* The handle's error message ("" when it succeeded). */
+const char* bhvd_handle_error(int64_t handle);
+/* For outputs the core allocated (allgather, alltoall): the shape of output `index`. */
+int bhvd_output_ndim(int64_t handle, int32_t index);
+int bhvd_output_shape(int64_t handle, int32_t index, int64_t* shape_out);
+/* Copies output `index` into dst, which holds at least the output's bytes. */
+int bhvd_output_copy(int64_t handle, int32_t index, void* dst);
+/* Alltoall: the splits this rank received, one per process-set rank. */
+int bhvd_received_splits(int64_t handle, int32_t* splits_out, int32_t capacity);
+/* Join: the last rank to join (global rank). */
+int bhvd_join_result(int64_t handle);
+int bhvd_release(int64_t handle);
+
+/* ---- diagnostics -------------------------------------------------------------------------- */
+/* Counters for tests: key is one of "responses", "fused_tensors", "cycles", "cache_hits",
+ * "fusion_buffer_bytes". Returns -1 for an unknown key. */
+int64_t bhvd_stat(const char* key);
+/* HMAC-SHA256(key, msg) into out[32]; exposed so tests can check it against Python's hmac. */
+int bhvd_hmac_sha256(const uint8_t* key, int32_t key_len, const uint8_t* msg, int32_t msg_len,
+                     uint8_t* out);
+
+/* BHVD_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* BAGUA_HVD_C_API_H */

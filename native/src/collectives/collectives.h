@@ -1,0 +1,49 @@
+// Collective algorithms over a Comm. Every member of the Comm calls the same collective with
+// matching arguments in the same order (the controller guarantees that). All run on the background
+// thread and throw TransportError on failure. Non-members must not call them.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "collectives/comm.h"
+#include "common.h"
+
+namespace bagua_hvd {
+
+// ---- element-wise kernels (collectives/reduce.cc) ------------------------------------------
+// dst[i] = dst[i] (op) src[i] for count elements. AVERAGE reduces as SUM (the caller scales).
+// float16 and bfloat16 are computed in float32 and rounded to nearest-even once per call.
+// bool: SUM/MAX = or, PRODUCT/MIN = and.
+void reduce_into(void* dst, const void* src, size_t count, DataType dtype, ReduceOp op);
+// buf[i] *= factor. Integers are computed in double and truncated toward zero, like Horovod.
+void scale_buffer(void* buf, size_t count, DataType dtype, double factor);
+
+// ---- collectives ----------------------------------------------------------------------------
+// In-place allreduce of count elements. Picks a latency-optimal algorithm for small buffers and a
+// bandwidth-optimal ring for large ones (collectives/allreduce_*.cc). Every rank ends with
+// bitwise-identical results.
+void allreduce(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
+
+// Concatenates each rank's bytes in set-rank order into out (sum of bytes_per_rank bytes).
+// in may point inside out at this rank's offset.
+void allgatherv(Comm& comm, const void* in, void* out, const std::vector<size_t>& bytes_per_rank);
+
+// root is a set rank; buf holds bytes on every rank.
+void broadcast(Comm& comm, void* buf, size_t bytes, int root);
+
+// send_bytes[r]: bytes this rank sends to set rank r (consecutive in `in`);
+// recv_bytes[r]: bytes it receives from r (consecutive in `out`).
+void alltoallv(Comm& comm, const void* in, const std::vector<size_t>& send_bytes, void* out,
+               const std::vector<size_t>& recv_bytes);
+
+// Reduces count elements of buf across ranks; this rank receives the reduced segment
+// [offset(rank), offset(rank)+counts[rank]) in out, where segments are consecutive and
+// counts[r] is set rank r's element count. buf may be used as scratch (its contents after the
+// call are unspecified).
+void reducescatterv(Comm& comm, void* buf, void* out, const std::vector<size_t>& counts,
+                    DataType dtype, ReduceOp op);
+
+void barrier(Comm& comm);
+
+}  // namespace bagua_hvd

@@ -1,0 +1,50 @@
+// Comm: the ranks of one process set and a progress engine that drives several transfers at once
+// over the transport's data pairs. Collective algorithms are written against this only.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "transport/transport.h"
+
+namespace bagua_hvd {
+
+class Comm {
+ public:
+  // global_ranks: the members, sorted; this process need not be one of them.
+  Comm(Transport& transport, std::vector<int> global_ranks);
+
+  int rank() const { return rank_; }  // rank within the set, -1 if not a member
+  int size() const { return static_cast<int>(global_ranks_.size()); }
+  int global_rank(int set_rank) const { return global_ranks_[set_rank]; }
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  Transport& transport() { return transport_; }
+
+  struct Xfer {
+    enum Kind { SEND, RECV, RECV_REDUCE } kind;
+    int peer;          // set rank
+    void* buf;         // SEND reads it; RECV writes it; RECV_REDUCE does buf = buf (op) incoming
+    size_t len;        // bytes
+    DataType dtype = DataType::UINT8;  // RECV_REDUCE only
+    ReduceOp op = ReduceOp::SUM;       // RECV_REDUCE only; AVERAGE reduces as SUM
+    size_t done = 0;   // progress, owned by run()
+  };
+
+  // Drives all transfers concurrently until every one completes. Transfers to the same peer in
+  // the same direction complete in vector order (they share one byte stream). Throws
+  // TransportError when a peer fails, or when nothing moved for the transport's timeout; the
+  // message names the peer (global rank) and `what` (e.g. "allreduce").
+  void run(std::vector<Xfer>& xfers, const char* what);
+
+  void send(int peer, const void* buf, size_t len, const char* what);
+  void recv(int peer, void* buf, size_t len, const char* what);
+
+ private:
+  Transport& transport_;
+  std::vector<int> global_ranks_;
+  int rank_ = -1;
+  std::vector<unsigned char> partial_;  // staging for RECV_REDUCE element fragments
+};
+
+}  // namespace bagua_hvd

@@ -1,0 +1,112 @@
+// Shared vocabulary of the core: data types, reduce ops, status, errors, logging, environment.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "bagua_hvd/c_api.h"
+
+namespace bagua_hvd {
+
+enum class DataType : int32_t {
+  UINT8 = BHVD_UINT8,
+  INT8 = BHVD_INT8,
+  UINT16 = BHVD_UINT16,
+  INT16 = BHVD_INT16,
+  INT32 = BHVD_INT32,
+  INT64 = BHVD_INT64,
+  FLOAT16 = BHVD_FLOAT16,
+  FLOAT32 = BHVD_FLOAT32,
+  FLOAT64 = BHVD_FLOAT64,
+  BOOL = BHVD_BOOL,
+  BFLOAT16 = BHVD_BFLOAT16,
+};
+
+enum class ReduceOp : int32_t {
+  AVERAGE = BHVD_AVERAGE,
+  SUM = BHVD_SUM,
+  ADASUM = BHVD_ADASUM,
+  MIN = BHVD_MIN,
+  MAX = BHVD_MAX,
+  PRODUCT = BHVD_PRODUCT,
+};
+
+enum class OpType : int32_t {
+  ALLREDUCE = BHVD_OP_ALLREDUCE,
+  ALLGATHER = BHVD_OP_ALLGATHER,
+  BROADCAST = BHVD_OP_BROADCAST,
+  JOIN = BHVD_OP_JOIN,
+  ADASUM = BHVD_OP_ADASUM,
+  ALLTOALL = BHVD_OP_ALLTOALL,
+  BARRIER = BHVD_OP_BARRIER,
+  REDUCESCATTER = BHVD_OP_REDUCESCATTER,
+};
+
+// Size in bytes of one element; 0 for an unknown type.
+size_t dtype_size(DataType t);
+// Horovod's names: "uint8", ..., "float16", "float32", "float64", "bool", plus "bfloat16".
+const char* dtype_name(DataType t);
+bool dtype_valid(int32_t t);
+// Horovod's request type names: "ALLREDUCE", "ALLGATHER", ...
+const char* op_type_name(OpType t);
+
+enum class StatusType : int32_t {
+  OK = BHVD_OK,
+  UNKNOWN_ERROR = BHVD_UNKNOWN_ERROR,
+  PRECONDITION_ERROR = BHVD_PRECONDITION_ERROR,
+  ABORTED = BHVD_ABORTED,
+  INVALID_ARGUMENT = BHVD_INVALID_ARGUMENT,
+  IN_PROGRESS = BHVD_IN_PROGRESS,
+  TIMED_OUT = BHVD_TIMED_OUT,
+  NOT_IMPLEMENTED = BHVD_NOT_IMPLEMENTED,
+};
+
+struct Status {
+  StatusType type = StatusType::OK;
+  std::string reason;
+  bool ok() const { return type == StatusType::OK; }
+  static Status OK() { return {}; }
+  static Status Error(StatusType t, std::string r) { return {t, std::move(r)}; }
+  static Status Precondition(std::string r) {
+    return {StatusType::PRECONDITION_ERROR, std::move(r)};
+  }
+  static Status InvalidArgument(std::string r) {
+    return {StatusType::INVALID_ARGUMENT, std::move(r)};
+  }
+  static Status Aborted(std::string r) { return {StatusType::ABORTED, std::move(r)}; }
+};
+
+// Raised by transports and collectives when a peer fails, times out or sends garbage. The
+// background thread turns it into an ABORTED status on every pending handle.
+class TransportError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// ---- logging (HOROVOD_LOG_LEVEL / BAGUA_HVD_LOG_LEVEL; default warning) -------------------
+enum class LogLevel : int { TRACE = 0, DEBUG = 1, INFO = 2, WARNING = 3, ERROR = 4, FATAL = 5 };
+LogLevel log_level();
+void log_message(LogLevel level, const std::string& msg);
+#define BHVD_LOG(level, msg)                                                   \
+  do {                                                                         \
+    if (::bagua_hvd::LogLevel::level >= ::bagua_hvd::log_level())              \
+      ::bagua_hvd::log_message(::bagua_hvd::LogLevel::level, (msg));           \
+  } while (0)
+
+// ---- environment: Horovod's name first, then the BAGUA_HVD_ alias --------------------------
+// e.g. env_str("FUSION_THRESHOLD") reads HOROVOD_FUSION_THRESHOLD, then BAGUA_HVD_FUSION_THRESHOLD.
+std::string env_str(const char* suffix, const std::string& fallback = "");
+int64_t env_int(const char* suffix, int64_t fallback);
+double env_double(const char* suffix, double fallback);
+bool env_bool(const char* suffix, bool fallback);
+
+using Clock = std::chrono::steady_clock;
+inline double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+}  // namespace bagua_hvd

@@ -1,0 +1,63 @@
+"""Builds native/ with CMake into one shared library inside the package (bagua_hvd/_lib).
+
+No framework is needed at build time: Python reaches the library through cffi in ABI mode.
+Environment: BAGUA_HVD_WITH_CUDA=auto|0|1 (default auto), BAGUA_HVD_BUILD_TYPE (default Release),
+BAGUA_HVD_BUILD_JOBS (default: number of CPUs).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        if shutil.which("cmake") is None:
+            raise RuntimeError("bagua_hvd needs CMake (>= 3.18) to build its core library")
+        # In-place (pip install -e .) builds land in the source tree; wheels in build_lib.
+        pkg_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        lib_dir = pkg_dir / "_lib"
+        build_temp = Path(self.build_temp).resolve() / "cmake"
+        build_temp.mkdir(parents=True, exist_ok=True)
+        cfg = os.environ.get("BAGUA_HVD_BUILD_TYPE", "Release")
+        cmake_args = [
+            f"-DCMAKE_BUILD_TYPE={cfg}",
+            f"-DBAGUA_HVD_LIB_OUTPUT_DIR={lib_dir}",
+            f"-DBAGUA_HVD_WITH_CUDA={os.environ.get('BAGUA_HVD_WITH_CUDA', 'auto')}",
+            f"-DPython3_EXECUTABLE={sys.executable}",
+        ]
+        jobs = os.environ.get("BAGUA_HVD_BUILD_JOBS", str(os.cpu_count() or 1))
+        subprocess.check_call(["cmake", str(ROOT), *cmake_args], cwd=build_temp)
+        subprocess.check_call(["cmake", "--build", ".", "-j", jobs], cwd=build_temp)
+        # The C header is the cffi cdef source; ship it beside the library.
+        shutil.copy2(ROOT / "native/include/bagua_hvd/c_api.h", lib_dir / "c_api.h")
+
+
+setup(
+    name="bagua_hvd",
+    version="0.1.0",
+    description="Drop-in replacement for Horovod with BAGUA's system relaxations",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["bagua_hvd", "bagua_hvd.*"]),
+    package_data={"bagua_hvd": ["_lib/*.so", "_lib/c_api.h"]},
+    ext_modules=[CMakeExtension("bagua_hvd._lib.libbagua_hvd")],
+    cmdclass={"build_ext": CMakeBuild},
+    install_requires=["cffi>=1.15", "numpy", "cloudpickle"],
+    extras_require={"test": ["pytest", "pytest-timeout", "torch"]},
+    entry_points={"console_scripts": ["bagua-run = bagua_hvd.runner.launch:run_commandline"]},
+    zip_safe=False,
+)
