@@ -1,0 +1,291 @@
+"""HorovodBasics: init/shutdown, rank and size queries and build facts, shared by all frontends.
+
+All frontends talk to the same core library, so the state lives in the core and in
+``process_sets``; HorovodBasics instances are thin views and several may coexist.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import warnings
+from typing import Any, Sequence, Union
+
+from bagua_hvd.common import _native, ops
+from bagua_hvd.common import process_sets as _ps
+from bagua_hvd.common.process_sets import ProcessSet
+
+NOT_INITIALIZED_ERROR = "Horovod has not been initialized; use hvd.init()."
+INIT_FAILED_ERROR = (
+    "Horovod initialization failed. Please check log messages above for a more descriptive error."
+)
+MPI_NOT_ENABLED_ERROR = "Horovod MPI is not enabled; Please make sure it's installed and enabled."
+TIMELINE_NOT_DYNAMIC_ERROR = "Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage."
+TIMELINE_NOT_IMPLEMENTED = (
+    "bagua_hvd does not write timelines yet: HOROVOD_TIMELINE is accepted but "
+    "start_timeline/stop_timeline are not implemented"
+)
+
+# Reduce ops (Horovod's C enum values).
+Average = ops.Average
+Sum = ops.Sum
+Adasum = ops.Adasum
+Min = ops.Min
+Max = ops.Max
+Product = ops.Product
+
+_atexit_lock = threading.Lock()
+_atexit_registered = False
+_timeline_warned = False
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+class HorovodBasics:
+    """Horovod's basics API (``horovod.common.basics.HorovodBasics``) over the bagua_hvd core.
+
+    ``pkg_path`` and ``*args`` are accepted for compatibility with Horovod's constructor and
+    ignored: there is one framework-neutral core library.
+    """
+
+    Average = Average
+    Sum = Sum
+    Adasum = Adasum
+    Min = Min
+    Max = Max
+    Product = Product
+
+    def __init__(self, pkg_path: str | None = None, *args: Any) -> None:
+        self._lib = None
+
+    @property
+    def lib(self) -> Any:
+        if self._lib is None:
+            self._lib = _native.lib()
+        return self._lib
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def init(
+        self,
+        comm: Sequence[int] | None = None,
+        process_sets: Union[Sequence[ProcessSet], str] | None = None,
+    ) -> None:
+        """Starts the runtime (a no-op when already initialized).
+
+        comm: None, or a list of global ranks that must name every launched rank (a
+            sub-communicator needs MPI, which bagua_hvd does not use).
+        process_sets: static ProcessSet objects (ids 1..k in order), or "dynamic" to allow
+            add_process_set/remove_process_set after init (HOROVOD_DYNAMIC_PROCESS_SETS=1).
+        """
+        global _atexit_registered
+        with _atexit_lock:
+            if not _atexit_registered:
+                atexit.register(self.shutdown)
+                _atexit_registered = True
+        if comm is not None and not isinstance(comm, (list, tuple, range)):
+            raise ValueError(
+                f"init(comm={type(comm).__name__}): MPI communicators need Horovod's MPI "
+                "controller, which bagua_hvd does not use; launch with bagua-run and use "
+                "process sets instead"
+            )
+        if process_sets == "dynamic":
+            process_sets = []
+            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+        elif process_sets is None:
+            process_sets = []
+        elif isinstance(process_sets, str):
+            raise ValueError(
+                f'process_sets must be a list of ProcessSet or "dynamic", got {process_sets!r}'
+            )
+        process_sets = list(process_sets)
+        seen = []
+        for ps_idx, ps in enumerate(process_sets):
+            if not isinstance(ps, ProcessSet):
+                raise ValueError(f"process_sets entry number {ps_idx} is not a ProcessSet: {ps!r}")
+            if ps.ranks in seen:
+                raise ValueError(
+                    f"Horovod could not be initialized because process_sets entry number "
+                    f"{ps_idx} is a duplicate: {ps}"
+                )
+            seen.append(ps.ranks)
+
+        lib = self.lib
+        if lib.bhvd_is_initialized():
+            return
+        self._check_timeline_env()
+        dynamic = _env_true("HOROVOD_DYNAMIC_PROCESS_SETS")
+        ffi = _native.ffi
+        flat = [r for ps in process_sets for r in ps.ranks]
+        sizes = [len(ps.ranks) for ps in process_sets]
+        status = lib.bhvd_init(
+            ffi.new("int32_t[]", flat or [0]),
+            ffi.new("int32_t[]", sizes or [0]),
+            len(process_sets),
+            1 if dynamic else 0,
+        )
+        if status != ops.OK:
+            detail = _native.last_error()
+            if detail:
+                print(f"bagua_hvd: init failed: {detail}", file=sys.stderr, flush=True)
+            raise ValueError(INIT_FAILED_ERROR + (f"\n{detail}" if detail else ""))
+        try:
+            _ps._after_init(process_sets, dynamic)
+            if comm is not None and sorted(int(r) for r in comm) != list(range(self.size())):
+                raise ValueError(
+                    f"init(comm={list(comm)}): bagua_hvd runs every launched rank; a subset "
+                    "of ranks needs MPI. Use init(process_sets=[ProcessSet(ranks)]) instead"
+                )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _check_timeline_env(self) -> None:
+        global _timeline_warned
+        timeline = os.environ.get("HOROVOD_TIMELINE", "")
+        if timeline and timeline != "DYNAMIC" and not _timeline_warned:
+            _timeline_warned = True
+            warnings.warn(
+                f"HOROVOD_TIMELINE={timeline} is ignored: {TIMELINE_NOT_IMPLEMENTED}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def shutdown(self) -> None:
+        """Stops the runtime; pending operations fail with HorovodInternalError."""
+        if _native._lib is None and self._lib is None:
+            return  # never loaded: nothing to stop (e.g. at exit)
+        lib = self.lib
+        if lib.bhvd_is_initialized():
+            status = lib.bhvd_shutdown()
+            if status != ops.OK:
+                raise RuntimeError(f"Horovod shutdown failed: {_native.last_error()}")
+        _ps._after_shutdown()
+
+    def is_initialized(self) -> bool:
+        """True between a successful init() and shutdown()."""
+        return bool(self.lib.bhvd_is_initialized())
+
+    # ---- ranks and sizes -----------------------------------------------------------------
+    def _checked(self, value: int) -> int:
+        if value < 0:
+            raise ValueError(NOT_INITIALIZED_ERROR)
+        return int(value)
+
+    def size(self) -> int:
+        """Number of ranks in the job."""
+        return self._checked(self.lib.bhvd_size())
+
+    def local_size(self) -> int:
+        """Number of ranks on this host."""
+        return self._checked(self.lib.bhvd_local_size())
+
+    def cross_size(self) -> int:
+        """Number of hosts that have a rank with this process's local rank."""
+        return self._checked(self.lib.bhvd_cross_size())
+
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self._checked(self.lib.bhvd_rank())
+
+    def local_rank(self) -> int:
+        """This process's rank on its host."""
+        return self._checked(self.lib.bhvd_local_rank())
+
+    def cross_rank(self) -> int:
+        """This process's host index among hosts with the same local rank."""
+        return self._checked(self.lib.bhvd_cross_rank())
+
+    def is_homogeneous(self) -> bool:
+        """True when every host runs the same number of ranks."""
+        return bool(self._checked(self.lib.bhvd_is_homogeneous()))
+
+    # ---- timeline ------------------------------------------------------------------------
+    def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:
+        """Horovod's dynamic timeline; bagua_hvd does not write timelines yet."""
+        self._timeline_checks()
+        raise NotImplementedError(f"start_timeline({file_path!r}): {TIMELINE_NOT_IMPLEMENTED}")
+
+    def stop_timeline(self) -> None:
+        """Horovod's dynamic timeline; bagua_hvd does not write timelines yet."""
+        self._timeline_checks()
+        raise NotImplementedError(f"stop_timeline(): {TIMELINE_NOT_IMPLEMENTED}")
+
+    def _timeline_checks(self) -> None:
+        if not self.is_initialized():
+            raise ValueError(NOT_INITIALIZED_ERROR)
+        if os.environ.get("HOROVOD_TIMELINE", "") != "DYNAMIC":
+            raise ValueError(TIMELINE_NOT_DYNAMIC_ERROR)
+
+    # ---- build facts ---------------------------------------------------------------------
+    def mpi_threads_supported(self) -> bool:
+        """Raises: bagua_hvd does not use MPI."""
+        raise ValueError(MPI_NOT_ENABLED_ERROR)
+
+    def mpi_enabled(self) -> bool:
+        """False: bagua_hvd does not use MPI."""
+        return False
+
+    def mpi_built(self) -> bool:
+        """False: bagua_hvd does not use MPI."""
+        return False
+
+    def gloo_enabled(self) -> bool:
+        """True: the core plays the role of Horovod's Gloo controller and CPU operations."""
+        return True
+
+    def gloo_built(self) -> bool:
+        """True: the core plays the role of Horovod's Gloo controller and CPU operations."""
+        return True
+
+    def nccl_built(self) -> int:
+        """NCCL_VERSION_CODE of the core's NCCL, or 0."""
+        return int(self.lib.bhvd_nccl_built())
+
+    def ddl_built(self) -> bool:
+        """False: no IBM DDL support."""
+        return False
+
+    def ccl_built(self) -> bool:
+        """False: no oneCCL support."""
+        return False
+
+    def cuda_built(self) -> bool:
+        """Whether the core was built with CUDA support."""
+        return bool(self.lib.bhvd_cuda_built())
+
+    def rocm_built(self) -> bool:
+        """False: no ROCm support."""
+        return False
+
+    # ---- helpers Horovod's frontends use -------------------------------------------------
+    def _process_set_size(self, process_set_id: int) -> int:
+        return _ps._process_set_size(process_set_id)
+
+    def _process_set_rank(self, process_set_id: int) -> int:
+        return _ps._process_set_rank(process_set_id)
+
+    def _process_set_included(self, process_set_id: int) -> bool:
+        return _ps._process_set_included(process_set_id)
+
+    def _get_process_set_ids_and_ranks(self) -> dict:
+        return _ps._core_process_sets()
+
+    def transport_name(self, peer_rank: int) -> str:
+        """Transport used to reach a global rank: "self", "shm" or "tcp"."""
+        p = self.lib.bhvd_transport_name(peer_rank)
+        return "" if p == _native.ffi.NULL else _native.ffi.string(p).decode()
+
+
+_basics: HorovodBasics | None = None
+
+
+def basics() -> HorovodBasics:
+    """The process-wide HorovodBasics instance."""
+    global _basics
+    if _basics is None:
+        _basics = HorovodBasics()
+    return _basics

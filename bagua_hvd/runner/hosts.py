@@ -1,0 +1,141 @@
+"""Host lists and rank placement for the launcher.
+
+Ranks are placed node-major: node ``i`` of ``n`` runs global ranks ``i*L .. i*L+L-1`` with
+``L = np / n``. Local ranks count within a node; the cross rank of a process is the index of its
+node among the nodes that have its local rank, which for this even placement is the node index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import socket
+from typing import List, Optional, Tuple
+
+# The error shown for any host that is not this machine (remote start is not implemented).
+REMOTE_HOSTS_HINT = (
+    "starting ranks on other machines over ssh is not supported yet. Run one launcher per node "
+    "instead: `bagua-run -np N --num-nodes M --node-rank I --rendezvous-addr ADDR:PORT COMMAND` "
+    "on every node I = 0..M-1 (node 0 serves the rendezvous on ADDR:PORT), with the same "
+    "BAGUA_HVD_SECRET in each node's environment."
+)
+
+
+class HostError(ValueError):
+    """A host list that the launcher cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one rank runs and the rank variables it gets."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostname: str
+
+    def env(self) -> dict:
+        """Horovod's rank variables plus the torch-style ones (RANK, WORLD_SIZE, LOCAL_RANK)."""
+        return {
+            "HOROVOD_RANK": str(self.rank),
+            "HOROVOD_SIZE": str(self.size),
+            "HOROVOD_LOCAL_RANK": str(self.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(self.local_size),
+            "HOROVOD_CROSS_RANK": str(self.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(self.cross_size),
+            "HOROVOD_HOSTNAME": self.hostname,
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.size),
+            "LOCAL_RANK": str(self.local_rank),
+        }
+
+
+def parse_hosts(spec: str) -> List[Tuple[str, int]]:
+    """Parses horovodrun's ``-H`` value ``host1:slots,host2:slots`` (slots default to 1)."""
+    hosts: List[Tuple[str, int]] = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            raise HostError(f"empty entry in host list {spec!r}")
+        name, slots = item, 1
+        # "host:N"; a bare IPv6 address ("::1") has several colons and no slot count.
+        if item.count(":") == 1 or (item.startswith("[") and "]:" in item):
+            name, _, count = item.rpartition(":")
+            try:
+                slots = int(count)
+            except ValueError:
+                raise HostError(f"bad slot count {count!r} in host entry {item!r}; "
+                                "expected HOST:SLOTS, e.g. localhost:4") from None
+            if slots < 1:
+                raise HostError(f"slot count must be >= 1 in host entry {item!r}")
+        name = name.strip("[]")
+        if not name:
+            raise HostError(f"missing host name in host entry {item!r}")
+        hosts.append((name, slots))
+    return hosts
+
+
+def is_local_host(name: str) -> bool:
+    """True when ``name`` is this machine: localhost, a loopback address or our host name."""
+    lowered = name.lower()
+    if lowered in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(lowered).is_loopback
+    except ValueError:
+        pass
+    own = {socket.gethostname().lower(), socket.getfqdn().lower()}
+    return lowered in own
+
+
+def local_slots(np: int, hosts: Optional[str]) -> int:
+    """Checks ``-H`` for a one-node run and returns its slot count (``np`` when not given)."""
+    if hosts is None:
+        return np
+    entries = parse_hosts(hosts)
+    remote = [name for name, _ in entries if not is_local_host(name)]
+    if remote:
+        raise HostError(f"host {remote[0]!r} is not this machine: {REMOTE_HOSTS_HINT}")
+    if len(entries) > 1:
+        names = ", ".join(name for name, _ in entries)
+        raise HostError(f"hosts {names} all name this machine; list it once, e.g. "
+                        f"-H localhost:{np}")
+    slots = entries[0][1]
+    if np > slots:
+        raise HostError(f"requested {np} processes but the host list {hosts!r} has only "
+                        f"{slots} slot{'s' if slots > 1 else ''}")
+    return slots
+
+
+def node_hostname(num_nodes: int, node_rank: int) -> str:
+    """The HOROVOD_HOSTNAME of this node's ranks.
+
+    With several launchers each node gets its own id, so ranks of different launchers never
+    treat each other as local (shared memory) even when the launchers share a machine.
+    """
+    host = socket.gethostname() or "localhost"
+    return host if num_nodes == 1 else f"{host}-node{node_rank}"
+
+
+def place_ranks(np: int, num_nodes: int = 1, node_rank: int = 0) -> List[Slot]:
+    """The slots of node ``node_rank`` when ``np`` ranks are spread node-major over the nodes."""
+    if np < 1:
+        raise HostError(f"-np must be >= 1, got {np}")
+    if num_nodes < 1:
+        raise HostError(f"--num-nodes must be >= 1, got {num_nodes}")
+    if not 0 <= node_rank < num_nodes:
+        raise HostError(f"--node-rank must be in [0, {num_nodes - 1}], got {node_rank}")
+    if np % num_nodes:
+        raise HostError(f"-np {np} is not divisible by --num-nodes {num_nodes}; every node "
+                        "runs the same number of ranks")
+    local_size = np // num_nodes
+    hostname = node_hostname(num_nodes, node_rank)
+    return [
+        Slot(rank=node_rank * local_size + local_rank, size=np, local_rank=local_rank,
+             local_size=local_size, cross_rank=node_rank, cross_size=num_nodes,
+             hostname=hostname)
+        for local_rank in range(local_size)
+    ]

@@ -1,0 +1,634 @@
+"""Rendezvous key-value store served by the launcher (``bagua-run``) to its workers.
+
+Workers' C++ core connects with ``connect_tcp_store`` (native/src/transport/store.cc). Every
+connection starts with a mutual HMAC-SHA256 challenge over fresh nonces proving knowledge of the
+per-job secret (which never crosses the wire); then length-prefixed requests follow. The wire
+format is documented in docs/protocol.md.
+
+The launcher generates a secret with :func:`new_secret`, passes it to workers as hex in
+``BAGUA_HVD_SECRET`` (:func:`secret_to_env`), and runs a :class:`StoreServer`::
+
+    with StoreServer(secret) as server:
+        env["HOROVOD_GLOO_RENDEZVOUS_PORT"] = str(server.port)
+        ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from types import TracebackType
+from typing import Union
+
+logger = logging.getLogger(__name__)
+
+SECRET_ENV = "BAGUA_HVD_SECRET"
+DEFAULT_MAX_FRAME_BYTES = 16 << 20
+MAX_HANDSHAKE_FRAME = 4096
+MAX_KEY_BYTES = 4096
+MAX_CONNECTIONS = 4096
+STORE_PURPOSE = b"store"
+
+_MAGIC = b"BHVD"
+_VERSION = 1
+_HELLO, _CHALLENGE, _PROOF, _RESULT = 1, 2, 3, 4
+_STATUS_OK, _STATUS_REFUSED = 0, 1
+_NONCE_LEN = 32
+_MAC_LEN = 32
+_SERVER_LABEL = b"bagua_hvd auth v1 server"
+_CLIENT_LABEL = b"bagua_hvd auth v1 client"
+_WRONG_PROOF = "wrong proof of the job secret"
+
+KeyLike = Union[str, bytes]
+ValueLike = Union[str, bytes]
+
+
+class StoreError(RuntimeError):
+    """A store request failed (connection lost, protocol error, refused request)."""
+
+
+class AuthenticationError(StoreError):
+    """The other end does not know the job secret, or talks to the wrong kind of endpoint."""
+
+
+class StoreTimeoutError(StoreError, TimeoutError):
+    """A key did not appear in time, or the store could not be reached in time."""
+
+
+def new_secret() -> bytes:
+    """Returns a fresh random 32-byte job secret."""
+    return secrets.token_bytes(32)
+
+
+def secret_to_env(secret: bytes) -> str:
+    """Encodes a secret for ``BAGUA_HVD_SECRET`` (hex)."""
+    return secret.hex()
+
+
+def secret_from_env(value: str | None = None) -> bytes:
+    """Decodes ``BAGUA_HVD_SECRET`` (or ``value``) from hex; raises ValueError if absent/bad."""
+    text = os.environ.get(SECRET_ENV, "") if value is None else value
+    if not text:
+        raise ValueError(f"{SECRET_ENV} is not set; the launcher passes the job secret there")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{SECRET_ENV} is not a hex string") from None
+
+
+def _as_bytes(x: ValueLike, what: str) -> bytes:
+    if isinstance(x, str):
+        return x.encode()
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return bytes(x)
+    raise TypeError(f"{what} must be str or bytes, not {type(x).__name__}")
+
+
+def _check_secret(secret: bytes) -> bytes:
+    if not isinstance(secret, (bytes, bytearray)):
+        raise TypeError(f"secret must be bytes, not {type(secret).__name__}")
+    if not secret:
+        raise ValueError("secret must not be empty")
+    return bytes(secret)
+
+
+# ---- framing ------------------------------------------------------------------------------
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            chunk = sock.recv(n - len(buf))
+        except socket.timeout:
+            raise StoreTimeoutError(f"timed out waiting for data from {what}") from None
+        if not chunk:
+            raise StoreError(f"{what} closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket, max_len: int, what: str) -> bytes:
+    (length,) = struct.unpack("<I", _recv_exact(sock, 4, what))
+    if length > max_len:
+        raise StoreError(
+            f"frame of {length} bytes from {what} exceeds the limit of {max_len} bytes "
+            "(is something else talking on this port?)"
+        )
+    return _recv_exact(sock, length, what)
+
+
+def _send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack("<I", len(payload)) + payload)
+
+
+def _header(kind: int) -> bytes:
+    return _MAGIC + bytes([_VERSION, kind])
+
+
+def _check_header(msg: bytes, kind: int, min_len: int) -> str:
+    if len(msg) < 6 or msg[:4] != _MAGIC:
+        return "not a bagua_hvd handshake message"
+    if msg[4] != _VERSION:
+        return f"unsupported handshake version {msg[4]}"
+    if msg[5] != kind:
+        return "unexpected handshake message type"
+    if len(msg) < min_len:
+        return "truncated handshake message"
+    return ""
+
+
+def _proof(secret: bytes, label: bytes, hello: bytes, server_nonce: bytes) -> bytes:
+    return hmac.new(secret, label + hello + server_nonce, hashlib.sha256).digest()
+
+
+def server_handshake(sock: socket.socket, secret: bytes, purpose: bytes, what: str) -> bytes:
+    """Runs the server side of the handshake; returns the client's info or raises."""
+    hello = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what)
+
+    def refuse(reason: str) -> AuthenticationError:
+        try:
+            _send_frame(sock, _header(_CHALLENGE) + bytes([_STATUS_REFUSED]) + reason.encode())
+        except OSError:
+            pass
+        return AuthenticationError(reason)
+
+    bad = _check_header(hello, _HELLO, 7)
+    if bad:
+        raise refuse(bad)
+    plen = hello[6]
+    pos = 7
+    if len(hello) < pos + plen + 2:
+        raise refuse("truncated hello")
+    got_purpose = hello[pos : pos + plen]
+    pos += plen
+    (ilen,) = struct.unpack_from("<H", hello, pos)
+    pos += 2
+    if len(hello) != pos + ilen + _NONCE_LEN:
+        raise refuse("malformed hello")
+    info = hello[pos : pos + ilen]
+    if got_purpose != purpose:
+        raise refuse(
+            f"wrong endpoint: this listener serves '{purpose.decode()}' connections, "
+            f"not '{got_purpose[:64].decode(errors='replace')}'"
+        )
+    server_nonce = secrets.token_bytes(_NONCE_LEN)
+    mac = _proof(secret, _SERVER_LABEL, hello, server_nonce)
+    _send_frame(sock, _header(_CHALLENGE) + bytes([_STATUS_OK]) + server_nonce + mac)
+    proof = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what)
+    reason = _check_header(proof, _PROOF, 6 + _MAC_LEN)
+    if not reason and len(proof) != 6 + _MAC_LEN:
+        reason = "malformed proof"
+    if not reason:
+        expected = _proof(secret, _CLIENT_LABEL, hello, server_nonce)
+        if not hmac.compare_digest(expected, proof[6:]):
+            reason = _WRONG_PROOF
+    if reason:
+        # Strangers only learn that they were rejected.
+        detail = b"" if reason == _WRONG_PROOF else reason.encode()
+        try:
+            _send_frame(sock, _header(_RESULT) + bytes([_STATUS_REFUSED]) + detail)
+        except OSError:
+            pass
+        raise AuthenticationError(reason)
+    _send_frame(sock, _header(_RESULT) + bytes([_STATUS_OK]))
+    return info
+
+
+def client_handshake(
+    sock: socket.socket, secret: bytes, purpose: bytes, info: bytes, what: str
+) -> None:
+    """Runs the client side of the handshake; raises AuthenticationError if it fails."""
+    if len(purpose) > 255 or len(info) > 1024:
+        raise ValueError("handshake purpose or info too long")
+    hello = (
+        _header(_HELLO)
+        + bytes([len(purpose)])
+        + purpose
+        + struct.pack("<H", len(info))
+        + info
+        + secrets.token_bytes(_NONCE_LEN)
+    )
+    _send_frame(sock, hello)
+    challenge = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what)
+    bad = _check_header(challenge, _CHALLENGE, 7)
+    if bad:
+        raise AuthenticationError(f"{what} did not answer the handshake properly: {bad}")
+    if challenge[6] != _STATUS_OK:
+        raise AuthenticationError(
+            f"{what} refused the connection: {challenge[7:519].decode(errors='replace')}"
+        )
+    if len(challenge) != 7 + _NONCE_LEN + _MAC_LEN:
+        raise AuthenticationError(f"{what} sent a malformed challenge")
+    server_nonce = challenge[7 : 7 + _NONCE_LEN]
+    expected = _proof(secret, _SERVER_LABEL, hello, server_nonce)
+    if not hmac.compare_digest(expected, challenge[7 + _NONCE_LEN :]):
+        raise AuthenticationError(f"{what} could not prove it knows the job secret")
+    _send_frame(sock, _header(_PROOF) + _proof(secret, _CLIENT_LABEL, hello, server_nonce))
+    result = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what)
+    bad = _check_header(result, _RESULT, 7)
+    if bad:
+        raise AuthenticationError(f"{what} sent a malformed handshake result: {bad}")
+    if result[6] != _STATUS_OK:
+        detail = result[7:519].decode(errors="replace") or "bad proof of the job secret"
+        raise AuthenticationError(f"{what} rejected this client: {detail}")
+
+
+# ---- server -------------------------------------------------------------------------------
+
+
+class StoreServer:
+    """Threaded rendezvous store: a thread accepts, one thread per authenticated client.
+
+    Args:
+        secret: the per-job secret (raw bytes; workers get it as hex in BAGUA_HVD_SECRET).
+        host: address to listen on.
+        port: port to listen on; 0 picks a free one (see :attr:`port`).
+        max_frame_bytes: largest accepted request (key + value + 5 bytes).
+        handshake_timeout: seconds a new connection has to authenticate.
+    """
+
+    def __init__(
+        self,
+        secret: bytes,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        handshake_timeout: float = 10.0,
+    ) -> None:
+        self._secret = _check_secret(secret)
+        self._host = host
+        self._requested_port = int(port)
+        self._max_frame = int(max_frame_bytes)
+        self._handshake_timeout = float(handshake_timeout)
+        self._data: dict[bytes, bytes] = {}
+        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # guards the fields below
+        self._listener: socket.socket | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._clients: dict[threading.Thread, socket.socket] = {}
+        self._stopping = False
+        self._port = 0
+
+    # -- lifecycle --
+
+    def start(self) -> StoreServer:
+        """Binds, listens and starts serving; returns self. Starting twice is an error."""
+        with self._lock:
+            if self._listener is not None or self._stopping:
+                raise RuntimeError("StoreServer.start() called twice")
+            family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind((self._host, self._requested_port))
+                listener.listen(512)
+                listener.setblocking(False)
+            except OSError:
+                listener.close()
+                raise
+            self._listener = listener
+            self._port = listener.getsockname()[1]
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._accept_thread = threading.Thread(
+                target=self._accept_loop, name="bagua_hvd-store-accept", daemon=True
+            )
+            self._accept_thread.start()
+        logger.debug("rendezvous store listening on %s:%d", self._host, self._port)
+        return self
+
+    @property
+    def port(self) -> int:
+        """The bound port (valid after :meth:`start`)."""
+        if not self._port:
+            raise RuntimeError("StoreServer is not started")
+        return self._port
+
+    @property
+    def host(self) -> str:
+        """The address the server listens on."""
+        return self._host
+
+    def stop(self) -> None:
+        """Closes every socket and joins every thread. Idempotent."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            accept_thread = self._accept_thread
+            if self._wake_w is not None:
+                try:
+                    self._wake_w.send(b"x")
+                except OSError:
+                    pass
+        with self._cond:
+            self._cond.notify_all()  # wake blocking gets
+        if accept_thread is not None:
+            accept_thread.join()
+        with self._lock:
+            clients = list(self._clients.items())
+        for _, sock in clients:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+            except OSError:
+                pass
+        for thread, _ in clients:
+            thread.join(timeout=10)
+            if thread.is_alive():
+                logger.warning("rendezvous store client thread %s did not exit", thread.name)
+        with self._lock:
+            for sock in (self._listener, self._wake_r, self._wake_w):
+                if sock is not None:
+                    sock.close()
+            self._listener = self._wake_r = self._wake_w = None
+
+    def __enter__(self) -> StoreServer:
+        if self._listener is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- local access (the launcher's own reads and writes) --
+
+    def set(self, key: KeyLike, value: ValueLike) -> None:
+        """Sets a key directly in this process."""
+        with self._cond:
+            self._data[_as_bytes(key, "key")] = _as_bytes(value, "value")
+            self._cond.notify_all()
+
+    def get(self, key: KeyLike, timeout: float = 0.0) -> bytes:
+        """Reads a key directly, waiting up to ``timeout`` seconds for it."""
+        k = _as_bytes(key, "key")
+        value = self._wait_for(k, timeout)
+        if value is None:
+            raise StoreTimeoutError(
+                f"timed out after {timeout:g}s waiting for rendezvous key {k!r}"
+            )
+        return value
+
+    # -- internals --
+
+    def _wait_for(self, key: bytes, timeout: float) -> bytes | None:
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while key not in self._data and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return self._data.get(key)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None and self._wake_r is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._listener, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while not self._stopping:
+                for key, _ in sel.select():
+                    if key.fileobj is self._wake_r:
+                        return
+                    self._accept_ready()
+
+    def _accept_ready(self) -> None:
+        assert self._listener is not None
+        try:
+            sock, addr = self._listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError as e:  # e.g. EMFILE: back off instead of spinning
+            logger.warning("rendezvous store: accept failed: %s", e)
+            time.sleep(0.05)
+            return
+        peer = _format_addr(addr)
+        with self._lock:
+            self._reap_finished()
+            if self._stopping or len(self._clients) >= MAX_CONNECTIONS:
+                if not self._stopping:
+                    logger.warning(
+                        "rendezvous store: dropped connection from %s: %d connections open",
+                        peer,
+                        len(self._clients),
+                    )
+                sock.close()
+                return
+            thread = threading.Thread(
+                target=self._serve, args=(sock, peer), name=f"bagua_hvd-store-{peer}", daemon=True
+            )
+            self._clients[thread] = sock
+            thread.start()
+
+    def _reap_finished(self) -> None:
+        for thread in [t for t in self._clients if not t.is_alive()]:
+            thread.join()
+            del self._clients[thread]
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        what = f"client {peer}"
+        try:
+            sock.setblocking(True)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self._handshake_timeout)
+            try:
+                info = server_handshake(sock, self._secret, STORE_PURPOSE, what)
+            except (StoreError, OSError) as e:
+                if not self._stopping:
+                    logger.warning("rendezvous store: rejected connection from %s: %s", peer, e)
+                return
+            logger.debug(
+                "rendezvous store: %s authenticated (%s)", peer, info.decode(errors="replace")
+            )
+            sock.settimeout(None)  # authenticated clients may stay idle
+            while not self._stopping:
+                try:
+                    request = _recv_frame(sock, self._max_frame, what)
+                except StoreError as e:
+                    if "closed the connection" not in str(e) and not self._stopping:
+                        logger.warning("rendezvous store: dropped %s: %s", what, e)
+                        self._reply_error(sock, str(e))
+                    return
+                reply = self._handle(request, what)
+                _send_frame(sock, reply)
+                if reply[:1] == b"E":
+                    logger.warning("rendezvous store: dropped %s: %s", what, reply[1:].decode())
+                    return
+        except OSError as e:
+            if not self._stopping:
+                logger.warning("rendezvous store: connection from %s failed: %s", peer, e)
+        except Exception:  # a bug must not pass silently, but must not stop the server either
+            logger.exception("rendezvous store: error serving %s", peer)
+        finally:
+            sock.close()
+
+    @staticmethod
+    def _reply_error(sock: socket.socket, message: str) -> None:
+        try:
+            _send_frame(sock, b"E" + message.encode())
+        except OSError:
+            pass
+
+    def _handle(self, req: bytes, what: str) -> bytes:
+        op = req[:1]
+        if op == b"S":
+            if len(req) < 5:
+                return b"E" + b"truncated SET request"
+            (klen,) = struct.unpack_from("<I", req, 1)
+            if not 0 < klen <= MAX_KEY_BYTES or len(req) < 5 + klen:
+                return b"E" + f"bad key length {klen} in SET request".encode()
+            self.set(req[5 : 5 + klen], req[5 + klen :])
+            return b"K"
+        if op == b"G":
+            if len(req) < 9:
+                return b"E" + b"truncated GET request"
+            timeout_ms, klen = struct.unpack_from("<II", req, 1)
+            if not 0 < klen <= MAX_KEY_BYTES or len(req) != 9 + klen:
+                return b"E" + f"bad key length {klen} in GET request".encode()
+            value = self._wait_for(req[9:], timeout_ms / 1000.0)
+            if value is None:
+                return b"E" + b"store is shutting down" if self._stopping else b"T"
+            return b"V" + value
+        return b"E" + f"unknown request type {req[:1]!r}".encode()
+
+
+def _format_addr(addr: object) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host, port = addr[0], addr[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(addr)
+
+
+# ---- client -------------------------------------------------------------------------------
+
+
+class StoreClient:
+    """Blocking client of a :class:`StoreServer` (the same protocol as the C++ client).
+
+    Retries the initial connection until ``timeout`` seconds passed (the server may start
+    later); an authentication failure is not retried.
+    """
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout: float = 30.0) -> None:
+        self._secret = _check_secret(secret)
+        self._what = f"the rendezvous store at {_format_addr((host, port))}"
+        self._timeout = float(timeout)
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        deadline = time.monotonic() + self._timeout
+        delay = 0.01
+        last: BaseException | None = None
+        while True:
+            try:
+                sock = socket.create_connection(
+                    (host, port), timeout=max(0.05, deadline - time.monotonic())
+                )
+            except OSError as e:
+                last = e
+            else:
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    info = f"pid={os.getpid()} host={socket.gethostname()}".encode()
+                    client_handshake(sock, self._secret, STORE_PURPOSE, info, self._what)
+                    sock.settimeout(None)
+                    self._sock = sock
+                    return
+                except AuthenticationError:
+                    sock.close()
+                    raise
+                except (StoreError, OSError) as e:
+                    sock.close()
+                    last = e
+            if time.monotonic() >= deadline:
+                raise StoreTimeoutError(
+                    f"could not connect to {self._what} within {self._timeout:g}s: {last}"
+                )
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.25)
+
+    def _request(self, payload: bytes, timeout: float) -> bytes:
+        with self._lock:
+            if self._sock is None:
+                raise StoreError(f"the connection to {self._what} is closed")
+            sock = self._sock
+            try:
+                sock.settimeout(timeout)
+                _send_frame(sock, payload)
+                reply = _recv_frame(sock, DEFAULT_MAX_FRAME_BYTES + 64, self._what)
+            except (OSError, StoreError) as e:
+                self._close_locked()
+                if isinstance(e, StoreError):
+                    raise
+                raise StoreError(f"request to {self._what} failed: {e}") from e
+        if not reply:
+            raise StoreError(f"empty reply from {self._what}")
+        if reply[:1] == b"E":
+            raise StoreError(
+                f"{self._what} refused a request: {reply[1:].decode(errors='replace')}"
+            )
+        return reply
+
+    def set(self, key: KeyLike, value: ValueLike) -> None:
+        """Sets ``key`` to ``value``."""
+        k, v = _as_bytes(key, "key"), _as_bytes(value, "value")
+        if not 0 < len(k) <= MAX_KEY_BYTES:
+            raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes")
+        reply = self._request(b"S" + struct.pack("<I", len(k)) + k + v, self._timeout)
+        if reply != b"K":
+            raise StoreError(f"unexpected reply from {self._what} to SET {k!r}")
+
+    def get(self, key: KeyLike, timeout: float | None = None) -> bytes:
+        """Returns the value of ``key``, waiting up to ``timeout`` seconds (default: the
+        client's timeout) for it to be set; raises StoreTimeoutError naming the key."""
+        k = _as_bytes(key, "key")
+        if not 0 < len(k) <= MAX_KEY_BYTES:
+            raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes")
+        wait = self._timeout if timeout is None else max(0.0, float(timeout))
+        ms = min(int(wait * 1000), 0xFFFFFFFF)
+        reply = self._request(
+            b"G" + struct.pack("<II", ms, len(k)) + k, wait + max(5.0, self._timeout)
+        )
+        if reply[:1] == b"V":
+            return reply[1:]
+        if reply == b"T":
+            raise StoreTimeoutError(
+                f"timed out after {wait:g}s waiting for rendezvous key {k.decode(errors='replace')!r} "
+                f"in {self._what}"
+            )
+        raise StoreError(f"unexpected reply from {self._what} to GET {k!r}")
+
+    def _close_locked(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        """Closes the connection. Idempotent."""
+        with self._lock:
+            self._close_locked()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

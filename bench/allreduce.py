@@ -1,0 +1,348 @@
+"""Allreduce latency and bus bandwidth: bagua_hvd beside torch.distributed (gloo), one invocation.
+
+    python bench/allreduce.py                   # 2 ranks on this host, default transport (shm)
+    python bench/allreduce.py --transport tcp   # BAGUA_HVD_TRANSPORT=tcp for bagua_hvd
+    python bench/allreduce.py --np 2 --sizes 4K,1M --backends gloo
+
+The script launches itself through bagua-run (`python -m bagua_hvd.runner.launch`). Every rank
+then initializes bagua_hvd and a gloo process group on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), so the
+two libraries are measured in the same processes, on the same data, alternately.
+
+Method (docs/benchmarks.md): float32 sum; per size, warm-up iterations, then timed iterations in
+which the backends alternate; each timed iteration is preceded by a (gloo) barrier and its input
+is refilled outside the timed region; the iteration's time is the max over ranks; the table shows
+the median over iterations. Every result is checked against the exact expected sum.
+busbw = 2(n-1)/n * bytes / time (MB = 1e6 B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_SIZES = "4K,64K,1M,16M,64M"
+PORT_ENV = "BAGUA_HVD_BENCH_GLOO_PORT"
+WORKER_FLAG = "--_worker"
+BACKENDS = ("bagua_hvd", "gloo")
+# Timeout of every gloo collective and of the gloo rendezvous.
+GLOO_TIMEOUT = datetime.timedelta(seconds=120)
+# Goals of the issue (docs/benchmarks.md).
+SHM_SMALL_BYTES, SHM_SMALL_MAX_MS = 4096, 0.1
+SHM_LARGE_BYTES, SHM_LARGE_MIN_RATIO = 1 << 20, 2.0
+TCP_MIN_RATIO = 1.0
+
+
+def parse_size(text: str) -> int:
+    """'4K' -> 4096, '1M' -> 1048576, '512' -> 512 (bytes; multiples of 4 for float32)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"bad size {text!r}: expected a number of bytes with optional K/M/G")
+    value = (
+        int(match.group(1))
+        * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[match.group(2).upper()]
+    )
+    if value <= 0 or value % 4:
+        raise ValueError(f"bad size {text!r}: must be a positive multiple of 4 bytes (float32)")
+    return value
+
+
+def human(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def iterations_for(nbytes: int) -> int:
+    """50 iterations up to 1 MiB, 20 up to 16 MiB, 10 above (as in the peers' measurements)."""
+    if nbytes <= 1 << 20:
+        return 50
+    if nbytes <= 16 << 20:
+        return 20
+    return 10
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Allreduce benchmark: bagua_hvd vs torch.distributed gloo",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--np", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"comma-separated byte sizes (default {DEFAULT_SIZES})",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=("auto", "shm", "tcp"),
+        default="auto",
+        help="bagua_hvd transport between ranks of one host (sets BAGUA_HVD_TRANSPORT)",
+    )
+    parser.add_argument(
+        "--backends",
+        default=",".join(BACKENDS),
+        help="comma-separated subset of bagua_hvd,gloo (default both)",
+    )
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations per size")
+    parser.add_argument(
+        "--iters", type=int, default=0, help="timed iterations per size (default: 50/20/10 by size)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds before the whole run is killed"
+    )
+    parser.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.np < 1:
+        parser.error(f"--np must be >= 1, got {args.np}")
+    if args.warmup < 0 or args.iters < 0:
+        parser.error("--warmup and --iters must be >= 0")
+    try:
+        args.size_list = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not args.size_list:
+        parser.error("--sizes is empty")
+    args.backend_list = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = sorted(set(args.backend_list) - set(BACKENDS))
+    if unknown or not args.backend_list:
+        parser.error(f"--backends: unknown {unknown or 'empty list'}; choose from {BACKENDS}")
+    return args
+
+
+# ---- launcher side --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Re-runs this script on --np ranks through bagua-run, with the environment both need."""
+    env = dict(os.environ)
+    env[PORT_ENV] = str(free_port())
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env["OMP_NUM_THREADS"] = "1"
+    if args.transport != "auto":
+        env["BAGUA_HVD_TRANSPORT"] = args.transport
+    cmd = [
+        sys.executable,
+        "-m",
+        "bagua_hvd.runner.launch",
+        "-np",
+        str(args.np),
+        sys.executable,
+        os.path.abspath(__file__),
+        *argv,
+        WORKER_FLAG,
+    ]
+    try:
+        return subprocess.run(cmd, env=env, timeout=args.timeout).returncode
+    except subprocess.TimeoutExpired:
+        print(
+            f"allreduce bench: no result after --timeout {args.timeout:g} s; killed",
+            file=sys.stderr,
+        )
+        return 124
+
+
+# ---- worker side ----------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    times: dict[str, list[float]] = field(default_factory=dict)  # backend -> max-over-ranks s
+
+
+class Bench:
+    """Both backends in one process; rank and size come from the launcher's environment."""
+
+    def __init__(self, args: argparse.Namespace):
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        self.torch, self.dist, self.args = torch, dist, args
+        self.hvd = None
+        if "bagua_hvd" in args.backend_list:
+            import bagua_hvd.torch as hvd
+
+            hvd.init()
+            self.hvd = hvd
+            self.rank, self.size = hvd.rank(), hvd.size()
+        else:
+            self.rank = int(os.environ.get("HOROVOD_RANK", "0"))
+            self.size = int(os.environ.get("HOROVOD_SIZE", "1"))
+        port = os.environ.get(PORT_ENV)
+        if port is None:
+            raise RuntimeError(
+                f"{PORT_ENV} is not set: run bench/allreduce.py without "
+                f"{WORKER_FLAG}, it launches itself"
+            )
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=self.rank,
+            world_size=self.size,
+            timeout=GLOO_TIMEOUT,
+        )
+
+    def transport(self) -> str:
+        if self.hvd is None or self.size == 1:
+            return "-"
+        try:
+            from bagua_hvd.common import _native
+
+            name = _native.lib().bhvd_transport_name((self.rank + 1) % self.size)
+            return _native.ffi.string(name).decode()
+        except Exception as exc:  # informative only; the env var is what was asked for
+            return f"{os.environ.get('BAGUA_HVD_TRANSPORT', 'default')} ({exc.__class__.__name__})"
+
+    def run_one(self, backend: str, buf, src, expected, name: str) -> float:
+        """One iteration: refill, barrier, timed allreduce, check. Returns this rank's seconds."""
+        torch, dist = self.torch, self.dist
+        buf.copy_(src)
+        dist.barrier()
+        start = time.perf_counter()
+        if backend == "gloo":
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        else:
+            self.hvd.allreduce_(buf, name=name, op=self.hvd.Sum)
+        elapsed = time.perf_counter() - start
+        if not torch.equal(buf, expected):
+            bad = (buf != expected).nonzero()[0].item()
+            raise RuntimeError(
+                f"{backend} allreduce of {buf.numel()} float32 gave a wrong result on rank "
+                f"{self.rank}: element {bad} is {buf[bad].item()}, expected {expected[bad].item()}"
+            )
+        return elapsed
+
+    def measure(self, nbytes: int) -> Result:
+        torch, dist = self.torch, self.dist
+        n = nbytes // 4
+        # Small integers: every partial sum is exact in float32, so the check can be exact.
+        base = (torch.arange(n, dtype=torch.int64) % 251).to(torch.float32)
+        src = base * (self.rank + 1)
+        expected = base * (self.size * (self.size + 1) // 2)
+        buf = torch.empty_like(src)
+        iters = self.args.iters or iterations_for(nbytes)
+        name = f"bench.allreduce.{nbytes}"
+        for _ in range(self.args.warmup):
+            for backend in self.args.backend_list:
+                self.run_one(backend, buf, src, expected, name)
+        local = {b: [] for b in self.args.backend_list}
+        for _ in range(iters):
+            for backend in self.args.backend_list:  # alternate: drift hits both alike
+                local[backend].append(self.run_one(backend, buf, src, expected, name))
+        result = Result()
+        for backend, times in local.items():
+            t = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(
+                t, op=dist.ReduceOp.MAX
+            )  # an iteration lasts as long as its slowest rank
+            result.times[backend] = t.tolist()
+        return result
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+        if self.hvd is not None:
+            self.hvd.shutdown()
+
+
+def bus_bw(nbytes: int, seconds: float, size: int) -> float:
+    """MB/s (1e6 B) of bus bandwidth: 2(n-1)/n * bytes / time; algbw when n == 1."""
+    factor = 2 * (size - 1) / size if size > 1 else 1.0
+    return factor * nbytes / seconds / 1e6
+
+
+def worker(args: argparse.Namespace) -> int:
+    bench = Bench(args)
+    rows = []
+    for nbytes in args.size_list:
+        result = bench.measure(nbytes)
+        rows.append((nbytes, {b: statistics.median(t) for b, t in result.times.items()}))
+        if bench.rank == 0:
+            cells = "  ".join(f"{b} {m * 1e3:.3f} ms" for b, m in rows[-1][1].items())
+            print(f"[{human(nbytes)}] {cells}", flush=True)
+    if bench.rank == 0:
+        print_table(args, bench, rows)
+    bench.close()
+    return 0
+
+
+def print_table(args: argparse.Namespace, bench: Bench, rows) -> None:
+    import torch
+
+    transport = bench.transport()
+    print(
+        f"\nallreduce float32 sum, {bench.size} ranks on one host, bagua_hvd transport: "
+        f"{transport}, torch {torch.__version__}, 1 torch thread per rank; median over "
+        f"iterations of the max over ranks; busbw in MB/s\n"
+    )
+    print("| size | bagua_hvd ms | bagua_hvd busbw | gloo ms | gloo busbw | gloo/bagua_hvd |")
+    print("|---|---:|---:|---:|---:|---:|")
+
+    def cell(m: dict, b: str, nbytes: int) -> tuple[str, str]:
+        if b not in m:
+            return "-", "-"
+        return f"{m[b] * 1e3:.3f}", f"{bus_bw(nbytes, m[b], bench.size):.0f}"
+
+    goals = []
+    for nbytes, medians in rows:
+        bt, bb = cell(medians, "bagua_hvd", nbytes)
+        gt, gb = cell(medians, "gloo", nbytes)
+        ratio = "-"
+        if "bagua_hvd" in medians and "gloo" in medians:
+            r = medians["gloo"] / medians["bagua_hvd"]
+            ratio = f"{r:.2f}x"
+            goals.append((nbytes, medians["bagua_hvd"], r))
+        print(f"| {human(nbytes)} | {bt} | {bb} | {gt} | {gb} | {ratio} |")
+    if goals and bench.size > 1:
+        print()
+        tcp = args.transport == "tcp" or transport.startswith("tcp")
+        if tcp:
+            worst = min(goals, key=lambda g: g[2])
+            ok = worst[2] >= TCP_MIN_RATIO
+            print(
+                f"goal (tcp) >= {TCP_MIN_RATIO:.1f}x gloo at every size: "
+                f"{'met' if ok else 'NOT met'} (lowest {worst[2]:.2f}x at {human(worst[0])})"
+            )
+        else:
+            for nbytes, t, _ in goals:
+                if nbytes == SHM_SMALL_BYTES:
+                    ok = t * 1e3 < SHM_SMALL_MAX_MS
+                    print(
+                        f"goal (shm) 4 KiB < {SHM_SMALL_MAX_MS} ms: "
+                        f"{'met' if ok else 'NOT met'} ({t * 1e3:.3f} ms)"
+                    )
+            large = [g for g in goals if g[0] >= SHM_LARGE_BYTES]
+            if large:
+                worst = min(large, key=lambda g: g[2])
+                ok = worst[2] >= SHM_LARGE_MIN_RATIO
+                print(
+                    f"goal (shm) >= {SHM_LARGE_MIN_RATIO:.1f}x gloo at >= 1 MiB: "
+                    f"{'met' if ok else 'NOT met'} "
+                    f"(lowest {worst[2]:.2f}x at {human(worst[0])})"
+                )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.__dict__[WORKER_FLAG.lstrip("-").replace("-", "_")]:
+        return worker(args)
+    return launch(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+// Internal building blocks shared by the collective algorithms (not part of the core's API).
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "collectives/comm.h"
+#include "common.h"
+
+namespace bagua_hvd {
+
+// Tuning constants. They choose the algorithm, so every rank must use the same values: they are
+// compile-time constants on purpose (an environment knob differing between ranks would make ranks
+// run different algorithms and corrupt the byte streams).
+//
+// Allreduce uses the direct (all-to-all, one round) algorithm up to this many bytes per rank.
+constexpr size_t kAllreduceDirectMaxBytes = 64 << 10;
+// Allgatherv and broadcast send directly to every peer up to this many bytes in total.
+constexpr size_t kAllgatherDirectMaxBytes = 256 << 10;
+constexpr size_t kBroadcastDirectMaxBytes = 256 << 10;
+// Reducescatterv reduces directly (one round) up to this many bytes in total.
+constexpr size_t kReducescatterDirectMaxBytes = 64 << 10;
+// Pipelined algorithms move segments in chunks of about this size.
+constexpr size_t kChunkBytes = 512 << 10;
+
+// Reusable scratch memory of the calling thread (collectives run on the background thread only).
+unsigned char* scratch(size_t bytes);
+
+// Ring over the set ranks in which every segment r (seg_off[r], seg_len[r] bytes of buf, whole
+// elements) is moved in chunks of ~chunk_bytes, with all pipeline stages of different chunks in
+// flight in one Comm::run:
+//  - reduce_scatter: n-1 steps after which this rank holds segment rank() reduced over all ranks
+//    along one chain (rank r+1, r+2, ..., r), in buf or, if rs_out is set, in rs_out;
+//  - allgather: n-1 steps after which every rank holds every segment, each starting from the
+//    rank that owns it (segment r from rank r).
+void ring_pipeline(Comm& comm, unsigned char* buf, const std::vector<size_t>& seg_off,
+                   const std::vector<size_t>& seg_len, DataType dtype, ReduceOp op,
+                   bool reduce_scatter, bool allgather, unsigned char* rs_out, size_t chunk_bytes,
+                   const char* what);
+
+void allreduce_direct(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
+void allreduce_ring(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op,
+                    size_t chunk_bytes);
+
+// Throws std::invalid_argument for ops that are not element-wise reductions (ADASUM) and for
+// unknown data types.
+void check_reduction(DataType dtype, ReduceOp op, const char* what);
+
+}  // namespace bagua_hvd

@@ -1,0 +1,150 @@
+#include "common.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <mutex>
+
+namespace bagua_hvd {
+
+size_t dtype_size(DataType t) {
+  switch (t) {
+    case DataType::UINT8:
+    case DataType::INT8:
+    case DataType::BOOL:
+      return 1;
+    case DataType::UINT16:
+    case DataType::INT16:
+    case DataType::FLOAT16:
+    case DataType::BFLOAT16:
+      return 2;
+    case DataType::INT32:
+    case DataType::FLOAT32:
+      return 4;
+    case DataType::INT64:
+    case DataType::FLOAT64:
+      return 8;
+  }
+  return 0;
+}
+
+const char* dtype_name(DataType t) {
+  switch (t) {
+    case DataType::UINT8: return "uint8";
+    case DataType::INT8: return "int8";
+    case DataType::UINT16: return "uint16";
+    case DataType::INT16: return "int16";
+    case DataType::INT32: return "int32";
+    case DataType::INT64: return "int64";
+    case DataType::FLOAT16: return "float16";
+    case DataType::FLOAT32: return "float32";
+    case DataType::FLOAT64: return "float64";
+    case DataType::BOOL: return "bool";
+    case DataType::BFLOAT16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+bool dtype_valid(int32_t t) { return t >= BHVD_UINT8 && t <= BHVD_BFLOAT16; }
+
+const char* op_type_name(OpType t) {
+  switch (t) {
+    case OpType::ALLREDUCE: return "ALLREDUCE";
+    case OpType::ALLGATHER: return "ALLGATHER";
+    case OpType::BROADCAST: return "BROADCAST";
+    case OpType::JOIN: return "JOIN";
+    case OpType::ADASUM: return "ADASUM";
+    case OpType::ALLTOALL: return "ALLTOALL";
+    case OpType::BARRIER: return "BARRIER";
+    case OpType::REDUCESCATTER: return "REDUCESCATTER";
+  }
+  return "UNKNOWN";
+}
+
+// ---- environment --------------------------------------------------------------------------
+static const char* env_lookup(const char* suffix) {
+  std::string a = std::string("HOROVOD_") + suffix;
+  if (const char* v = std::getenv(a.c_str()); v && *v) return v;
+  std::string b = std::string("BAGUA_HVD_") + suffix;
+  if (const char* v = std::getenv(b.c_str()); v && *v) return v;
+  return nullptr;
+}
+
+std::string env_str(const char* suffix, const std::string& fallback) {
+  const char* v = env_lookup(suffix);
+  return v ? std::string(v) : fallback;
+}
+
+int64_t env_int(const char* suffix, int64_t fallback) {
+  const char* v = env_lookup(suffix);
+  if (!v) return fallback;
+  char* end = nullptr;
+  long long x = std::strtoll(v, &end, 10);
+  if (end == v) {
+    BHVD_LOG(WARNING, std::string("ignoring non-integer value '") + v + "' of " + suffix);
+    return fallback;
+  }
+  return x;
+}
+
+double env_double(const char* suffix, double fallback) {
+  const char* v = env_lookup(suffix);
+  if (!v) return fallback;
+  char* end = nullptr;
+  double x = std::strtod(v, &end);
+  if (end == v) {
+    BHVD_LOG(WARNING, std::string("ignoring non-numeric value '") + v + "' of " + suffix);
+    return fallback;
+  }
+  return x;
+}
+
+bool env_bool(const char* suffix, bool fallback) {
+  const char* v = env_lookup(suffix);
+  if (!v) return fallback;
+  std::string s(v);
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (s == "1" || s == "true" || s == "yes" || s == "on") return true;
+  if (s == "0" || s == "false" || s == "no" || s == "off") return false;
+  return fallback;
+}
+
+// ---- logging ------------------------------------------------------------------------------
+LogLevel log_level() {
+  static const LogLevel level = [] {
+    std::string s = env_str("LOG_LEVEL", "warning");
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (s == "trace") return LogLevel::TRACE;
+    if (s == "debug") return LogLevel::DEBUG;
+    if (s == "info") return LogLevel::INFO;
+    if (s == "error") return LogLevel::ERROR;
+    if (s == "fatal") return LogLevel::FATAL;
+    return LogLevel::WARNING;
+  }();
+  return level;
+}
+
+void log_message(LogLevel level, const std::string& msg) {
+  static const char* names[] = {"TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"};
+  static std::mutex mu;
+  static const bool hide_time = env_bool("LOG_HIDE_TIME", false);
+  const char* rank = std::getenv("HOROVOD_RANK");
+  std::lock_guard<std::mutex> lock(mu);
+  if (hide_time) {
+    std::fprintf(stderr, "[bagua_hvd %s rank %s] %s\n", names[static_cast<int>(level)],
+                 rank ? rank : "0", msg.c_str());
+  } else {
+    std::time_t now = std::time(nullptr);
+    char ts[32];
+    std::strftime(ts, sizeof(ts), "%Y-%m-%d %H:%M:%S", std::localtime(&now));
+    std::fprintf(stderr, "[%s bagua_hvd %s rank %s] %s\n", ts, names[static_cast<int>(level)],
+                 rank ? rank : "0", msg.c_str());
+  }
+  std::fflush(stderr);
+}
+
+}  // namespace bagua_hvd

@@ -1,0 +1,205 @@
+// The C API: thin wrappers that translate between C types and the runtime.
+#pragma GCC visibility push(default)
+#include "bagua_hvd/c_api.h"
+#pragma GCC visibility pop
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "core/runtime.h"
+#include "transport/hmac.h"
+
+using bagua_hvd::Runtime;
+using bagua_hvd::Status;
+
+namespace {
+
+thread_local std::string g_last_error;
+thread_local std::string g_handle_error;
+std::mutex g_init_mu;  // init and shutdown may race from different frontend threads
+
+int report(const Status& s) {
+  if (!s.ok()) g_last_error = s.reason;
+  return static_cast<int>(s.type);
+}
+
+}  // namespace
+
+extern "C" {
+
+int bhvd_init(const int32_t* set_ranks, const int32_t* set_sizes, int32_t num_sets,
+              int32_t dynamic_process_sets) {
+  std::lock_guard<std::mutex> lock(g_init_mu);
+  std::vector<std::vector<int32_t>> sets;
+  const int32_t* p = set_ranks;
+  for (int32_t i = 0; i < num_sets; ++i) {
+    if (set_sizes[i] < 0) return report(Status::InvalidArgument("negative process set size"));
+    sets.emplace_back(p, p + set_sizes[i]);
+    p += set_sizes[i];
+  }
+  return report(Runtime::get().init(sets, dynamic_process_sets != 0));
+}
+
+int bhvd_shutdown(void) {
+  std::lock_guard<std::mutex> lock(g_init_mu);
+  return report(Runtime::get().shutdown());
+}
+
+int bhvd_is_initialized(void) { return Runtime::get().initialized() ? 1 : 0; }
+const char* bhvd_last_error(void) { return g_last_error.c_str(); }
+const char* bhvd_version(void) { return BHVD_VERSION; }
+
+int bhvd_rank(void) { return Runtime::get().initialized() ? Runtime::get().config().rank : -1; }
+int bhvd_size(void) { return Runtime::get().initialized() ? Runtime::get().config().size : -1; }
+int bhvd_local_rank(void) {
+  return Runtime::get().initialized() ? Runtime::get().config().local_rank : -1;
+}
+int bhvd_local_size(void) {
+  return Runtime::get().initialized() ? Runtime::get().config().local_size : -1;
+}
+int bhvd_cross_rank(void) {
+  return Runtime::get().initialized() ? Runtime::get().config().cross_rank : -1;
+}
+int bhvd_cross_size(void) {
+  return Runtime::get().initialized() ? Runtime::get().config().cross_size : -1;
+}
+int bhvd_is_homogeneous(void) {
+  if (!Runtime::get().initialized()) return -1;
+  const auto& c = Runtime::get().config();
+  return c.local_size * c.cross_size == c.size ? 1 : 0;
+}
+
+int bhvd_cuda_built(void) {
+#ifdef BHVD_CUDA_BUILT
+  return 1;
+#else
+  return 0;
+#endif
+}
+int bhvd_nccl_built(void) { return 0; }
+
+const char* bhvd_transport_name(int32_t peer_rank) {
+  return Runtime::get().initialized() ? Runtime::get().transport_kind(peer_rank) : "";
+}
+
+int bhvd_process_set_ids(int32_t* ids_out, int32_t capacity) {
+  auto sets = Runtime::get().process_sets();
+  int32_t i = 0;
+  for (const auto& kv : sets) {
+    if (i < capacity) ids_out[i] = kv.first;
+    ++i;
+  }
+  return i;
+}
+
+int bhvd_process_set_ranks(int32_t id, int32_t* ranks_out, int32_t capacity) {
+  auto sets = Runtime::get().process_sets();
+  auto it = sets.find(id);
+  if (it == sets.end()) return -1;
+  for (size_t i = 0; i < it->second.size() && static_cast<int32_t>(i) < capacity; ++i)
+    ranks_out[i] = it->second[i];
+  return static_cast<int>(it->second.size());
+}
+
+int bhvd_process_set_rank(int32_t id) {
+  auto sets = Runtime::get().process_sets();
+  auto it = sets.find(id);
+  if (it == sets.end()) return -2;
+  int me = Runtime::get().config().rank;
+  for (size_t i = 0; i < it->second.size(); ++i)
+    if (it->second[i] == me) return static_cast<int>(i);
+  return -1;
+}
+
+int bhvd_add_process_set(const int32_t* ranks, int32_t n, int32_t* id_out) {
+  std::vector<int32_t> v(ranks, ranks + n);
+  std::sort(v.begin(), v.end());
+  return report(Runtime::get().run_internal(bagua_hvd::kOpAddProcessSet, v, id_out));
+}
+
+int bhvd_remove_process_set(int32_t id) {
+  int32_t out = -1;
+  return report(Runtime::get().run_internal(bagua_hvd::kOpRemoveProcessSet, {id}, &out));
+}
+
+int bhvd_enqueue(const bhvd_request* request, int64_t* handle_out) {
+  if (!request || !handle_out) return report(Status::InvalidArgument("NULL request"));
+  return report(Runtime::get().enqueue(*request, handle_out));
+}
+
+int bhvd_poll(int64_t handle) { return Runtime::get().poll(handle); }
+
+int bhvd_wait(int64_t handle, int64_t timeout_ms) {
+  return report(Runtime::get().wait(handle, timeout_ms));
+}
+
+const char* bhvd_handle_error(int64_t handle) {
+  auto h = Runtime::get().find(handle);
+  g_handle_error = h ? h->status.reason : std::string("unknown handle");
+  return g_handle_error.c_str();
+}
+
+int bhvd_output_ndim(int64_t handle, int32_t index) {
+  auto h = Runtime::get().find(handle);
+  if (!h || index < 0 || index >= static_cast<int32_t>(h->output_shapes.size())) return -1;
+  return static_cast<int>(h->output_shapes[index].size());
+}
+
+int bhvd_output_shape(int64_t handle, int32_t index, int64_t* shape_out) {
+  auto h = Runtime::get().find(handle);
+  if (!h || index < 0 || index >= static_cast<int32_t>(h->output_shapes.size()))
+    return report(Status::InvalidArgument("unknown handle or output index"));
+  const auto& s = h->output_shapes[index];
+  std::copy(s.begin(), s.end(), shape_out);
+  return BHVD_OK;
+}
+
+int bhvd_output_copy(int64_t handle, int32_t index, void* dst) {
+  auto h = Runtime::get().find(handle);
+  if (!h || index < 0 || index >= static_cast<int32_t>(h->outputs.size()))
+    return report(Status::InvalidArgument("unknown handle or output index"));
+  const auto& o = h->outputs[index];
+  if (!o.empty()) std::memcpy(dst, o.data(), o.size());
+  return BHVD_OK;
+}
+
+int bhvd_received_splits(int64_t handle, int32_t* splits_out, int32_t capacity) {
+  auto h = Runtime::get().find(handle);
+  if (!h) return -1;
+  int32_t n = static_cast<int32_t>(h->received_splits.size());
+  for (int32_t i = 0; i < n && i < capacity; ++i) splits_out[i] = h->received_splits[i];
+  return n;
+}
+
+int bhvd_join_result(int64_t handle) {
+  auto h = Runtime::get().find(handle);
+  return h ? h->result : -1;
+}
+
+int bhvd_release(int64_t handle) {
+  Runtime::get().release(handle);
+  return BHVD_OK;
+}
+
+int64_t bhvd_stat(const char* key) {
+  auto& s = Runtime::get().stats();
+  std::string k = key ? key : "";
+  if (k == "responses") return s.responses;
+  if (k == "fused_tensors") return s.fused_tensors;
+  if (k == "cycles") return s.cycles;
+  if (k == "cache_hits") return s.cache_hits;
+  if (k == "fusion_buffer_bytes") return s.fusion_buffer_bytes;
+  return -1;
+}
+
+int bhvd_hmac_sha256(const uint8_t* key, int32_t key_len, const uint8_t* msg, int32_t msg_len,
+                     uint8_t* out) {
+  auto mac = bagua_hvd::hmac_sha256(key, static_cast<size_t>(key_len), msg,
+                                    static_cast<size_t>(msg_len));
+  std::memcpy(out, mac.data(), mac.size());
+  return BHVD_OK;
+}
+
+}  // extern "C"

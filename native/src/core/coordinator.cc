@@ -1,0 +1,533 @@
+#include "core/coordinator.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace bagua_hvd {
+
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << "]";
+  return os.str();
+}
+
+std::string num_str(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+int64_t num_elements(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (auto d : s) n *= d;
+  return n;
+}
+
+bool cacheable(int32_t type) {
+  // Shapes are identical on every rank only for these.
+  return type == BHVD_OP_ALLREDUCE || type == BHVD_OP_BROADCAST ||
+         type == BHVD_OP_REDUCESCATTER;
+}
+
+const char* type_name(int32_t type) {
+  if (type == kOpAddProcessSet) return "ADD_PROCESS_SET";
+  if (type == kOpRemoveProcessSet) return "REMOVE_PROCESS_SET";
+  return op_type_name(static_cast<OpType>(type));
+}
+
+}  // namespace
+
+Coordinator::Coordinator(int world_size, const std::map<int32_t, std::vector<int32_t>>& sets,
+                         CoordinatorParams params)
+    : world_size_(world_size),
+      sets_(sets),
+      params_(params),
+      joined_(world_size, 0),
+      acked_(world_size, 0) {
+  for (const auto& kv : sets_) next_set_id_ = std::max(next_set_id_, kv.first + 1);
+}
+
+const std::vector<int32_t>* Coordinator::set_ranks(int32_t id) const {
+  auto it = sets_.find(id);
+  return it == sets_.end() ? nullptr : &it->second;
+}
+
+int Coordinator::set_rank_of(int32_t set_id, int32_t global_rank) const {
+  const auto* ranks = set_ranks(set_id);
+  if (!ranks) return -1;
+  auto it = std::lower_bound(ranks->begin(), ranks->end(), global_rank);
+  return (it != ranks->end() && *it == global_rank) ? static_cast<int>(it - ranks->begin()) : -1;
+}
+
+void Coordinator::add(const RequestList& list, int from_rank) {
+  if (list.shutdown) shutdown_requested_ = true;
+  if (from_rank >= 0 && from_rank < world_size_)
+    acked_[from_rank] = std::max(acked_[from_rank], list.acked_seq);
+  for (const auto& r : list.requests) {
+    Request copy = r;
+    copy.rank = from_rank;
+    add_request(std::move(copy));
+  }
+  for (size_t i = 0; i < list.cached.size(); ++i) {
+    int32_t id = list.cached[i];
+    const Request* tmpl = nullptr;
+    if (auto it = cache_.find(id); it != cache_.end()) {
+      tmpl = &it->second.tmpl;
+    } else if (auto dt = dead_templates_.find(id); dt != dead_templates_.end()) {
+      tmpl = &dt->second;
+    }
+    if (!tmpl) throw TransportError("rank " + std::to_string(from_rank) +
+                                    " referred to unknown response-cache entry " +
+                                    std::to_string(id));
+    Request r = *tmpl;
+    r.rank = from_rank;
+    r.urgent = i < list.cached_urgent.size() && list.cached_urgent[i] != 0;
+    ++cache_hits_;
+    add_request(std::move(r));
+  }
+  for (const auto& name : list.urgent) {
+    auto it = table_.find(name);
+    if (it != table_.end()) it->second.urgent = true;
+  }
+}
+
+void Coordinator::add_request(Request r) {
+  auto now = Clock::now();
+  if (r.type == BHVD_OP_JOIN) {
+    if (!joined_[r.rank]) {
+      joined_[r.rank] = 1;
+      ++joined_count_;
+    }
+    last_joined_ = r.rank;
+    // Pending tensors may now be complete, with the joined rank contributing zeros.
+    for (auto& kv : table_) check_ready(kv.first, kv.second, now);
+    return;
+  }
+  auto& p = table_[r.name];
+  if (p.reqs.empty()) {
+    p.set_id = r.process_set_id;
+    const auto* ranks = set_ranks(r.process_set_id);
+    size_t n = ranks ? ranks->size() : static_cast<size_t>(world_size_);
+    p.reqs.resize(n);
+    p.have.assign(n, 0);
+    p.first_seen = now;
+    p.last_warning = now;
+  }
+  int sr = set_rank_of(p.set_id, r.rank);
+  if (sr < 0 || sr >= static_cast<int>(p.reqs.size())) {
+    // The enqueue-time checks make this unreachable unless ranks disagree on the set: report it
+    // on the rank's own entry by treating the tensor as ready with an error.
+    sr = 0;
+  }
+  if (!p.have[sr]) {
+    p.have[sr] = 1;
+    ++p.count;
+  }
+  p.urgent = p.urgent || r.urgent;
+  p.reqs[sr] = std::move(r);
+  check_ready(p.reqs[sr].name, p, now);
+}
+
+void Coordinator::check_ready(const std::string& name, Pending& p, Clock::time_point now) {
+  if (p.ready) return;
+  const auto* ranks = set_ranks(p.set_id);
+  for (size_t i = 0; i < p.have.size(); ++i) {
+    if (p.have[i]) continue;
+    int g = ranks ? (*ranks)[i] : static_cast<int>(i);
+    if (!joined_[g]) return;
+  }
+  p.ready = true;
+  p.ready_time = now;
+  ready_.push_back(name);
+}
+
+bool Coordinator::member_joined(const Pending& p) const {
+  for (size_t i = 0; i < p.have.size(); ++i)
+    if (!p.have[i]) return true;
+  return false;
+}
+
+Response Coordinator::construct(const std::string& name, Pending& p) {
+  Response resp;
+  resp.process_set_id = p.set_id;
+  resp.names = {name};
+  // The first submitted request is the reference the others are compared with.
+  size_t first = 0;
+  while (first < p.have.size() && !p.have[first]) ++first;
+  const Request& a = p.reqs[first];
+  resp.type = a.type;
+  resp.dtype = a.dtype;
+  resp.reduce_op = a.reduce_op;
+  resp.root_rank = a.root_rank;
+  resp.device = a.device;
+  resp.prescale = a.prescale;
+  resp.postscale = a.postscale;
+  resp.shapes = {a.shape};
+  resp.per_rank = {{}};
+  resp.cache_ids = {-1};
+
+  auto fail = [&](std::string msg) {
+    resp.kind = Response::ERROR;
+    resp.error = std::move(msg);
+    return resp;
+  };
+
+  const int32_t t = a.type;
+  const char* tn = type_name(t);
+  for (size_t i = 0; i < p.reqs.size(); ++i) {
+    if (!p.have[i] || i == first) continue;
+    const Request& b = p.reqs[i];
+    if (b.type != t)
+      return fail(std::string("Mismatched operations: One rank did an ") + tn +
+                  ", but another rank did an " + type_name(b.type) + ".");
+  }
+  for (size_t i = 0; i < p.reqs.size(); ++i) {
+    if (!p.have[i] || i == first) continue;
+    const Request& b = p.reqs[i];
+    if (b.dtype != a.dtype)
+      return fail(std::string("Mismatched data types: One rank had type ") + dtype_name(a.dtype) +
+                  ", but another rank had type " + dtype_name(b.dtype) + ".");
+  }
+  if (member_joined(p)) {
+    switch (t) {
+      case BHVD_OP_ALLGATHER:
+        return fail(
+            "Allgather is not supported with Join at this time. Specify sparse_to_dense=True if "
+            "using DistributedOptimizer");
+      case BHVD_OP_ALLTOALL:
+        return fail("Alltoall is not supported with Join at this time.");
+      case BHVD_OP_REDUCESCATTER:
+        return fail("Reducescatter is not supported with Join at this time.");
+      case BHVD_OP_BROADCAST:
+        return fail("Broadcast is not supported with Join at this time.");
+      case kOpAddProcessSet:
+      case kOpRemoveProcessSet:
+      case BHVD_OP_BARRIER:
+        return fail(std::string(tn) + " is not supported with Join at this time.");
+      default:
+        break;
+    }
+  }
+  const bool gather_like = t == BHVD_OP_ALLGATHER || t == BHVD_OP_ALLTOALL;
+  if (t == BHVD_OP_ALLREDUCE || t == BHVD_OP_BROADCAST || t == BHVD_OP_REDUCESCATTER ||
+      t == BHVD_OP_ADASUM) {
+    for (size_t i = 0; i < p.reqs.size(); ++i) {
+      if (!p.have[i] || i == first) continue;
+      if (p.reqs[i].shape != a.shape)
+        return fail(std::string("Mismatched ") + tn +
+                    " tensor shapes: One rank sent a tensor of shape " + shape_str(a.shape) +
+                    ", but another rank sent a tensor of shape " + shape_str(p.reqs[i].shape) +
+                    ".");
+    }
+  }
+  if (t == BHVD_OP_REDUCESCATTER && a.shape.empty())
+    return fail("Process-set rank zero tried to REDUCESCATTER a rank-zero tensor.");
+  if (gather_like) {
+    if (a.shape.empty())
+      return fail(std::string("Process-set rank zero tried to ") + tn + " a rank-zero tensor.");
+    for (size_t i = 0; i < p.reqs.size(); ++i) {
+      if (!p.have[i] || i == first) continue;
+      const auto& bs = p.reqs[i].shape;
+      if (bs.size() != a.shape.size())
+        return fail(std::string("Mismatched ") + tn +
+                    " tensor shapes: One rank sent a tensor of rank " +
+                    std::to_string(a.shape.size()) + ", but another rank sent a tensor of rank " +
+                    std::to_string(bs.size()) + ".");
+      for (size_t d = 1; d < bs.size(); ++d) {
+        if (bs[d] != a.shape[d])
+          return fail(std::string("Mismatched ") + tn +
+                      " tensor shapes: One rank sent a tensor with dimension " +
+                      std::to_string(d) + " equal to " + std::to_string(a.shape[d]) +
+                      ", but another rank sent a tensor with dimension " + std::to_string(d) +
+                      " equal to " + std::to_string(bs[d]) + ".");
+      }
+    }
+  }
+  for (size_t i = 0; i < p.reqs.size(); ++i) {
+    if (!p.have[i] || i == first) continue;
+    const Request& b = p.reqs[i];
+    if ((b.device < 0) != (a.device < 0))
+      return fail(std::string("Mismatched ") + tn +
+                  " CPU/GPU device selection: One rank specified device " +
+                  (a.device < 0 ? "CPU" : "GPU") + ", but another rank specified device " +
+                  (b.device < 0 ? "CPU" : "GPU") + ".");
+    if (t == BHVD_OP_BROADCAST && b.root_rank != a.root_rank)
+      return fail("Mismatched BROADCAST root ranks: One rank specified root rank " +
+                  std::to_string(a.root_rank) + ", but another rank specified root rank " +
+                  std::to_string(b.root_rank) + ".");
+    if ((t == BHVD_OP_ALLREDUCE || t == BHVD_OP_REDUCESCATTER) &&
+        (b.prescale != a.prescale || b.postscale != a.postscale))
+      return fail("Mismatched prescale and/or postscale factors: One rank sent factors (" +
+                  num_str(a.prescale) + ", " + num_str(a.postscale) +
+                  "), but another rank sent factors (" + num_str(b.prescale) + ", " +
+                  num_str(b.postscale) + ").");
+    if ((t == BHVD_OP_ALLREDUCE || t == BHVD_OP_REDUCESCATTER) && b.reduce_op != a.reduce_op)
+      return fail("Mismatched reduction operation: One rank sent reduction op " +
+                  std::to_string(static_cast<int>(a.reduce_op)) +
+                  ", but another rank sent reduction op " +
+                  std::to_string(static_cast<int>(b.reduce_op)) + ".");
+    if ((t == kOpAddProcessSet || t == kOpRemoveProcessSet) && b.splits != a.splits)
+      return fail("Mismatched process set arguments: every rank must pass the same ranks (or id) "
+                  "to add_process_set/remove_process_set.");
+  }
+
+  const size_t n = p.reqs.size();
+  if (t == BHVD_OP_ALLGATHER) {
+    auto& dims = resp.per_rank[0];
+    for (size_t i = 0; i < n; ++i) dims.push_back(p.reqs[i].shape[0]);
+  } else if (t == BHVD_OP_ALLTOALL) {
+    auto& m = resp.per_rank[0];
+    for (size_t s = 0; s < n; ++s) {
+      if (p.reqs[s].splits.size() != n)
+        return fail("Number of entries in splits does not equal number of workers.");
+      for (size_t r = 0; r < n; ++r) m.push_back(p.reqs[s].splits[r]);
+    }
+  } else if (t == kOpAddProcessSet) {
+    std::vector<int32_t> ranks = a.splits;
+    for (const auto& kv : sets_) {
+      if (kv.second == ranks) {
+        std::ostringstream os;
+        os << "Attempted to add a duplicate process set: ProcessSet(process_set_id=None, ranks=[";
+        for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+        os << "], mpi_comm=None)";
+        return fail(os.str());
+      }
+    }
+    resp.new_set_id = next_set_id_++;
+    resp.set_ranks = ranks;
+  } else if (t == kOpRemoveProcessSet) {
+    int32_t id = a.splits.empty() ? -1 : a.splits[0];
+    if (id <= 0 || !set_ranks(id)) return fail("Process set " + std::to_string(id) +
+                                               " does not exist or cannot be removed.");
+    resp.new_set_id = id;
+  }
+  return resp;
+}
+
+void Coordinator::assign_cache_ids(Response& r, ResponseList& out) {
+  if (params_.cache_capacity <= 0 || r.kind != Response::OP || !cacheable(r.type)) return;
+  for (size_t i = 0; i < r.names.size(); ++i) {
+    const std::string& name = r.names[i];
+    auto it = cache_by_name_.find(name);
+    // The template is rebuilt from the response, which carries every parameter of the request.
+    Request tmpl;
+    tmpl.type = r.type;
+    tmpl.dtype = r.dtype;
+    tmpl.name = name;
+    tmpl.process_set_id = r.process_set_id;
+    tmpl.reduce_op = r.reduce_op;
+    tmpl.root_rank = r.root_rank;
+    tmpl.device = r.device;
+    tmpl.prescale = r.prescale;
+    tmpl.postscale = r.postscale;
+    tmpl.shape = r.shapes[i];
+    const Request* req = &tmpl;
+    if (it != cache_by_name_.end()) {
+      auto& e = cache_.at(it->second);
+      if (e.tmpl.same_params(*req)) {
+        lru_.splice(lru_.begin(), lru_, e.lru);
+        r.cache_ids[i] = it->second;
+        continue;
+      }
+      // Parameters changed: retire the old id.
+      int32_t old = it->second;
+      dead_templates_[old] = e.tmpl;
+      lru_.erase(e.lru);
+      cache_.erase(old);
+      cache_by_name_.erase(it);
+      pending_evictions_.push_back(old);
+    }
+    if (static_cast<int64_t>(cache_.size()) >= params_.cache_capacity) {
+      int32_t victim = lru_.back();
+      lru_.pop_back();
+      auto& ve = cache_.at(victim);
+      cache_by_name_.erase(ve.tmpl.name);
+      dead_templates_[victim] = std::move(ve.tmpl);
+      cache_.erase(victim);
+      pending_evictions_.push_back(victim);
+    }
+    int32_t id = next_cache_id_++;
+    lru_.push_front(id);
+    cache_[id] = CacheEntry{*req, lru_.begin()};
+    cache_by_name_[name] = id;
+    r.cache_ids[i] = id;
+  }
+  (void)out;
+}
+
+void Coordinator::stall_check(Clock::time_point now, ResponseList& out,
+                              Clock::time_point* wake_at) {
+  if (params_.stall_warning_s <= 0 && params_.stall_shutdown_s <= 0) return;
+  std::vector<std::string> give_up;
+  std::map<int, std::vector<std::string>> missing;
+  bool warn = false;
+  for (auto& kv : table_) {
+    Pending& p = kv.second;
+    if (p.ready) continue;
+    double waited = std::chrono::duration<double>(now - p.first_seen).count();
+    if (params_.stall_shutdown_s > 0 && waited > params_.stall_shutdown_s) {
+      give_up.push_back(kv.first);
+      continue;
+    }
+    if (params_.stall_warning_s > 0 && waited > params_.stall_warning_s &&
+        std::chrono::duration<double>(now - p.last_warning).count() >= params_.stall_warning_s) {
+      p.last_warning = now;
+      warn = true;
+    }
+    if (params_.stall_warning_s > 0 && waited > params_.stall_warning_s) {
+      const auto* ranks = set_ranks(p.set_id);
+      for (size_t i = 0; i < p.have.size(); ++i) {
+        int g = ranks ? (*ranks)[i] : static_cast<int>(i);
+        if (!p.have[i] && !joined_[g]) missing[g].push_back(kv.first);
+      }
+    }
+    auto check_at = p.first_seen + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(
+                                           params_.stall_warning_s > 0 ? params_.stall_warning_s
+                                                                       : params_.stall_shutdown_s));
+    if (check_at > now && check_at < *wake_at) *wake_at = check_at;
+  }
+  if (warn && !missing.empty()) {
+    std::ostringstream os;
+    os << "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of "
+          "ranks and are waiting for remainder of ranks for more than "
+       << static_cast<int64_t>(params_.stall_warning_s)
+       << " seconds. This may indicate that different ranks are trying to submit different tensors "
+          "or that only subset of ranks is submitting tensors, which will cause deadlock. \n"
+          "Missing ranks:";
+    for (const auto& kv : missing) {
+      os << "\n" << kv.first << ": [";
+      for (size_t i = 0; i < kv.second.size() && i < 8; ++i) os << (i ? ", " : "") << kv.second[i];
+      if (kv.second.size() > 8) os << " ...";
+      os << "]";
+    }
+    BHVD_LOG(WARNING, os.str());
+  }
+  for (const auto& name : give_up) {
+    Response r;
+    r.kind = Response::ERROR;
+    r.type = table_[name].reqs.empty() ? 0 : table_[name].reqs[0].type;
+    r.process_set_id = table_[name].set_id;
+    r.names = {name};
+    r.shapes = {{}};
+    r.per_rank = {{}};
+    r.cache_ids = {-1};
+    r.error = "One or more rank (marked by \"!\") is stalled for longer than " +
+              std::to_string(static_cast<int64_t>(params_.stall_shutdown_s)) +
+              " seconds. Will shutdown.";
+    out.responses.push_back(std::move(r));
+    table_.erase(name);
+  }
+}
+
+ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_at) {
+  ResponseList out;
+  *wake_at = Clock::time_point::max();
+
+  // Join completes when every rank has joined.
+  bool all_joined = joined_count_ == world_size_;
+
+  // Hold non-urgent ready tensors for up to one cycle so that more can be fused with them.
+  bool flush = all_joined || shutdown_requested_;
+  int64_t ready_bytes = 0;
+  Clock::time_point oldest = Clock::time_point::max();
+  for (const auto& name : ready_) {
+    const Pending& p = table_.at(name);
+    if (p.urgent) flush = true;
+    oldest = std::min(oldest, p.ready_time);
+    size_t first = 0;
+    while (first < p.have.size() && !p.have[first]) ++first;
+    if (first < p.have.size())
+      ready_bytes += num_elements(p.reqs[first].shape) *
+                     static_cast<int64_t>(dtype_size(p.reqs[first].dtype));
+  }
+  if (!ready_.empty() && !flush) {
+    auto due = oldest + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(params_.cycle_time_s));
+    if (due <= now || (params_.fusion_threshold > 0 && ready_bytes >= params_.fusion_threshold))
+      flush = true;
+    else
+      *wake_at = due;
+  }
+
+  if (flush && !ready_.empty()) {
+    std::vector<Response> singles;
+    singles.reserve(ready_.size());
+    for (const auto& name : ready_) {
+      auto it = table_.find(name);
+      singles.push_back(construct(name, it->second));
+      table_.erase(it);
+    }
+    ready_.clear();
+    // Fuse allreduces with equal parameters, up to the threshold, keeping first-ready order.
+    std::vector<char> used(singles.size(), 0);
+    for (size_t i = 0; i < singles.size(); ++i) {
+      if (used[i]) continue;
+      used[i] = 1;
+      Response r = std::move(singles[i]);
+      if (r.kind == Response::OP && r.type == BHVD_OP_ALLREDUCE &&
+          params_.fusion_threshold > 0) {
+        int64_t esize = static_cast<int64_t>(dtype_size(r.dtype));
+        int64_t bytes = num_elements(r.shapes[0]) * esize;
+        for (size_t j = i + 1; j < singles.size(); ++j) {
+          Response& c = singles[j];
+          if (used[j] || c.kind != Response::OP || c.type != r.type ||
+              c.process_set_id != r.process_set_id || c.dtype != r.dtype ||
+              c.reduce_op != r.reduce_op || c.prescale != r.prescale ||
+              c.postscale != r.postscale || c.device != r.device)
+            continue;
+          int64_t cb = num_elements(c.shapes[0]) * esize;
+          if (bytes + cb > params_.fusion_threshold) continue;
+          bytes += cb;
+          used[j] = 1;
+          r.names.push_back(std::move(c.names[0]));
+          r.shapes.push_back(std::move(c.shapes[0]));
+          r.per_rank.push_back(std::move(c.per_rank[0]));
+          r.cache_ids.push_back(-1);
+        }
+      }
+      // Responses completed with zeros from joined ranks are not cached: their requests differ.
+      if (joined_count_ == 0) assign_cache_ids(r, out);
+      out.responses.push_back(std::move(r));
+    }
+  }
+
+  if (all_joined) {
+    Response j;
+    j.type = BHVD_OP_JOIN;
+    j.last_joined_rank = last_joined_;
+    j.names = {"join"};
+    j.shapes = {{}};
+    j.per_rank = {{}};
+    j.cache_ids = {-1};
+    out.responses.push_back(std::move(j));
+    std::fill(joined_.begin(), joined_.end(), 0);
+    joined_count_ = 0;
+    last_joined_ = -1;
+  }
+
+  stall_check(now, out, wake_at);
+
+  // Retire evicted cache templates once every rank has seen the eviction.
+  uint64_t min_acked = seq_;
+  for (int r = 1; r < world_size_; ++r) min_acked = std::min(min_acked, acked_[r]);
+  while (!tombstones_.empty() && tombstones_.begin()->first <= min_acked) {
+    for (int32_t id : tombstones_.begin()->second) dead_templates_.erase(id);
+    tombstones_.erase(tombstones_.begin());
+  }
+
+  if (!out.responses.empty() || !pending_evictions_.empty() || shutdown_requested_) {
+    out.seq = ++seq_;
+    out.shutdown = shutdown_requested_;
+    out.evicted = std::move(pending_evictions_);
+    pending_evictions_.clear();
+    if (!out.evicted.empty()) tombstones_[out.seq] = out.evicted;
+  }
+  return out;
+}
+
+}  // namespace bagua_hvd

@@ -1,0 +1,101 @@
+// The coordinator (global rank 0): collects every rank's requests, decides when a tensor is
+// ready on all members of its process set, validates the requests against each other with
+// Horovod's error texts, fuses ready allreduces, and emits one totally ordered ResponseList.
+#pragma once
+
+#include <list>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common.h"
+#include "core/message.h"
+
+namespace bagua_hvd {
+
+struct CoordinatorParams {
+  int64_t fusion_threshold = 128 << 20;  // bytes; 0 disables fusion
+  double cycle_time_s = 1e-3;            // how long non-urgent ready tensors may wait to fuse
+  int64_t cache_capacity = 1024;         // 0 disables the response cache
+  double stall_warning_s = 60;           // 0 disables the stall inspector
+  double stall_shutdown_s = 0;           // 0: never give up on a stalled tensor
+};
+
+class Coordinator {
+ public:
+  // sets: process set id -> sorted global ranks (the runtime's table, updated by it as
+  // add/remove responses execute).
+  Coordinator(int world_size, const std::map<int32_t, std::vector<int32_t>>& sets,
+              CoordinatorParams params);
+
+  // Adds one rank's RequestList (the coordinator's own requests come through here too).
+  void add(const RequestList& list, int from_rank);
+
+  // The responses to run now. Sets *wake_at when ready tensors are being held for fusion or the
+  // stall inspector needs to look again.
+  ResponseList build(Clock::time_point now, Clock::time_point* wake_at);
+
+  bool shutdown_requested() const { return shutdown_requested_; }
+  int64_t cache_hits() const { return cache_hits_; }
+
+ private:
+  struct Pending {
+    int32_t set_id = 0;
+    std::vector<Request> reqs;  // by set rank
+    std::vector<char> have;     // by set rank
+    int count = 0;
+    bool urgent = false;
+    bool ready = false;
+    Clock::time_point first_seen;
+    Clock::time_point ready_time;
+    Clock::time_point last_warning;
+  };
+
+  void add_request(Request r);
+  void check_ready(const std::string& name, Pending& p, Clock::time_point now);
+  Response construct(const std::string& name, Pending& p);
+  bool member_joined(const Pending& p) const;
+  const std::vector<int32_t>* set_ranks(int32_t id) const;
+  int set_rank_of(int32_t set_id, int32_t global_rank) const;
+  void assign_cache_ids(Response& r, ResponseList& out);
+  void stall_check(Clock::time_point now, ResponseList& out, Clock::time_point* wake_at);
+
+  int world_size_;
+  const std::map<int32_t, std::vector<int32_t>>& sets_;
+  CoordinatorParams params_;
+
+  std::unordered_map<std::string, Pending> table_;
+  std::vector<std::string> ready_;  // names in the order they became ready
+
+  std::vector<char> joined_;
+  int joined_count_ = 0;
+  int32_t last_joined_ = -1;
+
+  bool shutdown_requested_ = false;
+  uint64_t seq_ = 0;
+  int32_t next_set_id_ = 1;
+
+  // Response cache: name -> id for requests whose parameters are known to every rank; templates
+  // outlive eviction until every worker has acknowledged the ResponseList that evicted them.
+  struct CacheEntry {
+    Request tmpl;
+    std::list<int32_t>::iterator lru;
+  };
+  std::unordered_map<int32_t, CacheEntry> cache_;
+  std::unordered_map<std::string, int32_t> cache_by_name_;
+  std::list<int32_t> lru_;  // front: most recent
+  std::map<uint64_t, std::vector<int32_t>> tombstones_;  // eviction seq -> ids
+  std::unordered_map<int32_t, Request> dead_templates_;
+  std::vector<uint64_t> acked_;
+  std::vector<int32_t> pending_evictions_;
+  int32_t next_cache_id_ = 0;
+  int64_t cache_hits_ = 0;
+
+ public:
+  // Exposed for tests through bhvd_stat.
+  int32_t next_set_id() const { return next_set_id_; }
+  void set_next_set_id(int32_t v) { next_set_id_ = v; }
+};
+
+}  // namespace bagua_hvd

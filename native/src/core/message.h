@@ -1,0 +1,83 @@
+// Negotiation messages between ranks and the coordinator, and their wire encoding.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace bagua_hvd {
+
+// Internal request types beyond the public ones: process-set changes are negotiated like ops so
+// every rank applies them at the same point of the global order.
+constexpr int32_t kOpAddProcessSet = 100;
+constexpr int32_t kOpRemoveProcessSet = 101;
+
+// One tensor (or control action) a rank wants to run.
+struct Request {
+  int32_t rank = 0;  // global rank of the submitter
+  int32_t type = 0;  // OpType value or kOp*
+  DataType dtype = DataType::FLOAT32;
+  std::string name;
+  int32_t process_set_id = 0;
+  ReduceOp reduce_op = ReduceOp::SUM;
+  int32_t root_rank = 0;
+  int32_t device = -1;
+  double prescale = 1.0, postscale = 1.0;
+  std::vector<int64_t> shape;
+  std::vector<int32_t> splits;  // alltoall: per set rank; add/remove process set: the ranks / id
+  bool urgent = false;
+
+  // True when two requests carry the same parameters (everything but rank and urgency).
+  bool same_params(const Request& o) const;
+};
+
+// What the coordinator decided for one or more tensors (several when fused).
+struct Response {
+  enum Kind : int32_t { OP = 0, ERROR = 1 };
+  Kind kind = OP;
+  int32_t type = 0;  // OpType or kOp*
+  int32_t process_set_id = 0;
+  DataType dtype = DataType::FLOAT32;
+  ReduceOp reduce_op = ReduceOp::SUM;
+  int32_t root_rank = 0;
+  int32_t device = -1;
+  double prescale = 1.0, postscale = 1.0;
+  std::string error;
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;  // per tensor (joined ranks need them for zeros)
+  // Per tensor, one value per set rank: allgather dim0 sizes; alltoall the row-major n x n
+  // splits matrix (sender-major) flattened.
+  std::vector<std::vector<int64_t>> per_rank;
+  std::vector<int32_t> cache_ids;  // per tensor, -1 when not cached
+  int32_t last_joined_rank = -1;   // JOIN
+  int32_t new_set_id = -1;         // add/remove process set
+  std::vector<int32_t> set_ranks;  // add process set
+};
+
+// Worker -> coordinator.
+struct RequestList {
+  uint64_t acked_seq = 0;             // last ResponseList applied
+  bool shutdown = false;              // this rank is shutting down
+  std::vector<Request> requests;      // full requests
+  std::vector<int32_t> cached;        // cache ids of requests identical to a cached one
+  std::vector<int32_t> cached_urgent; // urgency flag per cached entry
+  std::vector<std::string> urgent;    // names already sent whose caller now blocks
+};
+
+// Coordinator -> every worker.
+struct ResponseList {
+  uint64_t seq = 0;
+  bool shutdown = false;
+  std::vector<Response> responses;
+  std::vector<int32_t> evicted;  // cache ids dropped by the coordinator
+};
+
+std::string encode(const RequestList& m);
+std::string encode(const ResponseList& m);
+// Throw TransportError on malformed input (a peer sending garbage must not crash us).
+RequestList decode_request_list(const std::string& bytes);
+ResponseList decode_response_list(const std::string& bytes);
+
+}  // namespace bagua_hvd

@@ -1,0 +1,985 @@
+#include "core/runtime.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "collectives/collectives.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define BHVD_CPU_RELAX() _mm_pause()
+#else
+#define BHVD_CPU_RELAX() std::this_thread::yield()
+#endif
+
+namespace bagua_hvd {
+
+namespace {
+
+const char* const kNotInitialized = "Horovod has not been initialized; use hvd.init().";
+const char* const kShutDown =
+    "Horovod has been shut down. This was caused by an exception on one of the ranks or an "
+    "attempt to allreduce, allgather or broadcast a tensor after one of the ranks finished "
+    "execution. If the shutdown was caused by an exception, you should see the exception in the "
+    "log before the first shutdown message.";
+const char* const kDuplicateName =
+    "Requested to allreduce, allgather, or broadcast a tensor with the same name as another "
+    "tensor that is currently being processed.  If you want to request another tensor, use a "
+    "different tensor name.";
+
+constexpr uint32_t kMaxControlFrame = 256u << 20;
+// A response of this type with shutdown set carries the reason a rank gave up.
+constexpr int32_t kAbortType = -1;
+
+int64_t num_elements(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (auto d : s) n *= d;
+  return n;
+}
+
+// "Allreduce", "Allgather", ... as Horovod's per-op messages spell them.
+std::string op_title(int32_t type) {
+  switch (type) {
+    case BHVD_OP_ALLREDUCE: return "Allreduce";
+    case BHVD_OP_ALLGATHER: return "Allgather";
+    case BHVD_OP_BROADCAST: return "Broadcast";
+    case BHVD_OP_JOIN: return "Join";
+    case BHVD_OP_ADASUM: return "Adasum";
+    case BHVD_OP_ALLTOALL: return "Alltoall";
+    case BHVD_OP_BARRIER: return "Barrier";
+    case BHVD_OP_REDUCESCATTER: return "Reducescatter";
+  }
+  return "Operation";
+}
+
+std::string op_prefix(int32_t type, bool grouped) {
+  std::string p;
+  switch (type) {
+    case BHVD_OP_ALLREDUCE: p = "allreduce"; break;
+    case BHVD_OP_ALLGATHER: p = "allgather"; break;
+    case BHVD_OP_BROADCAST: p = "broadcast"; break;
+    case BHVD_OP_ALLTOALL: p = "alltoall"; break;
+    case BHVD_OP_REDUCESCATTER: p = "reducescatter"; break;
+    case BHVD_OP_ADASUM: p = "adasum"; break;
+    default: p = "op"; break;
+  }
+  return grouped ? "grouped_" + p : p;
+}
+
+std::string hex_decode(const std::string& hex) {
+  std::string out;
+  if (hex.size() % 2) return out;
+  out.reserve(hex.size() / 2);
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    unsigned v = 0;
+    if (std::sscanf(hex.c_str() + i, "%2x", &v) != 1) return std::string();
+    out.push_back(static_cast<char>(v));
+  }
+  return out;
+}
+
+int env_rank_var(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  return std::atoi(v);
+}
+
+}  // namespace
+
+Runtime& Runtime::get() {
+  // Never destroyed: frontends may still call in from atexit handlers after static destructors.
+  static Runtime* rt = new Runtime();  // NOLINT: intentional leak of a process-wide singleton
+  return *rt;
+}
+
+Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool dynamic_sets) {
+  if (initialized_) return Status::OK();
+  ++epoch_;
+  BootstrapConfig cfg;
+  cfg.epoch = epoch_;
+  cfg.timeout_s = env_double("GLOO_TIMEOUT_SECONDS", 30);
+  if (const char* t = std::getenv("BAGUA_HVD_TIMEOUT_SECONDS"); t && *t) cfg.timeout_s = atof(t);
+  const char* addr = std::getenv("HOROVOD_GLOO_RENDEZVOUS_ADDR");
+  fusion_threshold_ = env_int("FUSION_THRESHOLD", int64_t(128) << 20);
+  cycle_time_s_ = env_double("CYCLE_TIME", 1.0) / 1000.0;
+  CoordinatorParams cp;
+  cp.fusion_threshold = fusion_threshold_;
+  cp.cycle_time_s = cycle_time_s_;
+  cp.cache_capacity = env_int("CACHE_CAPACITY", 1024);
+  cp.stall_warning_s =
+      env_bool("STALL_CHECK_DISABLE", false) ? 0 : env_double("STALL_CHECK_TIME_SECONDS", 60);
+  cp.stall_shutdown_s = env_double("STALL_SHUTDOWN_TIME_SECONDS", 0);
+
+  try {
+    if (!addr || !*addr) {
+      cfg = BootstrapConfig{};
+      cfg.epoch = epoch_;
+      transport_ = make_self_transport();
+    } else {
+      cfg.rank = env_rank_var("HOROVOD_RANK", 0);
+      cfg.size = env_rank_var("HOROVOD_SIZE", 1);
+      cfg.local_rank = env_rank_var("HOROVOD_LOCAL_RANK", cfg.rank);
+      cfg.local_size = env_rank_var("HOROVOD_LOCAL_SIZE", cfg.size);
+      cfg.cross_rank = env_rank_var("HOROVOD_CROSS_RANK", 0);
+      cfg.cross_size = env_rank_var("HOROVOD_CROSS_SIZE", 1);
+      if (cfg.size < 1 || cfg.rank < 0 || cfg.rank >= cfg.size)
+        return Status::InvalidArgument("Horovod initialization failed: HOROVOD_RANK=" +
+                                       std::to_string(cfg.rank) + " is not in [0, HOROVOD_SIZE=" +
+                                       std::to_string(cfg.size) + ")");
+      char host[256] = {0};
+      gethostname(host, sizeof(host) - 1);
+      cfg.hostname = env_str("HOSTNAME", host);
+      cfg.store_host = addr;
+      cfg.store_port = env_rank_var("HOROVOD_GLOO_RENDEZVOUS_PORT", 0);
+      const char* secret = std::getenv("BAGUA_HVD_SECRET");
+      if (!secret || !*secret)
+        return Status::InvalidArgument(
+            "Horovod initialization failed: BAGUA_HVD_SECRET is not set; start the job with "
+            "bagua-run, which creates the per-job secret");
+      cfg.secret = hex_decode(secret);
+      if (cfg.secret.empty())
+        return Status::InvalidArgument(
+            "Horovod initialization failed: BAGUA_HVD_SECRET must be a non-empty hex string");
+      const char* job = std::getenv("BAGUA_HVD_JOB_ID");
+      cfg.job_id = job && *job ? job : ("job" + std::to_string(cfg.store_port));
+      const char* tr = std::getenv("BAGUA_HVD_TRANSPORT");
+      cfg.force_tcp = tr && std::string(tr) == "tcp";
+      cfg.iface = env_str("GLOO_IFACE", "");
+      store_ = connect_tcp_store(cfg.store_host, cfg.store_port, cfg.secret, cfg.timeout_s);
+      transport_ = connect_transport(cfg, *store_);
+      store_.reset();  // only needed to bootstrap
+    }
+  } catch (const std::exception& e) {
+    store_.reset();
+    transport_.reset();
+    return Status::Aborted(std::string("Horovod initialization failed: ") + e.what());
+  }
+  cfg_ = cfg;
+
+  std::map<int32_t, std::vector<int32_t>> sets;
+  std::vector<int32_t> all(cfg_.size);
+  for (int i = 0; i < cfg_.size; ++i) all[i] = i;
+  sets[0] = all;
+  int32_t id = 1;
+  for (auto ranks : static_sets) {
+    std::sort(ranks.begin(), ranks.end());
+    for (auto r : ranks) {
+      if (r < 0 || r >= cfg_.size) {
+        transport_.reset();
+        return Status::InvalidArgument("Horovod initialization failed: process set rank " +
+                                       std::to_string(r) + " is not in [0, " +
+                                       std::to_string(cfg_.size) + ")");
+      }
+    }
+    sets[id++] = ranks;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sets_.clear();
+    comms_.clear();
+    for (auto& kv : sets) {
+      sets_[kv.first] = kv.second;
+      comms_[kv.first] = std::make_unique<Comm>(*transport_, kv.second);
+    }
+    table_.clear();
+    queue_.clear();
+    urgent_queue_.clear();
+    shutdown_requested_ = false;
+    stopped_ = false;
+    stop_status_ = Status::OK();
+    barrier_counter_.clear();
+    internal_counter_ = 0;
+  }
+  dynamic_sets_ = dynamic_sets;
+  cache_.clear();
+  cache_names_.clear();
+  acked_seq_ = 0;
+  sent_shutdown_ = false;
+  inbox_.assign(cfg_.size, std::string());
+  inbox_error_.assign(cfg_.size, std::string());
+  coordinator_.reset();
+  if (cfg_.rank == 0) coordinator_ = std::make_unique<Coordinator>(cfg_.size, sets_, cp);
+  initialized_ = true;
+  thread_ = std::thread([this] { loop(); });
+  return Status::OK();
+}
+
+Status Runtime::shutdown() {
+  if (!initialized_) return Status::OK();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_requested_ = true;
+    transport_->notify();
+  }
+  if (thread_.joinable()) thread_.join();
+  fail_all(Status::Aborted(kShutDown));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    comms_.clear();
+    table_.clear();
+    queue_.clear();
+    urgent_queue_.clear();
+    coordinator_.reset();
+    transport_.reset();
+    stopped_ = true;
+    stop_status_ = Status::Aborted(kShutDown);
+    initialized_ = false;
+  }
+  std::vector<unsigned char>().swap(fusion_);
+  stats_.fusion_buffer_bytes = 0;
+  return Status::OK();
+}
+
+// ---- frontend side ------------------------------------------------------------------------
+
+Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
+  if (!initialized_) return Status::InvalidArgument(kNotInitialized);
+  const int32_t t = req.op_type;
+  if (t < BHVD_OP_ALLREDUCE || t > BHVD_OP_REDUCESCATTER)
+    return Status::InvalidArgument("unknown operation type " + std::to_string(t));
+  const std::string title = op_title(t);
+  const bool tensor_op = t != BHVD_OP_JOIN && t != BHVD_OP_BARRIER;
+  if (tensor_op && (req.num_tensors < 1 || !req.inputs))
+    return Status::InvalidArgument(title + ": at least one tensor is required");
+  if (t == BHVD_OP_ADASUM || ((t == BHVD_OP_ALLREDUCE || t == BHVD_OP_REDUCESCATTER) &&
+                              req.reduce_op == BHVD_ADASUM))
+    return Status::Error(StatusType::NOT_IMPLEMENTED,
+                         "Adasum is not supported by bagua_hvd yet; use op=hvd.Average or "
+                         "op=hvd.Sum.");
+  if ((t == BHVD_OP_ALLREDUCE) && (req.reduce_op < BHVD_AVERAGE || req.reduce_op > BHVD_PRODUCT))
+    return Status::InvalidArgument("Allreduce: unknown reduce op " +
+                                   std::to_string(req.reduce_op));
+  if (t == BHVD_OP_REDUCESCATTER && req.reduce_op != BHVD_SUM && req.reduce_op != BHVD_AVERAGE)
+    return Status::InvalidArgument("Reducescatter currently only supports AVERAGE and SUM.");
+  if (req.device >= 0)
+    return Status::InvalidArgument(
+        title + ": this build of bagua_hvd does not run collectives on GPU tensors yet; move the "
+                "tensor to the CPU");
+
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stopped_) return stop_status_.ok() ? Status::Aborted(kShutDown) : stop_status_;
+  auto sit = sets_.find(req.process_set_id);
+  if (sit == sets_.end())
+    return Status::InvalidArgument(title +
+                                   ": Process set provided does not exist, or has not been "
+                                   "registered.");
+  const auto& ranks = sit->second;
+  auto pos = std::lower_bound(ranks.begin(), ranks.end(), cfg_.rank);
+  if (pos == ranks.end() || *pos != cfg_.rank)
+    return Status::InvalidArgument(title + ": Rank " + std::to_string(cfg_.rank) +
+                                   " is not a member of the provided process set.");
+  const int set_size = static_cast<int>(ranks.size());
+  if (t == BHVD_OP_BROADCAST && !std::binary_search(ranks.begin(), ranks.end(), req.root_rank))
+    return Status::InvalidArgument("broadcast received invalid root rank " +
+                                   std::to_string(req.root_rank) + " for provided process set");
+
+  const int64_t id = next_handle_++;
+  const int n = tensor_op ? req.num_tensors : 0;
+  std::vector<Request> reqs;
+  std::string base;
+  if (t == BHVD_OP_JOIN) {
+    base = "join";
+  } else if (t == BHVD_OP_BARRIER) {
+    base = "barrier." + std::to_string(req.process_set_id) + "." +
+           std::to_string(barrier_counter_[req.process_set_id]);
+  } else if (req.name && *req.name) {
+    base = req.name;
+  } else {
+    base = op_prefix(t, n > 1) + ".noname." + std::to_string(id);
+  }
+  for (int i = 0; i < std::max(n, 1); ++i) {
+    Request r;
+    r.rank = cfg_.rank;
+    r.type = t;
+    r.name = n > 1 ? base + "_" + std::to_string(i) : base;
+    r.process_set_id = req.process_set_id;
+    r.reduce_op = static_cast<ReduceOp>(req.reduce_op);
+    r.root_rank = req.root_rank;
+    r.device = req.device;
+    r.prescale = req.prescale_factor;
+    r.postscale = req.postscale_factor;
+    r.urgent = req.urgent != 0;
+    if (tensor_op) {
+      const bhvd_tensor& in = req.inputs[i];
+      if (!dtype_valid(in.dtype))
+        return Status::InvalidArgument(title + ": unsupported data type " +
+                                       std::to_string(in.dtype));
+      r.dtype = static_cast<DataType>(in.dtype);
+      if (in.ndim < 0 || (in.ndim > 0 && !in.shape))
+        return Status::InvalidArgument(title + ": invalid tensor shape");
+      r.shape.assign(in.shape, in.shape + in.ndim);
+      for (auto d : r.shape)
+        if (d < 0) return Status::InvalidArgument(title + ": negative dimension in tensor shape");
+      if (num_elements(r.shape) > 0 && !in.data)
+        return Status::InvalidArgument(title + ": tensor data pointer is NULL");
+      const bool needs_output = t == BHVD_OP_ALLREDUCE || t == BHVD_OP_BROADCAST ||
+                                t == BHVD_OP_REDUCESCATTER;
+      if (needs_output && (!req.outputs || (!req.outputs[i].data && num_elements(r.shape) > 0)))
+        return Status::InvalidArgument(title + ": output tensor is required");
+      if (t == BHVD_OP_ALLTOALL) {
+        int64_t dim0 = r.shape.empty() ? 0 : r.shape[0];
+        if (req.splits) {
+          if (req.num_splits != set_size)
+            return Status::InvalidArgument(
+                "Number of entries in splits does not equal number of workers.");
+          int64_t sum = 0;
+          for (int k = 0; k < req.num_splits; ++k) {
+            if (req.splits[k] < 0)
+              return Status::InvalidArgument("alltoall expects non-negative splits.");
+            sum += req.splits[k];
+          }
+          if (sum > dim0)
+            return Status::InvalidArgument(
+                "Sum of splits entries is greater than the first dimension of tensor.");
+          r.splits.assign(req.splits, req.splits + req.num_splits);
+        } else if (!r.shape.empty()) {
+          if (dim0 % set_size != 0)
+            return Status::InvalidArgument(
+                "splits not provided, but first dimension of tensor is not an even multiple of "
+                "the number of workers.");
+          r.splits.assign(set_size, static_cast<int32_t>(dim0 / set_size));
+        }
+      }
+    }
+    if (table_.count(r.name)) return Status::InvalidArgument(kDuplicateName);
+    for (const auto& o : reqs)
+      if (o.name == r.name) return Status::InvalidArgument(kDuplicateName);
+    reqs.push_back(std::move(r));
+  }
+  if (t == BHVD_OP_BARRIER) ++barrier_counter_[req.process_set_id];
+
+  auto h = std::make_shared<Handle>();
+  h->id = id;
+  h->remaining = static_cast<int>(reqs.size());
+  h->urgent = req.urgent != 0;
+  h->outputs.resize(reqs.size());
+  h->output_shapes.resize(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    Entry e;
+    e.handle = h;
+    e.index = static_cast<int>(i);
+    if (tensor_op) {
+      e.input = req.inputs[i].data;
+      e.output = req.outputs ? req.outputs[i].data : nullptr;
+    }
+    h->names.push_back(reqs[i].name);
+    e.request = std::move(reqs[i]);
+    queue_.push_back(e.request.name);
+    table_.emplace(e.request.name, std::move(e));
+  }
+  handles_[id] = h;
+  *handle_out = id;
+  transport_->notify();
+  return Status::OK();
+}
+
+Status Runtime::run_internal(int32_t type, std::vector<int32_t> args, int32_t* result) {
+  if (!initialized_) return Status::InvalidArgument(kNotInitialized);
+  int64_t id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return stop_status_.ok() ? Status::Aborted(kShutDown) : stop_status_;
+    id = next_handle_++;
+    Request r;
+    r.rank = cfg_.rank;
+    r.type = type;
+    r.dtype = DataType::INT32;
+    r.name = "__process_set_change." + std::to_string(internal_counter_++);
+    r.process_set_id = 0;
+    r.splits = std::move(args);
+    r.urgent = true;
+    auto h = std::make_shared<Handle>();
+    h->id = id;
+    h->remaining = 1;
+    h->urgent = true;
+    h->outputs.resize(1);
+    h->output_shapes.resize(1);
+    h->names.push_back(r.name);
+    Entry e;
+    e.handle = h;
+    e.request = std::move(r);
+    queue_.push_back(e.request.name);
+    table_.emplace(e.request.name, std::move(e));
+    handles_[id] = h;
+    transport_->notify();
+  }
+  Status s = wait(id, -1);
+  auto h = find(id);
+  if (s.ok() && h) *result = h->result;
+  release(id);
+  return s;
+}
+
+std::shared_ptr<Handle> Runtime::find(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = handles_.find(handle);
+  return it == handles_.end() ? nullptr : it->second;
+}
+
+int Runtime::poll(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return -1;
+  return it->second->done ? 1 : 0;
+}
+
+Status Runtime::wait(int64_t handle, int64_t timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end())
+    return Status::InvalidArgument("unknown handle " + std::to_string(handle));
+  auto h = it->second;
+  if (!h->done && !h->urgent) {
+    // The caller blocks now: nothing is gained by holding its tensors back for fusion.
+    h->urgent = true;
+    bool queued_any = false;
+    for (const auto& name : h->names) {
+      auto e = table_.find(name);
+      if (e == table_.end()) continue;
+      e->second.request.urgent = true;
+      if (std::find(queue_.begin(), queue_.end(), name) == queue_.end()) {
+        urgent_queue_.push_back(name);
+        queued_any = true;
+      }
+    }
+    (void)queued_any;
+    if (transport_) transport_->notify();
+  }
+  auto pred = [&] { return h->done; };
+  if (timeout_ms < 0) {
+    h->cv.wait(lock, pred);
+  } else if (!h->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), pred)) {
+    return Status::Error(StatusType::TIMED_OUT, "timed out waiting for handle");
+  }
+  return h->status;
+}
+
+void Runtime::release(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  handles_.erase(handle);
+}
+
+std::map<int32_t, std::vector<int32_t>> Runtime::process_sets() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sets_;
+}
+
+const char* Runtime::transport_kind(int peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!transport_ || peer < 0 || peer >= cfg_.size) return "";
+  return transport_->kind_to(peer);
+}
+
+// ---- background thread --------------------------------------------------------------------
+
+void Runtime::loop() {
+  Clock::time_point idle_since = Clock::now();
+  Clock::time_point last_liveness = Clock::now();
+  Clock::time_point shutdown_deadline = Clock::time_point::max();
+  try {
+    while (true) {
+      bool active = false;
+      if (coordinator_)
+        loop_once_coordinator(&active);
+      else
+        loop_once_worker(&active);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stopped_) break;
+      }
+      auto now = Clock::now();
+      if (sent_shutdown_ && shutdown_deadline == Clock::time_point::max())
+        shutdown_deadline = now + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(cfg_.timeout_s));
+      if (now > shutdown_deadline) {
+        BHVD_LOG(WARNING, "rank 0 did not confirm shutdown within " +
+                              std::to_string(cfg_.timeout_s) + " s; shutting down anyway");
+        fail_all(Status::Aborted(kShutDown));
+        break;
+      }
+      if (active) {
+        idle_since = now;
+        continue;
+      }
+      // Spin briefly: a reply usually follows within microseconds, and a futex sleep costs more.
+      if (now - idle_since < std::chrono::microseconds(50)) {
+        for (int i = 0; i < 64; ++i) BHVD_CPU_RELAX();
+        continue;
+      }
+      auto timeout = std::chrono::microseconds(100000);
+      if (coordinator_ && wake_at_ != Clock::time_point::max()) {
+        auto until = std::chrono::duration_cast<std::chrono::microseconds>(wake_at_ - now);
+        if (until < timeout) timeout = std::max(until, std::chrono::microseconds(0));
+      }
+      if (timeout.count() > 0) transport_->wait(timeout);
+      if (Clock::now() - last_liveness > std::chrono::milliseconds(200)) {
+        last_liveness = Clock::now();
+        if (coordinator_) {
+          for (int r = 1; r < cfg_.size; ++r) transport_->ctrl(r).check_alive();
+        } else if (cfg_.size > 1) {
+          transport_->ctrl(0).check_alive();
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    std::string reason = std::string("Horovod is shut down because communication failed: ") +
+                         e.what();
+    BHVD_LOG(ERROR, reason);
+    // Tell the others (best effort) so that ranks not talking to the failed peer stop too.
+    if (coordinator_) {
+      ResponseList abort;
+      abort.seq = 0;
+      abort.shutdown = true;
+      Response r;
+      r.kind = Response::ERROR;
+      r.type = kAbortType;
+      r.error = reason;
+      abort.responses.push_back(r);
+      std::string payload = encode(abort);
+      for (int w = 1; w < cfg_.size; ++w) {
+        try {
+          uint32_t len = static_cast<uint32_t>(payload.size());
+          std::string frame(reinterpret_cast<const char*>(&len), 4);
+          frame += payload;
+          transport_->ctrl(w).try_send(frame.data(), frame.size());
+        } catch (const std::exception&) {
+        }
+      }
+    }
+    fail_all(Status::Aborted(reason));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stopped_ = true;
+}
+
+void Runtime::drain_local(RequestList* out, bool* any) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& name : queue_) {
+    auto it = table_.find(name);
+    if (it == table_.end()) continue;
+    const Request& r = it->second.request;
+    auto c = cache_.find(name);
+    if (c != cache_.end() && c->second.second.same_params(r)) {
+      out->cached.push_back(c->second.first);
+      out->cached_urgent.push_back(r.urgent ? 1 : 0);
+      stats_.cache_hits++;
+    } else {
+      out->requests.push_back(r);
+    }
+    *any = true;
+  }
+  queue_.clear();
+  if (!urgent_queue_.empty()) {
+    out->urgent = std::move(urgent_queue_);
+    urgent_queue_.clear();
+    *any = true;
+  }
+  if (shutdown_requested_ && !sent_shutdown_) {
+    out->shutdown = true;
+    sent_shutdown_ = true;
+    *any = true;
+  }
+}
+
+void Runtime::loop_once_coordinator(bool* active) {
+  RequestList own;
+  bool any = false;
+  drain_local(&own, &any);
+  if (any) {
+    coordinator_->add(own, 0);
+    *active = true;
+  }
+  std::string msg;
+  for (int w = 1; w < cfg_.size; ++w) {
+    while (poll_message(w, &msg)) {
+      coordinator_->add(decode_request_list(msg), w);
+      *active = true;
+    }
+  }
+  ResponseList out = coordinator_->build(Clock::now(), &wake_at_);
+  if (out.responses.empty() && !out.shutdown && out.evicted.empty()) return;
+  std::string payload = encode(out);
+  for (int w = 1; w < cfg_.size; ++w) send_message(w, payload);
+  apply(out);
+  *active = true;
+}
+
+void Runtime::loop_once_worker(bool* active) {
+  RequestList rl;
+  bool any = false;
+  drain_local(&rl, &any);
+  if (any) {
+    rl.acked_seq = acked_seq_;
+    send_message(0, encode(rl));
+    *active = true;
+  }
+  std::string msg;
+  while (poll_message(0, &msg)) {
+    apply(decode_response_list(msg));
+    *active = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;
+  }
+}
+
+void Runtime::apply(const ResponseList& list) {
+  for (int32_t id : list.evicted) {
+    auto n = cache_names_.find(id);
+    if (n == cache_names_.end()) continue;
+    auto c = cache_.find(n->second);
+    if (c != cache_.end() && c->second.first == id) cache_.erase(c);
+    cache_names_.erase(n);
+  }
+  std::string abort_reason;
+  for (const auto& r : list.responses) {
+    if (r.kind == Response::ERROR && r.type == kAbortType) {
+      abort_reason = r.error;
+      continue;
+    }
+    execute(r);
+  }
+  stats_.cycles++;
+  if (list.seq) acked_seq_ = list.seq;
+  if (list.shutdown) {
+    fail_all(Status::Aborted(abort_reason.empty() ? kShutDown : abort_reason));
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    if (!abort_reason.empty()) stop_status_ = Status::Aborted(abort_reason);
+  }
+}
+
+Comm* Runtime::comm_for(int32_t set_id) {
+  auto it = comms_.find(set_id);
+  return it == comms_.end() ? nullptr : it->second.get();
+}
+
+void Runtime::register_set(int32_t id, std::vector<int32_t> ranks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::sort(ranks.begin(), ranks.end());
+  sets_[id] = ranks;
+  comms_[id] = std::make_unique<Comm>(*transport_, ranks);
+}
+
+unsigned char* Runtime::fusion(size_t bytes) {
+  if (fusion_.size() < bytes) {
+    fusion_.resize(bytes);
+    stats_.fusion_buffer_bytes = static_cast<int64_t>(fusion_.size());
+  }
+  return fusion_.data();
+}
+
+void Runtime::execute(const Response& r) {
+  stats_.responses++;
+  if (r.names.size() > 1) stats_.fused_tensors += static_cast<int64_t>(r.names.size());
+  if (r.kind == Response::ERROR) {
+    for (const auto& name : r.names) finish(name, Status::Precondition(r.error));
+    return;
+  }
+  auto set_result = [&](const std::string& name, int32_t value) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = table_.find(name);
+    if (it != table_.end()) it->second.handle->result = value;
+  };
+  switch (r.type) {
+    case BHVD_OP_JOIN:
+      set_result("join", r.last_joined_rank);
+      finish("join", Status::OK());
+      return;
+    case BHVD_OP_BARRIER:
+      finish(r.names[0], Status::OK());
+      return;
+    case kOpAddProcessSet:
+      register_set(r.new_set_id, r.set_ranks);
+      if (coordinator_) coordinator_->set_next_set_id(std::max(coordinator_->next_set_id(),
+                                                               r.new_set_id + 1));
+      set_result(r.names[0], r.new_set_id);
+      finish(r.names[0], Status::OK());
+      return;
+    case kOpRemoveProcessSet: {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        sets_.erase(r.new_set_id);
+        comms_.erase(r.new_set_id);
+      }
+      set_result(r.names[0], r.new_set_id);
+      finish(r.names[0], Status::OK());
+      return;
+    }
+    default:
+      break;
+  }
+  Comm* comm = comm_for(r.process_set_id);
+  if (!comm || comm->rank() < 0) return;  // not a member of the set
+  std::vector<Entry*> entries;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& name : r.names) {
+      auto it = table_.find(name);
+      entries.push_back(it == table_.end() ? nullptr : &it->second);
+    }
+  }
+  switch (r.type) {
+    case BHVD_OP_ALLREDUCE: execute_allreduce(r, *comm, entries); break;
+    case BHVD_OP_ALLGATHER: execute_allgather(r, *comm, entries); break;
+    case BHVD_OP_BROADCAST: execute_broadcast(r, *comm, entries); break;
+    case BHVD_OP_ALLTOALL: execute_alltoall(r, *comm, entries); break;
+    case BHVD_OP_REDUCESCATTER: execute_reducescatter(r, *comm, entries); break;
+    default:
+      for (const auto& name : r.names)
+        finish(name, Status::Error(StatusType::UNKNOWN_ERROR, "unsupported response type"));
+      return;
+  }
+  for (size_t i = 0; i < r.names.size(); ++i) {
+    if (r.cache_ids[i] >= 0 && entries[i]) {
+      cache_names_.erase(cache_.count(r.names[i]) ? cache_[r.names[i]].first : -1);
+      cache_[r.names[i]] = {r.cache_ids[i], entries[i]->request};
+      cache_names_[r.cache_ids[i]] = r.names[i];
+    }
+    finish(r.names[i], Status::OK());
+  }
+}
+
+void Runtime::execute_allreduce(const Response& r, Comm& comm, std::vector<Entry*>& entries) {
+  const size_t esize = dtype_size(r.dtype);
+  std::vector<size_t> counts(r.names.size());
+  size_t total = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    counts[i] = static_cast<size_t>(num_elements(r.shapes[i]));
+    total += counts[i];
+  }
+  unsigned char* buf;
+  const bool direct = entries.size() == 1 && entries[0] && entries[0]->output;
+  if (direct) {
+    buf = static_cast<unsigned char*>(entries[0]->output);
+    if (entries[0]->input != entries[0]->output && total)
+      std::memcpy(buf, entries[0]->input, total * esize);
+  } else {
+    buf = fusion(total * esize);
+    size_t off = 0;
+    for (size_t i = 0; i < counts.size(); ++i) {
+      size_t bytes = counts[i] * esize;
+      if (entries[i] && bytes)
+        std::memcpy(buf + off, entries[i]->input, bytes);
+      else if (bytes)
+        std::memset(buf + off, 0, bytes);  // a joined rank contributes zeros
+      off += bytes;
+    }
+  }
+  if (r.prescale != 1.0) scale_buffer(buf, total, r.dtype, r.prescale);
+  allreduce(comm, buf, total, r.dtype, r.reduce_op);
+  double post = r.postscale;
+  if (r.reduce_op == ReduceOp::AVERAGE) post /= comm.size();
+  if (post != 1.0) scale_buffer(buf, total, r.dtype, post);
+  if (!direct) {
+    size_t off = 0;
+    for (size_t i = 0; i < counts.size(); ++i) {
+      size_t bytes = counts[i] * esize;
+      if (entries[i] && entries[i]->output && bytes)
+        std::memcpy(entries[i]->output, buf + off, bytes);
+      off += bytes;
+    }
+  }
+}
+
+void Runtime::execute_allgather(const Response& r, Comm& comm, std::vector<Entry*>& entries) {
+  const size_t esize = dtype_size(r.dtype);
+  for (size_t i = 0; i < r.names.size(); ++i) {
+    Entry* e = entries[i];
+    const auto& shape = e ? e->request.shape : r.shapes[i];
+    int64_t row = 1;
+    for (size_t d = 1; d < shape.size(); ++d) row *= shape[d];
+    std::vector<size_t> bytes(comm.size());
+    size_t total = 0;
+    int64_t rows = 0;
+    for (int k = 0; k < comm.size(); ++k) {
+      bytes[k] = static_cast<size_t>(r.per_rank[i][k] * row) * esize;
+      total += bytes[k];
+      rows += r.per_rank[i][k];
+    }
+    std::vector<unsigned char> out(total);
+    allgatherv(comm, e ? e->input : nullptr, out.data(), bytes);
+    if (e) {
+      std::vector<int64_t> oshape = shape;
+      oshape[0] = rows;
+      std::lock_guard<std::mutex> lock(mu_);
+      e->handle->outputs[e->index] = std::move(out);
+      e->handle->output_shapes[e->index] = std::move(oshape);
+    }
+  }
+}
+
+void Runtime::execute_broadcast(const Response& r, Comm& comm, std::vector<Entry*>& entries) {
+  const size_t esize = dtype_size(r.dtype);
+  const auto& ranks = comm.global_ranks();
+  int root = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), r.root_rank) -
+                              ranks.begin());
+  for (size_t i = 0; i < r.names.size(); ++i) {
+    Entry* e = entries[i];
+    if (!e) continue;
+    size_t bytes = static_cast<size_t>(num_elements(r.shapes[i])) * esize;
+    if (comm.rank() == root && e->input != e->output && bytes)
+      std::memcpy(e->output, e->input, bytes);
+    broadcast(comm, e->output, bytes, root);
+  }
+}
+
+void Runtime::execute_alltoall(const Response& r, Comm& comm, std::vector<Entry*>& entries) {
+  const size_t esize = dtype_size(r.dtype);
+  const int n = comm.size(), me = comm.rank();
+  for (size_t i = 0; i < r.names.size(); ++i) {
+    Entry* e = entries[i];
+    if (!e) continue;
+    const auto& shape = e->request.shape;
+    int64_t row = 1;
+    for (size_t d = 1; d < shape.size(); ++d) row *= shape[d];
+    const auto& m = r.per_rank[i];
+    std::vector<size_t> send(n), recv(n);
+    std::vector<int32_t> rsplits(n);
+    size_t total = 0;
+    int64_t rows = 0;
+    for (int k = 0; k < n; ++k) {
+      send[k] = static_cast<size_t>(m[me * n + k] * row) * esize;
+      recv[k] = static_cast<size_t>(m[k * n + me] * row) * esize;
+      rsplits[k] = static_cast<int32_t>(m[k * n + me]);
+      total += recv[k];
+      rows += m[k * n + me];
+    }
+    std::vector<unsigned char> out(total);
+    alltoallv(comm, e->input, send, out.data(), recv);
+    std::vector<int64_t> oshape = shape;
+    oshape[0] = rows;
+    std::lock_guard<std::mutex> lock(mu_);
+    e->handle->outputs[e->index] = std::move(out);
+    e->handle->output_shapes[e->index] = std::move(oshape);
+    e->handle->received_splits = std::move(rsplits);
+  }
+}
+
+void Runtime::execute_reducescatter(const Response& r, Comm& comm,
+                                    std::vector<Entry*>& entries) {
+  const size_t esize = dtype_size(r.dtype);
+  const int n = comm.size();
+  for (size_t i = 0; i < r.names.size(); ++i) {
+    Entry* e = entries[i];
+    if (!e) continue;
+    const auto& shape = r.shapes[i];
+    int64_t dim0 = shape.empty() ? 0 : shape[0];
+    int64_t total = num_elements(shape);
+    int64_t row = dim0 ? total / dim0 : 0;
+    std::vector<size_t> counts(n);
+    for (int k = 0; k < n; ++k)
+      counts[k] = static_cast<size_t>((dim0 / n + (k < dim0 % n ? 1 : 0)) * row);
+    unsigned char* scratch = fusion(static_cast<size_t>(total) * esize);
+    if (total) std::memcpy(scratch, e->input, static_cast<size_t>(total) * esize);
+    if (r.prescale != 1.0) scale_buffer(scratch, total, r.dtype, r.prescale);
+    reducescatterv(comm, scratch, e->output, counts, r.dtype, r.reduce_op);
+    double post = r.postscale;
+    if (r.reduce_op == ReduceOp::AVERAGE) post /= n;
+    if (post != 1.0) scale_buffer(e->output, counts[comm.rank()], r.dtype, post);
+  }
+}
+
+void Runtime::finish(const std::string& name, const Status& s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = table_.find(name);
+  if (it == table_.end()) return;
+  auto h = it->second.handle;
+  table_.erase(it);
+  if (!s.ok() && h->status.ok()) h->status = s;
+  if (--h->remaining <= 0 && !h->done) {
+    h->done = true;
+    h->cv.notify_all();
+  }
+}
+
+void Runtime::fail_all(const Status& s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& kv : table_) {
+    auto h = kv.second.handle;
+    if (h->status.ok()) h->status = s;
+    if (!h->done) {
+      h->done = true;
+      h->cv.notify_all();
+    }
+  }
+  table_.clear();
+  queue_.clear();
+  urgent_queue_.clear();
+  stopped_ = true;
+  if (stop_status_.ok()) stop_status_ = s;
+}
+
+// ---- control channel: length-prefixed frames over the ctrl pairs ------------------------------
+
+void Runtime::fill_channel(int peer) {
+  Pair& p = transport_->ctrl(peer);
+  std::string& buf = inbox_[peer];
+  if (!inbox_error_[peer].empty()) return;
+  char tmp[65536];
+  try {
+    while (true) {
+      size_t n = p.try_recv(tmp, sizeof(tmp));
+      if (n == 0) break;
+      buf.append(tmp, n);
+    }
+  } catch (const TransportError& e) {
+    // A peer that exits right after its last message (shutdown) closes the channel: deliver
+    // what it sent before reporting the closed connection.
+    inbox_error_[peer] = e.what();
+  }
+}
+
+bool Runtime::poll_message(int peer, std::string* out) {
+  std::string& buf = inbox_[peer];
+  if (buf.size() < 4 || [&] {
+        uint32_t len;
+        std::memcpy(&len, buf.data(), 4);
+        return buf.size() < 4 + static_cast<size_t>(len);
+      }())
+    fill_channel(peer);
+  auto pending_error = [&] {
+    if (!inbox_error_[peer].empty()) throw TransportError(inbox_error_[peer]);
+    return false;
+  };
+  if (buf.size() < 4) return pending_error();
+  uint32_t len;
+  std::memcpy(&len, buf.data(), 4);
+  if (len > kMaxControlFrame)
+    throw TransportError("rank " + std::to_string(peer) + " sent a negotiation frame of " +
+                         std::to_string(len) + " bytes, over the limit: the control channel "
+                         "carries garbage");
+  if (buf.size() < 4 + static_cast<size_t>(len)) return pending_error();
+  out->assign(buf, 4, len);
+  buf.erase(0, 4 + static_cast<size_t>(len));
+  return true;
+}
+
+void Runtime::send_message(int peer, const std::string& payload) {
+  Pair& p = transport_->ctrl(peer);
+  uint32_t len = static_cast<uint32_t>(payload.size());
+  std::string frame(reinterpret_cast<const char*>(&len), 4);
+  frame += payload;
+  size_t off = 0;
+  auto last = Clock::now();
+  while (off < frame.size()) {
+    size_t n = p.try_send(frame.data() + off, frame.size() - off);
+    if (n) {
+      off += n;
+      last = Clock::now();
+      continue;
+    }
+    // Keep draining what the peer sends us so two full channels cannot deadlock.
+    fill_channel(peer);
+    if (seconds_since(last) > cfg_.timeout_s)
+      throw TransportError("timed out after " + std::to_string(static_cast<int>(cfg_.timeout_s)) +
+                           " s sending a negotiation message to rank " + std::to_string(peer));
+    p.check_alive();
+    transport_->wait(std::chrono::microseconds(1000));
+  }
+}
+
+}  // namespace bagua_hvd

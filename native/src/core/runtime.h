@@ -1,0 +1,141 @@
+// The runtime: one per process. Frontend threads enqueue requests and wait on handles; one
+// background thread owns the transport, talks to the coordinator and runs the collectives.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "collectives/comm.h"
+#include "common.h"
+#include "core/coordinator.h"
+#include "core/message.h"
+#include "transport/transport.h"
+
+namespace bagua_hvd {
+
+struct Handle {
+  int64_t id = 0;
+  int remaining = 0;  // tensors not yet finished
+  bool done = false;
+  bool urgent = false;
+  Status status;
+  std::vector<std::string> names;
+  // Core-allocated outputs (allgather, alltoall) and their shapes.
+  std::vector<std::vector<unsigned char>> outputs;
+  std::vector<std::vector<int64_t>> output_shapes;
+  std::vector<int32_t> received_splits;
+  int32_t result = -1;  // join: last joined rank; add process set: new id
+  std::condition_variable cv;
+};
+
+// One tensor of a handle, waiting for its response.
+struct Entry {
+  std::shared_ptr<Handle> handle;
+  int index = 0;
+  Request request;
+  const void* input = nullptr;
+  void* output = nullptr;
+};
+
+struct RuntimeStats {
+  std::atomic<int64_t> responses{0}, fused_tensors{0}, cycles{0}, cache_hits{0};
+  std::atomic<int64_t> fusion_buffer_bytes{0};
+};
+
+class Runtime {
+ public:
+  static Runtime& get();
+
+  Status init(const std::vector<std::vector<int32_t>>& static_sets, bool dynamic_sets);
+  Status shutdown();
+  bool initialized() const { return initialized_.load(); }
+
+  const BootstrapConfig& config() const { return cfg_; }
+  bool dynamic_sets() const { return dynamic_sets_; }
+
+  Status enqueue(const bhvd_request& req, int64_t* handle_out);
+  // Enqueues an internal request (process-set changes) and waits for it.
+  Status run_internal(int32_t type, std::vector<int32_t> args, int32_t* result);
+
+  int poll(int64_t handle);
+  Status wait(int64_t handle, int64_t timeout_ms);
+  std::shared_ptr<Handle> find(int64_t handle);
+  void release(int64_t handle);
+
+  // Process sets: id -> sorted global ranks.
+  std::map<int32_t, std::vector<int32_t>> process_sets();
+  const char* transport_kind(int peer);
+
+  RuntimeStats& stats() { return stats_; }
+
+ private:
+  Runtime() = default;
+  void loop();
+  void loop_once_coordinator(bool* active);
+  void loop_once_worker(bool* active);
+  void drain_local(RequestList* out, bool* any);
+  void apply(const ResponseList& list);
+  void execute(const Response& r);
+  void execute_allreduce(const Response& r, Comm& comm, std::vector<Entry*>& entries);
+  void execute_allgather(const Response& r, Comm& comm, std::vector<Entry*>& entries);
+  void execute_broadcast(const Response& r, Comm& comm, std::vector<Entry*>& entries);
+  void execute_alltoall(const Response& r, Comm& comm, std::vector<Entry*>& entries);
+  void execute_reducescatter(const Response& r, Comm& comm, std::vector<Entry*>& entries);
+  void finish(const std::string& name, const Status& s);
+  void fail_all(const Status& s);
+  void send_message(int peer, const std::string& payload);
+  bool poll_message(int peer, std::string* out);
+  void fill_channel(int peer);
+  unsigned char* fusion(size_t bytes);
+  Comm* comm_for(int32_t set_id);
+  void register_set(int32_t id, std::vector<int32_t> ranks);
+
+  BootstrapConfig cfg_;
+  std::atomic<bool> initialized_{false};
+  bool dynamic_sets_ = false;
+  int epoch_ = 0;
+
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<Transport> transport_;
+  std::thread thread_;
+
+  // Guarded by mu_.
+  std::mutex mu_;
+  std::unordered_map<int64_t, std::shared_ptr<Handle>> handles_;
+  std::unordered_map<std::string, Entry> table_;  // pending tensors by name
+  std::deque<std::string> queue_;                 // names not yet sent to the coordinator
+  std::vector<std::string> urgent_queue_;         // sent names whose caller now blocks
+  std::map<int32_t, std::vector<int32_t>> sets_;
+  std::map<int32_t, std::unique_ptr<Comm>> comms_;
+  bool shutdown_requested_ = false;
+  bool stopped_ = false;  // background thread finished: no more work is accepted
+  Status stop_status_;
+  int64_t next_handle_ = 1;
+  std::map<int32_t, int64_t> barrier_counter_;
+  int64_t internal_counter_ = 0;
+
+  // Background-thread state.
+  std::unique_ptr<Coordinator> coordinator_;
+  std::unordered_map<std::string, std::pair<int32_t, Request>> cache_;  // name -> (id, request)
+  std::unordered_map<int32_t, std::string> cache_names_;
+  uint64_t acked_seq_ = 0;
+  bool sent_shutdown_ = false;
+  std::vector<std::string> inbox_;        // per-peer partial control frames
+  std::vector<std::string> inbox_error_;  // per-peer failure seen after buffered frames
+  std::vector<unsigned char> fusion_;
+  double cycle_time_s_ = 1e-3;
+  Clock::time_point wake_at_ = Clock::time_point::max();
+  int64_t fusion_threshold_ = 128 << 20;
+
+  RuntimeStats stats_;
+};
+
+}  // namespace bagua_hvd

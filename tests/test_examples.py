@@ -1,0 +1,80 @@
+"""The examples run end to end: real processes started by the launcher, real training."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = ROOT / "examples" / "pytorch" / "pytorch_digits.py"
+ACCURACY_RE = re.compile(r"final test accuracy: (\d+\.\d+)")
+# A bound, not an expectation: the job takes ~10-30 s at 2 ranks on 2 shared cores.
+TIMEOUT_S = 300
+
+pytest.importorskip("torch", reason="the PyTorch example needs torch")
+pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+
+
+def launcher() -> list[str]:
+    """bagua-run as pip installed it beside this interpreter, else the module form."""
+    script = Path(sys.executable).parent / "bagua-run"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("bagua-run")
+    return [found] if found else [sys.executable, "-m", "bagua_hvd.runner.launch"]
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(
+            f"{' '.join(cmd)} did not finish in {TIMEOUT_S} s; output so far:\n"
+            f"{exc.stdout or ''}\n{exc.stderr or ''}"
+        )
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout\n{proc.stdout}\n"
+        f"--- stderr\n{proc.stderr}"
+    )
+    return proc
+
+
+def final_accuracy(proc: subprocess.CompletedProcess) -> float:
+    """The accuracy rank 0 printed (once; a launcher may prefix lines with the rank)."""
+    found = ACCURACY_RE.findall(proc.stdout)
+    assert len(found) == 1, f"expected one 'final test accuracy' line, got {found}:\n{proc.stdout}"
+    return float(found[0])
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_digits_two_ranks_through_launcher():
+    proc = run([*launcher(), "-np", "2", sys.executable, str(DIGITS)])
+    assert "2 rank(s)" in proc.stdout, proc.stdout
+    assert "max parameter difference between replicas: 0" in proc.stdout, proc.stdout
+    accuracy = final_accuracy(proc)
+    assert accuracy >= 0.95, proc.stdout
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_digits_without_launcher_is_a_job_of_size_one():
+    proc = run([sys.executable, str(DIGITS), "--epochs", "3"])
+    assert "1 rank(s)" in proc.stdout, proc.stdout
+    assert final_accuracy(proc) > 0.5, proc.stdout
+
+
+def test_readme_main_job_names_an_existing_example():
+    """The README's main-job command must keep pointing at a real example."""
+    readme = (ROOT / "README.md").read_text()
+    scripts = re.findall(r"bagua-run -np 2 python (examples/\S+\.py)", readme)
+    assert scripts, "README.md has no `bagua-run -np 2 python <example>.py` command"
+    for script in scripts:
+        assert (ROOT / script).is_file(), f"README.md runs {script}, which does not exist"

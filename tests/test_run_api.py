@@ -1,0 +1,109 @@
+"""bagua_hvd.run: functions run on real rank processes (no core library needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import bagua_hvd
+from bagua_hvd.runner.hosts import HostError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_returns_results_by_rank() -> None:
+    offset = 7  # captured by the closure: sent by value with cloudpickle
+
+    def work(scale, bias=0):
+        import os
+
+        rank = int(os.environ["HOROVOD_RANK"])
+        size = int(os.environ["HOROVOD_SIZE"])
+        print(f"hello from {rank}")
+        return {"rank": rank, "size": size, "value": rank * scale + bias + offset,
+                "pid": os.getpid()}
+
+    results = bagua_hvd.run(work, args=(10,), kwargs={"bias": 1}, np=3)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert [r["size"] for r in results] == [3, 3, 3]
+    assert [r["value"] for r in results] == [8, 18, 28]
+    assert len({r["pid"] for r in results}) == 3 and os.getpid() not in {r["pid"] for r in results}
+
+
+def test_num_proc_and_hosts(capfd: pytest.CaptureFixture) -> None:
+    def work():
+        import os
+
+        print("rank", os.environ["RANK"])
+        return os.environ["HOROVOD_LOCAL_SIZE"]
+
+    assert bagua_hvd.run(work, num_proc=2, hosts="localhost:2") == ["2", "2"]
+    out = capfd.readouterr().out
+    assert "[0]<stdout>:rank 0" in out and "[1]<stdout>:rank 1" in out
+    assert bagua_hvd.run(work) == ["1"]  # default: one rank
+
+
+def test_failure_raises_with_traceback() -> None:
+    def work():
+        import os
+        import time
+
+        if os.environ["HOROVOD_RANK"] == "1":
+            raise ValueError("rank one is unhappy")
+        time.sleep(60)  # must be stopped by the launcher
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        bagua_hvd.run(work, np=2)
+    assert time.monotonic() - start < 10
+    text = str(info.value)
+    assert "rank 1 failed" in text
+    assert "Traceback (most recent call last)" in text
+    assert "ValueError: rank one is unhappy" in text
+
+
+def test_unpicklable_result_is_a_failure() -> None:
+    def work():
+        import threading
+
+        return threading.Lock()
+
+    with pytest.raises(RuntimeError, match="could not be pickled"):
+        bagua_hvd.run(work, np=1)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"num_proc": 2, "np": 3}, ValueError, "disagree"),
+    ({"np": 0}, ValueError, ">= 1"),
+    ({"np": 2, "min_np": 1}, ValueError, "elastic"),
+    ({"np": 2, "host_discovery_script": "x.sh"}, ValueError, "elastic"),
+    ({"np": 2, "hostfile": "hosts.txt"}, ValueError, "hostfile"),
+    ({"np": 2, "hosts": "gpu-node-7:2"}, HostError, "--num-nodes"),
+    ({"np": 2, "ssh_port": 22}, ValueError, "ssh"),
+    ({"np": 2, "use_mpi": True}, ValueError, "MPI"),
+    ({"np": 2, "use_gloo": False}, ValueError, "MPI"),
+    ({"np": 2, "start_timeout": -1}, ValueError, "start_timeout"),
+    ({"args": 5}, TypeError, "args"),
+])
+def test_bad_arguments(kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        bagua_hvd.run(lambda: None, **kwargs)
+
+
+def test_import_stays_light() -> None:
+    code = ("import sys, bagua_hvd\n"
+            "assert bagua_hvd.__version__ == '0.1.0'\n"
+            "heavy = [m for m in ('torch', 'tensorflow', 'cloudpickle', 'cffi') "
+            "if m in sys.modules]\n"
+            "assert not heavy, heavy\n"
+            "from bagua_hvd import run\n"
+            "from bagua_hvd.runner.api import run as api_run\n"
+            "assert run is api_run\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30, env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
