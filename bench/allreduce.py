@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import re
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 PORT_ENV = "BAGUA_HVD_BENCH_GLOO_PORT"
+TUNING_ENV = ("HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "BAGUA_HVD_TRANSPORT")
+RESULT_ENV = "BAGUA_HVD_BENCH_RESULT"  # rank 0 writes the medians there (JSON)
 WORKER_FLAG = "--_worker"
 BACKENDS = ("bagua_hvd", "gloo")
 # Timeout of every gloo collective and of the gloo rendezvous.
@@ -99,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="seconds before the whole run is killed"
     )
+    parser.add_argument("--json", metavar="FILE", help="also write the medians to FILE (JSON)")
     parser.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.np < 1:
@@ -128,32 +133,46 @@ def free_port() -> int:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Re-runs this script on --np ranks through bagua-run, with the environment both need."""
-    env = dict(os.environ)
-    env[PORT_ENV] = str(free_port())
-    env["GLOO_SOCKET_IFNAME"] = "lo"
-    env["OMP_NUM_THREADS"] = "1"
-    if args.transport != "auto":
-        env["BAGUA_HVD_TRANSPORT"] = args.transport
-    cmd = [
-        sys.executable,
-        "-m",
-        "bagua_hvd.runner.launch",
-        "-np",
-        str(args.np),
-        sys.executable,
-        os.path.abspath(__file__),
-        *argv,
-        WORKER_FLAG,
-    ]
-    try:
-        return subprocess.run(cmd, env=env, timeout=args.timeout).returncode
-    except subprocess.TimeoutExpired:
-        print(
-            f"allreduce bench: no result after --timeout {args.timeout:g} s; killed",
-            file=sys.stderr,
-        )
-        return 124
+    """Re-runs this script on --np ranks through bagua-run, then prints rank 0's results."""
+    with tempfile.TemporaryDirectory(prefix="bagua_hvd_bench_") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        env = dict(os.environ)
+        env[PORT_ENV] = str(free_port())
+        env[RESULT_ENV] = result_path
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        env["OMP_NUM_THREADS"] = "1"
+        if args.transport != "auto":
+            env["BAGUA_HVD_TRANSPORT"] = args.transport
+        cmd = [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", str(args.np)]
+        cmd += [sys.executable, os.path.abspath(__file__), *argv, WORKER_FLAG]
+        proc = subprocess.Popen(cmd, env=env)
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(
+                f"allreduce bench: no result after --timeout {args.timeout:g} s; stopping",
+                file=sys.stderr,
+            )
+            proc.terminate()  # the launcher stops its ranks on SIGTERM
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return 124
+        if rc != 0:
+            print(f"allreduce bench: the ranks failed (launcher exit status {rc})", file=sys.stderr)
+            return rc
+        if not os.path.exists(result_path):
+            print(f"allreduce bench: rank 0 wrote no results to {result_path}", file=sys.stderr)
+            return 1
+        with open(result_path) as f:
+            result = json.load(f)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print_table(args, result)
+    return 0
 
 
 # ---- worker side ----------------------------------------------------------------------------
@@ -247,9 +266,8 @@ class Bench:
         result = Result()
         for backend, times in local.items():
             t = torch.tensor(times, dtype=torch.float64)
-            dist.all_reduce(
-                t, op=dist.ReduceOp.MAX
-            )  # an iteration lasts as long as its slowest rank
+            # An iteration lasts as long as its slowest rank.
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
             result.times[backend] = t.tolist()
         return result
 
@@ -270,32 +288,47 @@ def worker(args: argparse.Namespace) -> int:
     rows = []
     for nbytes in args.size_list:
         result = bench.measure(nbytes)
-        rows.append((nbytes, {b: statistics.median(t) for b, t in result.times.items()}))
+        medians = {b: statistics.median(t) for b, t in result.times.items()}
+        rows.append([nbytes, medians])
         if bench.rank == 0:
-            cells = "  ".join(f"{b} {m * 1e3:.3f} ms" for b, m in rows[-1][1].items())
-            print(f"[{human(nbytes)}] {cells}", flush=True)
+            cells = "  ".join(f"{b} {m * 1e3:.3f} ms" for b, m in medians.items())
+            print(f"{human(nbytes)}: {cells}", flush=True)
     if bench.rank == 0:
-        print_table(args, bench, rows)
+        import torch
+
+        result = {
+            "size": bench.size,
+            "transport": bench.transport(),
+            "torch": torch.__version__,
+            "rows": rows,  # [bytes, {backend: median seconds}]
+            "env": {k: v for k, v in sorted(os.environ.items()) if k in TUNING_ENV},
+        }
+        path = os.environ.get(RESULT_ENV)
+        if path:
+            with open(path, "w") as f:
+                json.dump(result, f)
+        else:  # started by hand: print what the launcher would have
+            print_table(args, result)
     bench.close()
     return 0
 
 
-def print_table(args: argparse.Namespace, bench: Bench, rows) -> None:
-    import torch
-
-    transport = bench.transport()
+def print_table(args: argparse.Namespace, result: dict) -> None:
+    size, transport, rows = result["size"], result["transport"], result["rows"]
     print(
-        f"\nallreduce float32 sum, {bench.size} ranks on one host, bagua_hvd transport: "
-        f"{transport}, torch {torch.__version__}, 1 torch thread per rank; median over "
-        f"iterations of the max over ranks; busbw in MB/s\n"
+        f"\nallreduce float32 sum, {size} ranks on one host, bagua_hvd transport: {transport}, "
+        f"torch {result['torch']}, 1 torch thread per rank; median over iterations of the max "
+        f"over ranks; busbw in MB/s (1e6 B/s)"
     )
+    tuning = " ".join(f"{k}={v}" for k, v in result.get("env", {}).items())
+    print(f"environment: {tuning or 'defaults'}\n")
     print("| size | bagua_hvd ms | bagua_hvd busbw | gloo ms | gloo busbw | gloo/bagua_hvd |")
     print("|---|---:|---:|---:|---:|---:|")
 
     def cell(m: dict, b: str, nbytes: int) -> tuple[str, str]:
         if b not in m:
             return "-", "-"
-        return f"{m[b] * 1e3:.3f}", f"{bus_bw(nbytes, m[b], bench.size):.0f}"
+        return f"{m[b] * 1e3:.3f}", f"{bus_bw(nbytes, m[b], size):.0f}"
 
     goals = []
     for nbytes, medians in rows:
@@ -307,39 +340,37 @@ def print_table(args: argparse.Namespace, bench: Bench, rows) -> None:
             ratio = f"{r:.2f}x"
             goals.append((nbytes, medians["bagua_hvd"], r))
         print(f"| {human(nbytes)} | {bt} | {bb} | {gt} | {gb} | {ratio} |")
-    if goals and bench.size > 1:
-        print()
-        tcp = args.transport == "tcp" or transport.startswith("tcp")
-        if tcp:
-            worst = min(goals, key=lambda g: g[2])
-            ok = worst[2] >= TCP_MIN_RATIO
+    if not goals or size < 2:
+        return
+    print()
+    if args.transport == "tcp" or transport.startswith("tcp"):
+        worst = min(goals, key=lambda g: g[2])
+        print(
+            f"goal (tcp) >= {TCP_MIN_RATIO:.1f}x gloo at every size: "
+            f"{'met' if worst[2] >= TCP_MIN_RATIO else 'NOT met'} "
+            f"(lowest {worst[2]:.2f}x at {human(worst[0])})"
+        )
+        return
+    for nbytes, t, _ in goals:
+        if nbytes == SHM_SMALL_BYTES:
             print(
-                f"goal (tcp) >= {TCP_MIN_RATIO:.1f}x gloo at every size: "
-                f"{'met' if ok else 'NOT met'} (lowest {worst[2]:.2f}x at {human(worst[0])})"
+                f"goal (shm) 4 KiB < {SHM_SMALL_MAX_MS} ms: "
+                f"{'met' if t * 1e3 < SHM_SMALL_MAX_MS else 'NOT met'} ({t * 1e3:.3f} ms)"
             )
-        else:
-            for nbytes, t, _ in goals:
-                if nbytes == SHM_SMALL_BYTES:
-                    ok = t * 1e3 < SHM_SMALL_MAX_MS
-                    print(
-                        f"goal (shm) 4 KiB < {SHM_SMALL_MAX_MS} ms: "
-                        f"{'met' if ok else 'NOT met'} ({t * 1e3:.3f} ms)"
-                    )
-            large = [g for g in goals if g[0] >= SHM_LARGE_BYTES]
-            if large:
-                worst = min(large, key=lambda g: g[2])
-                ok = worst[2] >= SHM_LARGE_MIN_RATIO
-                print(
-                    f"goal (shm) >= {SHM_LARGE_MIN_RATIO:.1f}x gloo at >= 1 MiB: "
-                    f"{'met' if ok else 'NOT met'} "
-                    f"(lowest {worst[2]:.2f}x at {human(worst[0])})"
-                )
+    large = [g for g in goals if g[0] >= SHM_LARGE_BYTES]
+    if large:
+        worst = min(large, key=lambda g: g[2])
+        print(
+            f"goal (shm) >= {SHM_LARGE_MIN_RATIO:.1f}x gloo at >= 1 MiB: "
+            f"{'met' if worst[2] >= SHM_LARGE_MIN_RATIO else 'NOT met'} "
+            f"(lowest {worst[2]:.2f}x at {human(worst[0])})"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.__dict__[WORKER_FLAG.lstrip("-").replace("-", "_")]:
+    if args._worker:
         return worker(args)
     return launch(args, argv)
 

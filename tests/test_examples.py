@@ -71,6 +71,27 @@ def test_digits_without_launcher_is_a_job_of_size_one():
     assert final_accuracy(proc) > 0.5, proc.stdout
 
 
+def readme_programs() -> list[tuple[int, str]]:
+    """README.md's ```python blocks with the rank count named just before each one."""
+    readme = (ROOT / "README.md").read_text()
+    programs, last_end = [], 0
+    for match in re.finditer(r"```python\n(.*?)```", readme, re.S):
+        counts = re.findall(r"bagua-run -np (\d+) python", readme[last_end : match.start()])
+        programs.append((int(counts[-1]) if counts else 2, match.group(1)))
+        last_end = match.end()
+    return programs
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("index", range(len(readme_programs())))
+def test_readme_python_blocks_run(index: int, tmp_path: Path):
+    """Every Python block of the README's API tour runs as written (its asserts included)."""
+    np, code = readme_programs()[index]
+    script = tmp_path / f"readme_block_{index}.py"
+    script.write_text(code)
+    run([*launcher(), "-np", str(np), sys.executable, str(script)])
+
+
 def test_readme_main_job_names_an_existing_example():
     """The README's main-job command must keep pointing at a real example."""
     readme = (ROOT / "README.md").read_text()

@@ -13,6 +13,7 @@ the result is already there.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 from typing import Any, List, Sequence, Tuple
@@ -96,24 +97,73 @@ def exception_for_status(status: int, message: str) -> Exception:
 
 
 class _Native:
-    """Cached core entry points and C types: resolved once, on first use."""
+    """Cached core entry points and C types: resolved once, on first use.
 
-    __slots__ = ("lib", "ffi", "new", "cast", "req_t", "tensors_t", "i64_t", "i32_t", "voidp")
+    ``newp``/``cast`` are cffi's backend functions, called with pre-resolved types: this skips
+    the type-string parsing and Python wrappers of ``ffi.new``/``ffi.cast`` on the hot path.
+    """
+
+    __slots__ = (
+        "lib",
+        "ffi",
+        "newp",
+        "cast",
+        "req_t",
+        "tensors_t",
+        "i64_t",
+        "i32_t",
+        "i64p_t",
+        "char_t",
+        "voidp",
+        "null",
+        "empty",
+        "empty_buf",
+    )
 
     def __init__(self) -> None:
         self.lib = _native.lib()  # also runs ffi.cdef
         ffi = _native.ffi
         self.ffi = ffi
-        self.new = ffi.new
-        self.cast = ffi.cast
+        self.newp = ffi._backend.newp
+        self.cast = ffi._backend.cast
         self.req_t = ffi.typeof("bhvd_request *")
         self.tensors_t = ffi.typeof("bhvd_tensor[]")
         self.i64_t = ffi.typeof("int64_t[]")
         self.i32_t = ffi.typeof("int32_t[]")
+        self.i64p_t = ffi.typeof("int64_t *")
+        self.char_t = ffi.typeof("char[]")
         self.voidp = ffi.typeof("void *")
+        self.null = ffi.NULL
+        # Empty tensors may have a NULL data pointer; the core gets a valid (unused) address.
+        self.empty_buf = ffi.new("int64_t[2]")
+        self.empty = ffi.cast(self.voidp, self.empty_buf)
 
 
 _n: _Native | None = None
+
+_SCRATCH_DIMS = 32  # shape entries of the reusable single-tensor request
+
+
+class _Scratch(threading.local):
+    """Per-thread request structs reused by single-tensor enqueues.
+
+    The core copies the request (name, shapes, splits) inside bhvd_enqueue and keeps only the
+    tensor data pointers, so the structs may be rewritten by the next call on this thread.
+    """
+
+    def __init__(self) -> None:
+        n = native()
+        self.req = n.newp(n.req_t, None)
+        self.tin = n.newp(n.tensors_t, 1)
+        self.tout = n.newp(n.tensors_t, 1)
+        self.shapes = n.newp(n.i64_t, 2 * _SCRATCH_DIMS)
+        self.out_shape = self.shapes + _SCRATCH_DIMS
+        self.hout = n.newp(n.i64p_t, None)
+        self.req.inputs = self.tin
+        self.tin[0].shape = self.shapes
+
+
+_scratch: _Scratch | None = None
 
 
 def native() -> _Native:
@@ -142,12 +192,61 @@ def enqueue(
     """Queues one request (grouped when ``len(inputs) > 1``) and returns ``(handle, keepalive)``.
 
     ``name`` is the full core name (``"allreduce.grad0"``) or None for ``"<op>.noname.<handle>"``.
-    ``keepalive`` holds the C request; keep it (and the tensors) until :func:`release`.
+    ``keepalive`` holds C structs that must outlive the call (None when there are none); the
+    caller keeps the tensors' memory alive until :func:`release`.
     Raises ValueError (invalid argument), NotImplementedError, or HorovodInternalError.
     """
+    global _scratch
     n = _n if _n is not None else native()
-    new = n.new
-    req = new(n.req_t)
+    newp = n.newp
+    if len(inputs) == 1 and splits is None:
+        # Hot path: one tensor, reusable structs, no allocation but the name.
+        s = _scratch if _scratch is not None else _init_scratch()
+        req = s.req
+        ptr, dtype, shape = inputs[0]
+        nd = len(shape)
+        if nd <= _SCRATCH_DIMS and (outputs is None or len(outputs[0][2]) <= _SCRATCH_DIMS):
+            t = s.tin[0]
+            t.data = n.cast(n.voidp, ptr) if ptr else n.empty
+            t.dtype = dtype
+            t.ndim = nd
+            s.shapes[0:nd] = shape
+            if outputs is None:
+                req.outputs = n.null
+            else:
+                optr, odtype, oshape = outputs[0]
+                ond = len(oshape)
+                o = s.tout[0]
+                o.data = n.cast(n.voidp, optr) if optr else n.empty
+                o.dtype = odtype
+                o.ndim = ond
+                s.out_shape[0:ond] = oshape
+                o.shape = s.out_shape
+                req.outputs = s.tout
+            req.op_type = op_type
+            req.process_set_id = process_set_id
+            req.reduce_op = reduce_op
+            req.root_rank = root_rank
+            req.device = device
+            req.prescale_factor = prescale_factor
+            req.postscale_factor = postscale_factor
+            req.num_tensors = 1
+            req.splits = n.null
+            req.num_splits = 0
+            req.urgent = 1 if urgent else 0
+            if name is None:
+                req.name = n.null
+                status = n.lib.bhvd_enqueue(req, s.hout)
+            else:
+                cname = newp(n.char_t, name.encode("utf-8"))
+                req.name = cname
+                status = n.lib.bhvd_enqueue(req, s.hout)
+                req.name = n.null
+            if status != OK:
+                _raise_enqueue_error(n, status)
+            return s.hout[0], None
+
+    req = newp(n.req_t, None)
     num = len(inputs)
     keep: List[Any] = [req]
     if num:
@@ -157,19 +256,19 @@ def enqueue(
         if outputs is not None:
             for d in outputs:
                 ndims += len(d[2])
-        shapes = new(n.i64_t, ndims or 1)
+        shapes = newp(n.i64_t, ndims or 1)
         keep.append(shapes)
-        req.inputs = tin = _fill(n, new(n.tensors_t, num), inputs, shapes, 0)
+        req.inputs = tin = _fill(n, newp(n.tensors_t, num), inputs, shapes, 0)
         keep.append(tin)
         if outputs is not None:
             off = 0
             for d in inputs:
                 off += len(d[2])
-            req.outputs = tout = _fill(n, new(n.tensors_t, num), outputs, shapes, off)
+            req.outputs = tout = _fill(n, newp(n.tensors_t, num), outputs, shapes, off)
             keep.append(tout)
     req.op_type = op_type
     if name is not None:
-        cname = new("char[]", name.encode("utf-8"))
+        cname = newp(n.char_t, name.encode("utf-8"))
         keep.append(cname)
         req.name = cname
     req.process_set_id = process_set_id
@@ -180,26 +279,36 @@ def enqueue(
     req.postscale_factor = postscale_factor
     req.num_tensors = num
     if splits is not None:
-        csplits = new(n.i32_t, list(splits) or [0])
+        csplits = newp(n.i32_t, list(splits) or [0])
         keep.append(csplits)
         req.splits = csplits
         req.num_splits = len(splits)
     req.urgent = 1 if urgent else 0
-    handle_out = new("int64_t *")
+    handle_out = newp(n.i64p_t, None)
     status = n.lib.bhvd_enqueue(req, handle_out)
     if status != OK:
-        message = _native.last_error()
-        if not n.lib.bhvd_is_initialized():
-            raise ValueError(NOT_INITIALIZED_ERROR)
-        raise exception_for_status(status, message)
+        _raise_enqueue_error(n, status)
     return handle_out[0], keep
 
 
+def _init_scratch() -> _Scratch:
+    global _scratch
+    _scratch = _Scratch()
+    return _scratch
+
+
+def _raise_enqueue_error(n: _Native, status: int) -> None:
+    message = _native.last_error()
+    if not n.lib.bhvd_is_initialized():
+        raise ValueError(NOT_INITIALIZED_ERROR)
+    raise exception_for_status(status, message)
+
+
 def _fill(n: _Native, arr: Any, descs: Sequence[TensorDesc], shapes: Any, off: int) -> Any:
-    cast, voidp = n.cast, n.voidp
+    cast, voidp, empty = n.cast, n.voidp, n.empty
     for i, (ptr, dtype, shape) in enumerate(descs):
         t = arr[i]
-        t.data = cast(voidp, ptr)
+        t.data = cast(voidp, ptr) if ptr else empty
         t.dtype = dtype
         nd = len(shape)
         t.ndim = nd
@@ -289,7 +398,7 @@ def output_shape(handle: int, index: int = 0) -> Tuple[int, ...]:
         raise HorovodInternalError(
             f"handle {handle} has no core-allocated output {index}: {_native.last_error()}"
         )
-    buf = n.new(n.i64_t, nd or 1)
+    buf = n.newp(n.i64_t, nd or 1)
     status = n.lib.bhvd_output_shape(handle, index, buf)
     if status != OK:
         raise HorovodInternalError(
@@ -311,7 +420,7 @@ def output_copy(handle: int, index: int, dst: int) -> None:
 def received_splits(handle: int, count: int) -> List[int]:
     """Alltoall: the number of rows received from each of the ``count`` process-set ranks."""
     n = _n if _n is not None else native()
-    buf = n.new(n.i32_t, max(count, 1))
+    buf = n.newp(n.i32_t, max(count, 1))
     got = n.lib.bhvd_received_splits(handle, buf, count)
     if got < 0:
         raise HorovodInternalError(

@@ -32,8 +32,9 @@ def _resolve_num_proc(num_proc: Optional[int], np: Optional[int]) -> int:
     return value
 
 
-def _nics(network_interface: Optional[str],
-          network_interfaces: Union[None, str, Sequence[str]]) -> List[str]:
+def _nics(
+    network_interface: Optional[str], network_interfaces: Union[None, str, Sequence[str]]
+) -> List[str]:
     nics: List[str] = []
     for value in (network_interfaces, network_interface):
         if value is None:
@@ -98,29 +99,46 @@ def run(
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
     n = _resolve_num_proc(num_proc, np)
-    elastic = {"min_num_proc": min_num_proc, "max_num_proc": max_num_proc, "min_np": min_np,
-               "max_np": max_np, "slots": slots, "reset_limit": reset_limit,
-               "cooldown_range": cooldown_range, "host_discovery_script": host_discovery_script}
+    elastic = {
+        "min_num_proc": min_num_proc,
+        "max_num_proc": max_num_proc,
+        "min_np": min_np,
+        "max_np": max_np,
+        "slots": slots,
+        "reset_limit": reset_limit,
+        "cooldown_range": cooldown_range,
+        "host_discovery_script": host_discovery_script,
+    }
     given = [name for name, value in elastic.items() if value is not None]
     if given:
-        raise ValueError(f"bagua_hvd.run: elastic mode is not supported yet ({', '.join(given)} "
-                         "given); use a fixed num_proc")
+        raise ValueError(
+            f"bagua_hvd.run: elastic mode is not supported yet ({', '.join(given)} "
+            "given); use a fixed num_proc"
+        )
     if hostfile is not None:
-        raise ValueError("bagua_hvd.run: hostfile is not supported yet; pass "
-                         f"hosts='localhost:{n}'")
+        raise ValueError(
+            f"bagua_hvd.run: hostfile is not supported yet; pass hosts='localhost:{n}'"
+        )
     if ssh_port is not None or ssh_identity_file is not None:
-        raise ValueError(f"bagua_hvd.run: ssh_port/ssh_identity_file given, but "
-                         f"{REMOTE_HOSTS_HINT}")
+        raise ValueError(
+            f"bagua_hvd.run: ssh_port/ssh_identity_file given, but {REMOTE_HOSTS_HINT}"
+        )
     if use_mpi or mpi_args is not None:
-        raise ValueError("bagua_hvd.run: there is no MPI mode (use_mpi/mpi_args); bagua_hvd "
-                         "always uses its own Gloo-style controller")
+        raise ValueError(
+            "bagua_hvd.run: there is no MPI mode (use_mpi/mpi_args); bagua_hvd "
+            "always uses its own Gloo-style controller"
+        )
     if use_gloo is False:
-        raise ValueError("bagua_hvd.run: use_gloo=False asks for MPI, which bagua_hvd does not "
-                         "have; leave use_gloo as None or True")
-    if start_timeout is not None and not (isinstance(start_timeout, (int, float))
-                                          and start_timeout > 0):
-        raise ValueError(f"start_timeout must be a positive number of seconds, got "
-                         f"{start_timeout!r}")
+        raise ValueError(
+            "bagua_hvd.run: use_gloo=False asks for MPI, which bagua_hvd does not "
+            "have; leave use_gloo as None or True"
+        )
+    if start_timeout is not None and not (
+        isinstance(start_timeout, (int, float)) and start_timeout > 0
+    ):
+        raise ValueError(
+            f"start_timeout must be a positive number of seconds, got {start_timeout!r}"
+        )
     local_slots(n, hosts)  # HostError (a ValueError) for remote hosts or too few slots
 
     import cloudpickle
@@ -140,14 +158,21 @@ def run(
         try:
             payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
         except Exception as e:
-            raise TypeError(f"bagua_hvd.run: func/args/kwargs cannot be pickled with "
-                            f"cloudpickle: {e}") from e
+            raise TypeError(
+                f"bagua_hvd.run: func/args/kwargs cannot be pickled with cloudpickle: {e}"
+            ) from e
         with open(Path(job_dir) / task.FUNC_FILE, "wb") as f:
             f.write(payload)
         command = [executable or sys.executable, "-m", "bagua_hvd.runner.task", job_dir]
-        result = launch(command, n, hosts=hosts, extra_env=env, output_dir=output_filename,
-                        verbose=bool(verbose),
-                        start_timeout=start_timeout if start_timeout is not None else 30)
+        result = launch(
+            command,
+            n,
+            hosts=hosts,
+            extra_env=env,
+            output_dir=output_filename,
+            verbose=bool(verbose),
+            start_timeout=start_timeout if start_timeout is not None else 30,
+        )
         outcomes = {}
         for rank in range(n):
             path_r = task.result_path(job_dir, rank)
@@ -160,14 +185,17 @@ def run(
         outcome = outcomes.get(rank)
         if outcome is not None and outcome[0] == "error":
             raise RuntimeError(f"bagua_hvd.run: rank {rank} failed:\n{outcome[1]}")
-        raise RuntimeError(f"bagua_hvd.run: rank {rank} failed without a Python traceback.\n"
-                           f"{result.failure_message()}")
+        raise RuntimeError(
+            f"bagua_hvd.run: rank {rank} failed without a Python traceback.\n"
+            f"{result.failure_message()}"
+        )
     if result.signal is not None:
         if result.signal == signal.SIGINT:
             raise KeyboardInterrupt
         raise RuntimeError(f"bagua_hvd.run: stopped by signal {result.signal}")
     missing = [rank for rank in range(n) if outcomes.get(rank, ("",))[0] != "ok"]
     if missing:
-        raise RuntimeError(f"bagua_hvd.run: ranks {missing} exited with status 0 but left no "
-                           "result")
+        raise RuntimeError(
+            f"bagua_hvd.run: ranks {missing} exited with status 0 but left no result"
+        )
     return [outcomes[rank][1] for rank in range(n)]

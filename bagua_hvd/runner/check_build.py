@@ -48,19 +48,25 @@ def check_build_text() -> str:
     core_ok = error is None
     nccl_name = f"NCCL {_nccl_version(nccl)}" if nccl else "NCCL"
     lines = [f"bagua_hvd v{__version__}:", ""]
-    lines += _section("Available Frameworks", [
-        ("TensorFlow", _importable("tensorflow")),
-        ("PyTorch", _importable("torch")),
-    ])
+    lines += _section(
+        "Available Frameworks",
+        [
+            ("TensorFlow", _importable("tensorflow")),
+            ("PyTorch", _importable("torch")),
+        ],
+    )
     lines += _section("Available Controllers", [("MPI", False), ("Gloo", core_ok)])
     lines += _section("Available Transports", [("Shared memory", core_ok), ("TCP", core_ok)])
-    lines += _section("Available Tensor Operations", [
-        (nccl_name, core_ok and nccl > 0),
-        ("DDL", False),
-        ("CCL", False),
-        ("MPI", False),
-        ("Gloo", core_ok),
-    ])
+    lines += _section(
+        "Available Tensor Operations",
+        [
+            (nccl_name, core_ok and nccl > 0),
+            ("DDL", False),
+            ("CCL", False),
+            ("MPI", False),
+            ("Gloo", core_ok),
+        ],
+    )
     lines += _section("GPU Support", [("CUDA", core_ok and cuda)])
     if not core_ok:
         lines.append(f"Core library not loaded ({error}); build it with `pip install .`.")

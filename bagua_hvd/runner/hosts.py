@@ -67,8 +67,10 @@ def parse_hosts(spec: str) -> List[Tuple[str, int]]:
             try:
                 slots = int(count)
             except ValueError:
-                raise HostError(f"bad slot count {count!r} in host entry {item!r}; "
-                                "expected HOST:SLOTS, e.g. localhost:4") from None
+                raise HostError(
+                    f"bad slot count {count!r} in host entry {item!r}; "
+                    "expected HOST:SLOTS, e.g. localhost:4"
+                ) from None
             if slots < 1:
                 raise HostError(f"slot count must be >= 1 in host entry {item!r}")
         name = name.strip("[]")
@@ -101,12 +103,15 @@ def local_slots(np: int, hosts: Optional[str]) -> int:
         raise HostError(f"host {remote[0]!r} is not this machine: {REMOTE_HOSTS_HINT}")
     if len(entries) > 1:
         names = ", ".join(name for name, _ in entries)
-        raise HostError(f"hosts {names} all name this machine; list it once, e.g. "
-                        f"-H localhost:{np}")
+        raise HostError(
+            f"hosts {names} all name this machine; list it once, e.g. -H localhost:{np}"
+        )
     slots = entries[0][1]
     if np > slots:
-        raise HostError(f"requested {np} processes but the host list {hosts!r} has only "
-                        f"{slots} slot{'s' if slots > 1 else ''}")
+        raise HostError(
+            f"requested {np} processes but the host list {hosts!r} has only "
+            f"{slots} slot{'s' if slots > 1 else ''}"
+        )
     return slots
 
 
@@ -129,13 +134,21 @@ def place_ranks(np: int, num_nodes: int = 1, node_rank: int = 0) -> List[Slot]:
     if not 0 <= node_rank < num_nodes:
         raise HostError(f"--node-rank must be in [0, {num_nodes - 1}], got {node_rank}")
     if np % num_nodes:
-        raise HostError(f"-np {np} is not divisible by --num-nodes {num_nodes}; every node "
-                        "runs the same number of ranks")
+        raise HostError(
+            f"-np {np} is not divisible by --num-nodes {num_nodes}; every node "
+            "runs the same number of ranks"
+        )
     local_size = np // num_nodes
     hostname = node_hostname(num_nodes, node_rank)
     return [
-        Slot(rank=node_rank * local_size + local_rank, size=np, local_rank=local_rank,
-             local_size=local_size, cross_rank=node_rank, cross_size=num_nodes,
-             hostname=hostname)
+        Slot(
+            rank=node_rank * local_size + local_rank,
+            size=np,
+            local_rank=local_rank,
+            local_size=local_size,
+            cross_rank=node_rank,
+            cross_size=num_nodes,
+            hostname=hostname,
+        )
         for local_rank in range(local_size)
     ]

@@ -77,7 +77,8 @@ class JobResult:
             text += f"(exit code {code} = 128 + signal {code - 128}, {_SIGNAL_NAMES[code - 128]})\n"
         others = [
             f"{rank} (exit code {c}{', stopped by the launcher' if rank in self.stopped else ''})"
-            for rank, c in sorted(self.codes.items()) if c != 0 and rank != self.failed_rank
+            for rank, c in sorted(self.codes.items())
+            if c != 0 and rank != self.failed_rank
         ]
         if others:
             text += f"Other processes that exited with non-zero status: {', '.join(others)}\n"
@@ -255,21 +256,32 @@ def _start_rank(command, slot, env, output_dir, out, events, cwd) -> _Rank:
             raise LaunchError(f"cannot write --output-filename files in {rank_dir}: {e}") from e
     try:
         proc = subprocess.Popen(
-            list(command), env=full_env, cwd=cwd, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            list(command),
+            env=full_env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
         )
     except OSError as e:
         for copy in copies.values():
             if copy is not None:
                 copy.close()
         code = 127 if isinstance(e, FileNotFoundError) else 126
-        raise LaunchError(f"cannot start rank {slot.rank} command {command[0]!r}: "
-                          f"{e.strerror or e}", exit_code=code) from e
+        raise LaunchError(
+            f"cannot start rank {slot.rank} command {command[0]!r}: {e.strerror or e}",
+            exit_code=code,
+        ) from e
     threads = []
     for kind, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
         prefix = f"[{slot.rank}]<{kind}>:".encode()
-        thread = threading.Thread(target=_pump, args=(pipe, prefix, kind, out, copies[kind]),
-                                  name=f"bagua-run-{kind}-{slot.rank}", daemon=True)
+        thread = threading.Thread(
+            target=_pump,
+            args=(pipe, prefix, kind, out, copies[kind]),
+            name=f"bagua-run-{kind}-{slot.rank}",
+            daemon=True,
+        )
         thread.start()
         threads.append(thread)
 
@@ -296,8 +308,9 @@ def _stop(ranks: Sequence[_Rank]) -> None:
     _cleanup(ranks)
 
 
-def _supervise(ranks: Sequence[_Rank], events: queue.Queue, trap: _SignalTrap,
-               verbose: bool) -> JobResult:
+def _supervise(
+    ranks: Sequence[_Rank], events: queue.Queue, trap: _SignalTrap, verbose: bool
+) -> JobResult:
     by_rank = {r.slot.rank: r for r in ranks}
     running = set(by_rank)
     codes: Dict[int, int] = {}
@@ -317,7 +330,9 @@ def _supervise(ranks: Sequence[_Rank], events: queue.Queue, trap: _SignalTrap,
                 if verbose:
                     _log(f"got {_SIGNAL_NAMES.get(got_signal, got_signal)}: stopping all ranks")
                 term_at = now if term_at is None else min(term_at, now)
-                kill_at = now + KILL_AFTER_S if kill_at is None else min(kill_at, now + KILL_AFTER_S)
+                kill_at = (
+                    now + KILL_AFTER_S if kill_at is None else min(kill_at, now + KILL_AFTER_S)
+                )
             if seen_signals > 1:
                 kill_at = now  # second Ctrl-C: no more patience
         if term_at is not None and not termed and now >= term_at:
@@ -355,8 +370,13 @@ def _supervise(ranks: Sequence[_Rank], events: queue.Queue, trap: _SignalTrap,
         exit_code = 128 + got_signal
     else:
         exit_code = next((c for c in codes.values() if c != 0), 0)
-    return JobResult(exit_code=exit_code, codes=codes, failed_rank=failed_rank,
-                     signal=got_signal, stopped=stopped)
+    return JobResult(
+        exit_code=exit_code,
+        codes=codes,
+        failed_rank=failed_rank,
+        signal=got_signal,
+        stopped=stopped,
+    )
 
 
 def _cleanup(ranks: Sequence[_Rank]) -> None:

@@ -59,8 +59,9 @@ def _non_negative_float(text: str) -> float:
 def _log_level(text: str) -> str:
     level = text.upper()
     if level not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from "
-                                         f"{', '.join(LOG_LEVELS)})")
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {text!r} (choose from {', '.join(LOG_LEVELS)})"
+        )
     return level
 
 
@@ -71,70 +72,136 @@ def _default_start_timeout() -> int:
     try:
         return _positive_int(text)
     except (ValueError, argparse.ArgumentTypeError):
-        raise SystemExit(f"bagua-run: error: HOROVOD_START_TIMEOUT must be a positive integer "
-                         f"number of seconds, got {text!r}") from None
+        raise SystemExit(
+            f"bagua-run: error: HOROVOD_START_TIMEOUT must be a positive integer "
+            f"number of seconds, got {text!r}"
+        ) from None
 
 
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser (unknown flags are errors; the command starts at the first word)."""
     parser = argparse.ArgumentParser(
-        prog="bagua-run", allow_abbrev=False,
-        description="Launch a bagua_hvd (Horovod-compatible) job: runs COMMAND once per rank.")
-    parser.add_argument("-v", "--version", action="version", version=__version__,
-                        help="print the bagua_hvd version and exit")
-    parser.add_argument("-np", "--num-proc", dest="num_proc", type=_positive_int,
-                        help="total number of ranks (processes) of the job")
-    parser.add_argument("-cb", "--check-build", action="store_true",
-                        help="show the frameworks, controllers, transports and GPU support "
-                             "this installation has, and exit")
-    parser.add_argument("-H", "--hosts", help="host list HOST:SLOTS (only this machine for now; "
-                                              "see --num-nodes for several machines)")
-    parser.add_argument("--start-timeout", type=_positive_int, default=None,
-                        help="seconds to wait for the job to start (the rendezvous server of "
-                             "node 0); default 30 or HOROVOD_START_TIMEOUT")
+        prog="bagua-run",
+        allow_abbrev=False,
+        description="Launch a bagua_hvd (Horovod-compatible) job: runs COMMAND once per rank.",
+    )
+    parser.add_argument(
+        "-v",
+        "--version",
+        action="version",
+        version=__version__,
+        help="print the bagua_hvd version and exit",
+    )
+    parser.add_argument(
+        "-np",
+        "--num-proc",
+        dest="num_proc",
+        type=_positive_int,
+        help="total number of ranks (processes) of the job",
+    )
+    parser.add_argument(
+        "-cb",
+        "--check-build",
+        action="store_true",
+        help="show the frameworks, controllers, transports and GPU support "
+        "this installation has, and exit",
+    )
+    parser.add_argument(
+        "-H",
+        "--hosts",
+        help="host list HOST:SLOTS (only this machine for now; "
+        "see --num-nodes for several machines)",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=_positive_int,
+        default=None,
+        help="seconds to wait for the job to start (the rendezvous server of "
+        "node 0); default 30 or HOROVOD_START_TIMEOUT",
+    )
     parser.add_argument("--verbose", action="store_true", help="log what the launcher does")
-    parser.add_argument("--output-filename", metavar="DIR",
-                        help="also write each rank's output to DIR/rank.<rank>/stdout|stderr")
-    parser.add_argument("--disable-cache", action="store_true",
-                        help="accepted for horovodrun compatibility (nothing is cached)")
+    parser.add_argument(
+        "--output-filename",
+        metavar="DIR",
+        help="also write each rank's output to DIR/rank.<rank>/stdout|stderr",
+    )
+    parser.add_argument(
+        "--disable-cache",
+        action="store_true",
+        help="accepted for horovodrun compatibility (nothing is cached)",
+    )
 
     tuning = parser.add_argument_group("tuning (environment variables of the ranks)")
-    tuning.add_argument("--fusion-threshold-mb", type=_non_negative_int,
-                        help="tensor fusion buffer in MB, 0 disables fusion "
-                             "(HOROVOD_FUSION_THRESHOLD; default 128)")
-    tuning.add_argument("--cycle-time-ms", type=_non_negative_float,
-                        help="fusion cycle time in ms (HOROVOD_CYCLE_TIME; default 1)")
-    tuning.add_argument("--cache-capacity", type=_non_negative_int,
-                        help="response cache entries, 0 disables it "
-                             "(HOROVOD_CACHE_CAPACITY; default 1024)")
-    tuning.add_argument("--log-level", type=_log_level, metavar="{" + ",".join(LOG_LEVELS) + "}",
-                        help="core log level (HOROVOD_LOG_LEVEL; default WARNING)")
-    tuning.add_argument("--gloo-timeout-seconds", type=_positive_int,
-                        help="timeout of rendezvous and connection set-up "
-                             "(HOROVOD_GLOO_TIMEOUT_SECONDS; default 30)")
-    tuning.add_argument("--transport", choices=TRANSPORTS,
-                        help="auto: shared memory within a host, TCP between hosts; tcp: TCP "
-                             "everywhere (BAGUA_HVD_TRANSPORT)")
-    tuning.add_argument("--network-interfaces", metavar="NICS",
-                        help="comma-separated interfaces for TCP traffic; the first one is used "
-                             "(HOROVOD_GLOO_IFACE, NCCL_SOCKET_IFNAME)")
+    tuning.add_argument(
+        "--fusion-threshold-mb",
+        type=_non_negative_int,
+        help="tensor fusion buffer in MB, 0 disables fusion "
+        "(HOROVOD_FUSION_THRESHOLD; default 128)",
+    )
+    tuning.add_argument(
+        "--cycle-time-ms",
+        type=_non_negative_float,
+        help="fusion cycle time in ms (HOROVOD_CYCLE_TIME; default 1)",
+    )
+    tuning.add_argument(
+        "--cache-capacity",
+        type=_non_negative_int,
+        help="response cache entries, 0 disables it (HOROVOD_CACHE_CAPACITY; default 1024)",
+    )
+    tuning.add_argument(
+        "--log-level",
+        type=_log_level,
+        metavar="{" + ",".join(LOG_LEVELS) + "}",
+        help="core log level (HOROVOD_LOG_LEVEL; default WARNING)",
+    )
+    tuning.add_argument(
+        "--gloo-timeout-seconds",
+        type=_positive_int,
+        help="timeout of rendezvous and connection set-up "
+        "(HOROVOD_GLOO_TIMEOUT_SECONDS; default 30)",
+    )
+    tuning.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        help="auto: shared memory within a host, TCP between hosts; tcp: TCP "
+        "everywhere (BAGUA_HVD_TRANSPORT)",
+    )
+    tuning.add_argument(
+        "--network-interfaces",
+        metavar="NICS",
+        help="comma-separated interfaces for TCP traffic; the first one is used "
+        "(HOROVOD_GLOO_IFACE, NCCL_SOCKET_IFNAME)",
+    )
 
     controller = parser.add_argument_group("controller")
-    controller.add_argument("--gloo", action="store_true",
-                            help="accepted for horovodrun compatibility (always on)")
+    controller.add_argument(
+        "--gloo", action="store_true", help="accepted for horovodrun compatibility (always on)"
+    )
     controller.add_argument("--mpi", action="store_true", help=argparse.SUPPRESS)
     controller.add_argument("--jsrun", action="store_true", help=argparse.SUPPRESS)
 
     nodes = parser.add_argument_group("several nodes (one bagua-run per node)")
-    nodes.add_argument("--num-nodes", type=_positive_int, default=1,
-                       help="number of nodes, each running -np/num-nodes ranks (default 1)")
-    nodes.add_argument("--node-rank", type=_non_negative_int, default=0,
-                       help="index of this node, 0..num-nodes-1 (node 0 serves the rendezvous)")
-    nodes.add_argument("--rendezvous-addr", metavar="ADDR:PORT",
-                       help="address of node 0's rendezvous server (required with --num-nodes "
-                            "> 1; node 0 listens on PORT)")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="the command each rank runs, e.g. python train.py")
+    nodes.add_argument(
+        "--num-nodes",
+        type=_positive_int,
+        default=1,
+        help="number of nodes, each running -np/num-nodes ranks (default 1)",
+    )
+    nodes.add_argument(
+        "--node-rank",
+        type=_non_negative_int,
+        default=0,
+        help="index of this node, 0..num-nodes-1 (node 0 serves the rendezvous)",
+    )
+    nodes.add_argument(
+        "--rendezvous-addr",
+        metavar="ADDR:PORT",
+        help="address of node 0's rendezvous server (required with --num-nodes "
+        "> 1; node 0 listens on PORT)",
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="the command each rank runs, e.g. python train.py"
+    )
     return parser
 
 
@@ -147,8 +214,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.check_build:
         return args
     if args.mpi or args.jsrun:
-        parser.error("bagua_hvd has no MPI/jsrun launch mode: it always uses its own Gloo-style "
-                     "controller; drop --mpi/--jsrun")
+        parser.error(
+            "bagua_hvd has no MPI/jsrun launch mode: it always uses its own Gloo-style "
+            "controller; drop --mpi/--jsrun"
+        )
     if args.num_proc is None:
         parser.error("the following arguments are required: -np/--num-proc")
     if not args.command:
@@ -157,11 +226,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.start_timeout = _default_start_timeout()
     if args.num_nodes > 1:
         if args.hosts is not None:
-            parser.error("-H/--hosts and --num-nodes > 1 cannot be combined: with --num-nodes "
-                         "each node's bagua-run starts its own -np/--num-nodes ranks")
+            parser.error(
+                "-H/--hosts and --num-nodes > 1 cannot be combined: with --num-nodes "
+                "each node's bagua-run starts its own -np/--num-nodes ranks"
+            )
         if args.rendezvous_addr is None:
-            parser.error("--num-nodes > 1 needs --rendezvous-addr ADDR:PORT (node 0's address "
-                         "and a free port on it)")
+            parser.error(
+                "--num-nodes > 1 needs --rendezvous-addr ADDR:PORT (node 0's address "
+                "and a free port on it)"
+            )
     try:
         place_ranks(args.num_proc, args.num_nodes, args.node_rank)
         if args.num_nodes == 1:
@@ -229,8 +302,10 @@ def job_env(secret: bytes, job_id: str, addr: str, port: int) -> Dict[str, str]:
 def shared_secret() -> bytes:
     """The secret of a several-node job, from BAGUA_HVD_SECRET (hex), with a clear error."""
     text = os.environ.get("BAGUA_HVD_SECRET", "").strip()
-    hint = ("set the same secret on every node, e.g. "
-            "export BAGUA_HVD_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')")
+    hint = (
+        "set the same secret on every node, e.g. "
+        "export BAGUA_HVD_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')"
+    )
     if not text:
         raise LaunchError(f"--num-nodes > 1 needs BAGUA_HVD_SECRET in the environment: {hint}")
     try:
@@ -238,8 +313,10 @@ def shared_secret() -> bytes:
     except ValueError:
         raise LaunchError(f"BAGUA_HVD_SECRET is not hex: {hint}") from None
     if len(secret) < MIN_SECRET_BYTES:
-        raise LaunchError(f"BAGUA_HVD_SECRET has {len(secret)} bytes, at least "
-                          f"{MIN_SECRET_BYTES} are needed: {hint}")
+        raise LaunchError(
+            f"BAGUA_HVD_SECRET has {len(secret)} bytes, at least "
+            f"{MIN_SECRET_BYTES} are needed: {hint}"
+        )
     return secret
 
 
@@ -267,20 +344,32 @@ def wait_for_rendezvous(host: str, port: int, secret: bytes, timeout_s: float) -
     try:
         StoreClient(host, port, secret, timeout=timeout_s).close()
     except AuthenticationError as e:
-        raise LaunchError(f"node 0's rendezvous server at {host}:{port} rejected this node's "
-                          f"BAGUA_HVD_SECRET ({e}); every node needs the same secret") from e
+        raise LaunchError(
+            f"node 0's rendezvous server at {host}:{port} rejected this node's "
+            f"BAGUA_HVD_SECRET ({e}); every node needs the same secret"
+        ) from e
     except (StoreError, OSError) as e:
         raise LaunchError(
             f"could not reach the rendezvous server at {host}:{port} within {timeout_s:g} s "
             f"({e}); start node 0's bagua-run (it serves the rendezvous) or raise "
-            "--start-timeout") from e
+            "--start-timeout"
+        ) from e
 
 
-def launch(command: Sequence[str], np: int, *, hosts: Optional[str] = None, num_nodes: int = 1,
-           node_rank: int = 0, rendezvous: Optional[Tuple[str, int]] = None,
-           start_timeout: float = 30, extra_env: Optional[Dict[str, str]] = None,
-           output_dir: Optional[str] = None, verbose: bool = False,
-           cwd: Optional[str] = None) -> JobResult:
+def launch(
+    command: Sequence[str],
+    np: int,
+    *,
+    hosts: Optional[str] = None,
+    num_nodes: int = 1,
+    node_rank: int = 0,
+    rendezvous: Optional[Tuple[str, int]] = None,
+    start_timeout: float = 30,
+    extra_env: Optional[Dict[str, str]] = None,
+    output_dir: Optional[str] = None,
+    verbose: bool = False,
+    cwd: Optional[str] = None,
+) -> JobResult:
     """Runs this node's share of an ``np``-rank job of ``command`` (see the module docstring).
 
     Serves the rendezvous store when this is node 0, and returns once every local rank is gone.
@@ -310,8 +399,9 @@ def launch(command: Sequence[str], np: int, *, hosts: Optional[str] = None, num_
             try:
                 server_class = _store_server_class()
             except ImportError as e:
-                raise LaunchError(f"the rendezvous server (bagua_hvd.runner.store) cannot be "
-                                  f"imported: {e}") from e
+                raise LaunchError(
+                    f"the rendezvous server (bagua_hvd.runner.store) cannot be imported: {e}"
+                ) from e
             try:
                 candidate = server_class(secret, host=bind_host, port=port)
                 candidate.start()
@@ -325,9 +415,13 @@ def launch(command: Sequence[str], np: int, *, hosts: Optional[str] = None, num_
         env = job_env(secret, job_id, addr, port)
         env.update(extra_env or {})
         if verbose:
-            print(f"bagua-run: node {node_rank}/{num_nodes}: ranks {slots[0].rank}.."
-                  f"{slots[-1].rank} of {np}, rendezvous {addr}:{port}, job {job_id}: "
-                  f"{shlex.join(command)}", file=sys.stderr, flush=True)
+            print(
+                f"bagua-run: node {node_rank}/{num_nodes}: ranks {slots[0].rank}.."
+                f"{slots[-1].rank} of {np}, rendezvous {addr}:{port}, job {job_id}: "
+                f"{shlex.join(command)}",
+                file=sys.stderr,
+                flush=True,
+            )
         return run_job(command, slots, env, output_dir=output_dir, verbose=verbose, cwd=cwd)
     finally:
         if server is not None:
@@ -344,18 +438,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     try:
         result = launch(
-            args.command, args.num_proc, hosts=args.hosts, num_nodes=args.num_nodes,
-            node_rank=args.node_rank, rendezvous=args.rendezvous,
-            start_timeout=args.start_timeout, extra_env=tuning_env(args),
-            output_dir=args.output_filename, verbose=args.verbose)
+            args.command,
+            args.num_proc,
+            hosts=args.hosts,
+            num_nodes=args.num_nodes,
+            node_rank=args.node_rank,
+            rendezvous=args.rendezvous,
+            start_timeout=args.start_timeout,
+            extra_env=tuning_env(args),
+            output_dir=args.output_filename,
+            verbose=args.verbose,
+        )
     except LaunchError as e:
         print(f"bagua-run: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     if result.failed_rank is not None:
         print(result.failure_message(), end="", file=sys.stderr, flush=True)
     elif result.signal is not None:
-        print(f"bagua-run: stopped all ranks after signal {result.signal}", file=sys.stderr,
-              flush=True)
+        print(
+            f"bagua-run: stopped all ranks after signal {result.signal}",
+            file=sys.stderr,
+            flush=True,
+        )
     return result.exit_code
 
 

@@ -183,7 +183,11 @@ def server_handshake(sock: socket.socket, secret: bytes, purpose: bytes, what: s
     server_nonce = secrets.token_bytes(_NONCE_LEN)
     mac = _proof(secret, _SERVER_LABEL, hello, server_nonce)
     _send_frame(sock, _header(_CHALLENGE) + bytes([_STATUS_OK]) + server_nonce + mac)
-    proof = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what)
+    try:
+        proof = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what)
+    except StoreError as e:
+        # Typically a client that could not verify our proof: it has a different secret.
+        raise AuthenticationError(f"{e} before proving it knows the job secret") from None
     reason = _check_header(proof, _PROOF, 6 + _MAC_LEN)
     if not reason and len(proof) != 6 + _MAC_LEN:
         reason = "malformed proof"

@@ -57,8 +57,9 @@ def main(argv: list) -> int:
         text = traceback.format_exc()
         sys.stderr.write(f"bagua_hvd.run: rank {rank} could not pickle its result:\n{text}")
         try:
-            _store(job_dir, rank, ("error", f"the result of rank {rank} could not be pickled:\n"
-                                            f"{text}"))
+            _store(
+                job_dir, rank, ("error", f"the result of rank {rank} could not be pickled:\n{text}")
+            )
         except Exception:
             pass
         return 1

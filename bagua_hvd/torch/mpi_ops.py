@@ -14,9 +14,8 @@ Supported dtypes (CPU tensors; CUDA tensors too, see below):
 Anything else raises ``ValueError('Tensor type %s is not supported.')``; a non-contiguous
 tensor raises ``ValueError('Tensor is required to be contiguous.')``.
 
-CUDA tensors are passed to the core with their device when the core was built with CUDA
-(``cuda_built()``); otherwise they are staged through host memory (copied to the CPU, reduced
-there, copied back), which is correct but slower.
+CUDA tensors are staged through host memory (copied to the CPU, reduced there, copied back to
+their device): correct, but slower than GPU collectives, which the core does not run yet.
 
 Errors: bad arguments detected at enqueue raise ValueError (or NotImplementedError) at once on
 the calling rank; mismatches between ranks, lost peers and shutdown raise HorovodInternalError
@@ -25,6 +24,7 @@ the calling rank; mismatches between ranks, lost peers and shutdown raise Horovo
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
@@ -45,7 +45,7 @@ from bagua_hvd.common.util import (
     gpu_available,
     num_rank_is_power_2,
 )
-from bagua_hvd.torch.compression import Compression
+from bagua_hvd.torch.compression import Compression, NoneCompressor
 
 __all__ = [
     "Average",
@@ -202,13 +202,13 @@ def _check(tensor: torch.Tensor, table: Dict[torch.dtype, int]) -> int:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}") from None
         raise ValueError(f"Tensor type {tensor.type()} is not supported.") from None
+    if tensor.layout is not torch.strided:
+        raise ValueError(
+            f"Tensor type {tensor.type()} is not supported. (layout {tensor.layout}; sparse "
+            "tensors: use sparse_allreduce_async)"
+        )
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
-    if tensor.is_sparse:
-        raise ValueError(
-            f"Tensor type {tensor.type()} is not supported. (sparse tensors: use "
-            "sparse_allreduce_async)"
-        )
     return code
 
 
@@ -223,12 +223,16 @@ def _check_bool_reduce(op: int, prescale: float, postscale: float) -> None:
 
 
 # ---- devices -----------------------------------------------------------------------------------
-_core_cuda = False  # the core takes device pointers (else CUDA tensors are staged on the host)
+# Whether CUDA tensors reach the core as device pointers. The core does not run collectives on
+# GPU memory yet (it rejects device >= 0 even when built with nvcc), so CUDA tensors are staged
+# through host memory unless BAGUA_HVD_CUDA_DEVICE_POINTERS=1 and the core was built with CUDA.
+_core_cuda = False
 
 
 def _refresh_core_facts() -> None:
     global _core_cuda
-    _core_cuda = bool(_basics.cuda_built())
+    wanted = os.environ.get("BAGUA_HVD_CUDA_DEVICE_POINTERS", "0") == "1"
+    _core_cuda = wanted and bool(_basics.cuda_built())
 
 
 def _device_of(tensor: torch.Tensor) -> int:
@@ -299,7 +303,7 @@ def _allreduce_async(
     if code == _ops.BOOL:
         _check_bool_reduce(op, prescale_factor, postscale_factor)
     full_name = None if name is None else _ops.op_name("allreduce", name)
-    if tensor.device.type == "cpu":
+    if tensor.is_cpu:
         handle, keep = _ops.enqueue(
             _ops.OP_ALLREDUCE,
             ((tensor.data_ptr(), code, tuple(tensor.shape)),),
@@ -450,14 +454,19 @@ def allreduce(
 
     ``compression`` (e.g. Compression.fp16) is applied around the communication.
     """
-    tensor_compressed, ctx = compression.compress(tensor)
+    if compression is NoneCompressor:  # the common case, without two no-op calls
+        tensor_compressed, ctx = tensor, None
+    else:
+        tensor_compressed, ctx = compression.compress(tensor)
     if tensor_compressed.requires_grad and torch.is_grad_enabled():
         summed = HorovodAllreduce.apply(
             tensor_compressed, average, name, op, prescale_factor, postscale_factor, process_set
         )
     else:
-        op = handle_average_backwards_compatibility(op, average)
-        output = torch.empty_like(tensor_compressed, memory_format=torch.contiguous_format)
+        if average is not None or op is None:
+            op = handle_average_backwards_compatibility(op, average)
+        # A non-contiguous input is rejected before this output is used.
+        output = torch.empty_like(tensor_compressed)
         summed = synchronize(
             _allreduce_async(
                 tensor_compressed,
@@ -470,7 +479,7 @@ def allreduce(
                 urgent=True,
             )
         )
-    return compression.decompress(summed, ctx)
+    return summed if compression is NoneCompressor else compression.decompress(summed, ctx)
 
 
 # ---- grouped allreduce -------------------------------------------------------------------------

@@ -21,12 +21,13 @@ import math
 import sys
 import time
 
-import bagua_hvd.torch as hvd
 import numpy as np
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
+
+import bagua_hvd.torch as hvd
 
 TEST_FRACTION = 0.2
 DATA_SEED = 0  # the train/test split must be the same on every rank

@@ -33,6 +33,8 @@ def hvd_session():
 
     hvd.init()
     yield hvd
+    if hvd.is_initialized():
+        hvd.barrier()  # any rank's shutdown stops the whole job: leave together
     hvd.shutdown()
 
 

@@ -18,8 +18,13 @@ from helpers import MOVE_DTYPES, REDUCE_DTYPES, TORCH_DTYPES, check, inputs_for,
 import bagua_hvd.torch as hvd
 from bagua_hvd.common.exceptions import HorovodInternalError
 
-OPS = {"Average": hvd.Average, "Sum": hvd.Sum, "Min": hvd.Min, "Max": hvd.Max,
-       "Product": hvd.Product}
+OPS = {
+    "Average": hvd.Average,
+    "Sum": hvd.Sum,
+    "Min": hvd.Min,
+    "Max": hvd.Max,
+    "Product": hvd.Product,
+}
 NOT_INIT = "Horovod has not been initialized; use hvd.init()."
 DUPLICATE_NAME = (
     "Requested to allreduce, allgather, or broadcast a tensor with the same name as another "
@@ -187,8 +192,9 @@ def test_allreduce_forms():
 def test_allreduce_many_in_flight():
     dtype = "int32"
     n = 24
-    cases = [inputs_for(("inflight", i), size(), lambda r, i=i: (i + 1, 3), dtype)
-             for i in range(n)]
+    cases = [
+        inputs_for(("inflight", i), size(), lambda r, i=i: (i + 1, 3), dtype) for i in range(n)
+    ]
     for rep in range(3):  # repeat names: the response cache path
         tensors = [to_torch(c[rank()], dtype) for c in cases]
         handles = [
@@ -196,8 +202,13 @@ def test_allreduce_many_in_flight():
             for i, t in enumerate(tensors)
         ]
         for i in reversed(range(n)):
-            check(hvd.synchronize(handles[i]), ref.allreduce(cases[i], ref.SUM, dtype), dtype,
-                  0, f"in flight {i} rep {rep}")
+            check(
+                hvd.synchronize(handles[i]),
+                ref.allreduce(cases[i], ref.SUM, dtype),
+                dtype,
+                0,
+                f"in flight {i} rep {rep}",
+            )
 
 
 def test_allreduce_shapes_edge_cases():
@@ -217,10 +228,17 @@ def test_allreduce_shapes_edge_cases():
 
 
 def test_grouped_allreduce():
-    specs = [("float32", (5, 3)), ("int64", (7,)), ("float64", (2, 2, 2)), ("float32", (1,)),
-             ("bfloat16", (9,)), ("int8", (4,))]
-    cases = [inputs_for(("grouped", i), size(), lambda r, s=s: s, dt)
-             for i, (dt, s) in enumerate(specs)]
+    specs = [
+        ("float32", (5, 3)),
+        ("int64", (7,)),
+        ("float64", (2, 2, 2)),
+        ("float32", (1,)),
+        ("bfloat16", (9,)),
+        ("int8", (4,)),
+    ]
+    cases = [
+        inputs_for(("grouped", i), size(), lambda r, s=s: s, dt) for i, (dt, s) in enumerate(specs)
+    ]
     exp_sum = [ref.allreduce(c, ref.SUM, dt) for c, (dt, _) in zip(cases, specs)]
     fresh = lambda: [to_torch(c[rank()], dt) for c, (dt, _) in zip(cases, specs)]  # noqa: E731
 
@@ -244,8 +262,13 @@ def test_grouped_allreduce():
         check(o, ref.allreduce(c, ref.MAX, dt), dt, 0, "grouped_allreduce_async_")
     outs = hvd.grouped_allreduce(fresh(), average=True)
     for o, c, (dt, _) in zip(outs, cases, specs):
-        check(o, ref.allreduce(c, ref.AVERAGE, dt), dt, ref.tolerance(dt, ref.AVERAGE, size()),
-              "grouped average")
+        check(
+            o,
+            ref.allreduce(c, ref.AVERAGE, dt),
+            dt,
+            ref.tolerance(dt, ref.AVERAGE, size()),
+            "grouped average",
+        )
     with pytest.raises(ValueError, match="at least one tensor"):
         hvd.grouped_allreduce([])
 
@@ -256,8 +279,9 @@ def test_compression():
     for comp in (hvd.Compression.none, hvd.Compression.fp16, hvd.Compression.bf16):
         out = hvd.allreduce(to_torch(inputs[rank()], "float32"), op=hvd.Sum, compression=comp)
         check(out, expected, "float32", 0, comp.__name__)
-        outs = hvd.grouped_allreduce([to_torch(inputs[rank()], "float32")], op=hvd.Sum,
-                                     compression=comp)
+        outs = hvd.grouped_allreduce(
+            [to_torch(inputs[rank()], "float32")], op=hvd.Sum, compression=comp
+        )
         check(outs[0], expected, "float32", 0, comp.__name__)
     ints = torch.arange(4, dtype=torch.int32)
     c, ctx = hvd.Compression.fp16.compress(ints)
@@ -300,10 +324,13 @@ def test_allgather(dtype):
 
 def test_grouped_allgather():
     specs = [("float32", 3), ("int64", 1), ("bool", 2), ("uint8", 3)]
-    cases = [inputs_for(("gag", i), size(), lambda r, d=d: [r + 2] + [3] * (d - 1), dt)
-             for i, (dt, d) in enumerate(specs)]
-    outs = hvd.grouped_allgather([to_torch(c[rank()], dt) for c, (dt, _) in zip(cases, specs)],
-                                 name="gag")
+    cases = [
+        inputs_for(("gag", i), size(), lambda r, d=d: [r + 2] + [3] * (d - 1), dt)
+        for i, (dt, d) in enumerate(specs)
+    ]
+    outs = hvd.grouped_allgather(
+        [to_torch(c[rank()], dt) for c, (dt, _) in zip(cases, specs)], name="gag"
+    )
     assert isinstance(outs, list)
     for o, c, (dt, _) in zip(outs, cases, specs):
         check(o, ref.allgather(c), dt, 0, "grouped_allgather")
@@ -328,8 +355,13 @@ def test_broadcast(dtype):
         assert hvd.broadcast_(t, root) is t
         check(t, ref.broadcast(inputs, root), dtype, 0, f"broadcast_ root {root}")
         t = to_torch(inputs[rank()], dtype)
-        check(hvd.synchronize(hvd.broadcast_async(t, root)), ref.broadcast(inputs, root), dtype,
-              0, "broadcast_async")
+        check(
+            hvd.synchronize(hvd.broadcast_async(t, root)),
+            ref.broadcast(inputs, root),
+            dtype,
+            0,
+            "broadcast_async",
+        )
         t = to_torch(inputs[rank()], dtype)
         assert hvd.synchronize(hvd.broadcast_async_(t, root)) is t
         check(t, ref.broadcast(inputs, root), dtype, 0, "broadcast_async_")
@@ -345,16 +377,18 @@ def test_alltoall(dtype):
     n = size()
     splits = [_splits(s, n) for s in range(n)]
     for dims in (1, 2):
-        inputs = inputs_for(("alltoall", dims), n,
-                            lambda r, d=dims: [sum(splits[r])] + [3] * (d - 1), dtype)
+        inputs = inputs_for(
+            ("alltoall", dims), n, lambda r, d=dims: [sum(splits[r])] + [3] * (d - 1), dtype
+        )
         out, rsplits = hvd.alltoall(to_torch(inputs[rank()], dtype), splits=splits[rank()])
         exp, exp_splits = ref.alltoall(inputs, splits, rank())
         check(out, exp, dtype, 0, f"alltoall {dims}D")
         assert rsplits.dtype == torch.int32 and rsplits.tolist() == exp_splits
     # splits as an int32 tensor; async form returns (output, received_splits)
     inputs = inputs_for(("alltoall-t",), n, lambda r: [sum(splits[r]), 2], dtype)
-    h = hvd.alltoall_async(to_torch(inputs[rank()], dtype),
-                           splits=torch.tensor(splits[rank()], dtype=torch.int32))
+    h = hvd.alltoall_async(
+        to_torch(inputs[rank()], dtype), splits=torch.tensor(splits[rank()], dtype=torch.int32)
+    )
     out, rsplits = hvd.synchronize(h)
     exp, exp_splits = ref.alltoall(inputs, splits, rank())
     check(out, exp, dtype, 0, "alltoall tensor splits")
@@ -377,9 +411,14 @@ def test_reducescatter(dtype):
             exp = ref.reducescatter(inputs, OPS[op], dtype, rank())
             check(out, exp, dtype, ref.tolerance(dtype, OPS[op], n), f"rs {op} dim0={dim0}")
         inputs = inputs_for(("rs-scale", op), n, lambda r: (n + 1, 2), dtype)
-        out = hvd.synchronize(hvd.reducescatter_async(to_torch(inputs[rank()], dtype),
-                                                      op=OPS[op], prescale_factor=2.0,
-                                                      postscale_factor=0.5))
+        out = hvd.synchronize(
+            hvd.reducescatter_async(
+                to_torch(inputs[rank()], dtype),
+                op=OPS[op],
+                prescale_factor=2.0,
+                postscale_factor=0.5,
+            )
+        )
         exp = ref.reducescatter(inputs, OPS[op], dtype, rank(), 2.0, 0.5)
         check(out, exp, dtype, ref.tolerance(dtype, OPS[op], n), f"rs async scaled {op}")
 
@@ -403,15 +442,24 @@ def test_grouped_reducescatter():
     outs = hvd.synchronize(hvd.grouped_reducescatter_async(fresh(), op=hvd.Average))
     assert isinstance(outs, tuple)
     for o, c, (dt, _) in zip(outs, cases, specs):
-        check(o, ref.reducescatter(c, ref.AVERAGE, dt, rank()), dt,
-              ref.tolerance(dt, ref.AVERAGE, n), "grouped_reducescatter_async")
+        check(
+            o,
+            ref.reducescatter(c, ref.AVERAGE, dt, rank()),
+            dt,
+            ref.tolerance(dt, ref.AVERAGE, n),
+            "grouped_reducescatter_async",
+        )
 
 
 # ---- autograd --------------------------------------------------------------------------------
 def test_allreduce_grad():
     n = size()
-    for op, pre, post, factor in ((hvd.Sum, 1.0, 1.0, n), (hvd.Average, 1.0, 1.0, 1.0),
-                                  (hvd.Sum, 2.0, 1.0, 2.0 * n), (hvd.Sum, 1.0, 0.5, 0.5 * n)):
+    for op, pre, post, factor in (
+        (hvd.Sum, 1.0, 1.0, n),
+        (hvd.Average, 1.0, 1.0, 1.0),
+        (hvd.Sum, 2.0, 1.0, 2.0 * n),
+        (hvd.Sum, 1.0, 0.5, 0.5 * n),
+    ):
         x = torch.ones(4, 3, requires_grad=True)
         y = hvd.allreduce(x, op=op, prescale_factor=pre, postscale_factor=post)
         y.backward(torch.ones(4, 3))
@@ -440,8 +488,10 @@ def test_allgather_grad():
         assert torch.equal(x.grad, torch.ones_like(x) * r), x.grad
     xs = [torch.ones(r + 1, requires_grad=True), torch.ones(2, 2, requires_grad=True)]
     outs = hvd.grouped_allgather(xs)
-    grads = [torch.cat([torch.ones(s + 1) * s for s in range(n)]),
-             torch.cat([torch.ones(2, 2) * (10 + s) for s in range(n)])]
+    grads = [
+        torch.cat([torch.ones(s + 1) * s for s in range(n)]),
+        torch.cat([torch.ones(2, 2) * (10 + s) for s in range(n)]),
+    ]
     torch.autograd.backward(outs, grads)
     assert torch.equal(xs[0].grad, torch.ones(r + 1) * r)
     assert torch.equal(xs[1].grad, torch.ones(2, 2) * (10 + r))
@@ -510,10 +560,15 @@ def test_unsupported_dtypes_and_layouts():
         hvd.allreduce(torch.ones(4, dtype=torch.uint16), op=hvd.Sum)
     nc = torch.ones(4, 6)[:, ::2]
     assert not nc.is_contiguous()
-    for fn in (lambda: hvd.allreduce(nc), lambda: hvd.allgather(nc),
-               lambda: hvd.broadcast(nc, 0), lambda: hvd.alltoall(nc),
-               lambda: hvd.reducescatter(nc), lambda: hvd.allreduce_(nc),
-               lambda: hvd.grouped_allreduce([torch.ones(2), nc])):
+    for fn in (
+        lambda: hvd.allreduce(nc),
+        lambda: hvd.allgather(nc),
+        lambda: hvd.broadcast(nc, 0),
+        lambda: hvd.alltoall(nc),
+        lambda: hvd.reducescatter(nc),
+        lambda: hvd.allreduce_(nc),
+        lambda: hvd.grouped_allreduce([torch.ones(2), nc]),
+    ):
         with pytest.raises(ValueError, match=r"^Tensor is required to be contiguous.$"):
             fn()
     assert_job_works("dtypes")
@@ -541,20 +596,24 @@ def test_adasum_not_implemented():
 
 
 def test_rank_zero_tensor_errors():
-    with pytest.raises(HorovodInternalError,
-                       match="Process-set rank zero tried to ALLGATHER a rank-zero tensor."):
+    with pytest.raises(
+        HorovodInternalError, match="Process-set rank zero tried to ALLGATHER a rank-zero tensor."
+    ):
         hvd.allgather(torch.tensor(1.0))
     assert_job_works("allgather-0d")
-    with pytest.raises(HorovodInternalError,
-                       match="Process-set rank zero tried to REDUCESCATTER a rank-zero tensor."):
+    with pytest.raises(
+        HorovodInternalError,
+        match="Process-set rank zero tried to REDUCESCATTER a rank-zero tensor.",
+    ):
         hvd.reducescatter(torch.tensor(1.0), op=hvd.Sum)
     assert_job_works("reducescatter-0d")
 
 
 def test_reducescatter_op_errors():
     for op in (hvd.Min, hvd.Max, hvd.Product):
-        with pytest.raises(ValueError,
-                           match="Reducescatter currently only supports AVERAGE and SUM."):
+        with pytest.raises(
+            ValueError, match="Reducescatter currently only supports AVERAGE and SUM."
+        ):
             hvd.reducescatter(torch.ones(4), op=op)
     with pytest.raises((ValueError, NotImplementedError)):
         hvd.reducescatter(torch.ones(4), op=hvd.Adasum)
@@ -565,14 +624,19 @@ def test_alltoall_split_errors():
     n = size()
     t = torch.ones(2 * n + (1 if n > 1 else 0))
     if n > 1:
-        with pytest.raises(ValueError, match="splits not provided, but first dimension of tensor "
-                                             "is not an even multiple of the number of workers."):
+        with pytest.raises(
+            ValueError,
+            match="splits not provided, but first dimension of tensor "
+            "is not an even multiple of the number of workers.",
+        ):
             hvd.alltoall(t)
-    with pytest.raises(ValueError,
-                       match="Number of entries in splits does not equal number of workers."):
+    with pytest.raises(
+        ValueError, match="Number of entries in splits does not equal number of workers."
+    ):
         hvd.alltoall(t, splits=[1] * (n + 1))
-    with pytest.raises(ValueError,
-                       match="Sum of splits entries is greater than the first dimension of tensor."):
+    with pytest.raises(
+        ValueError, match="Sum of splits entries is greater than the first dimension of tensor."
+    ):
         hvd.alltoall(t, splits=[t.shape[0] + 1] + [0] * (n - 1))
     with pytest.raises(ValueError, match="alltoall expects splits to contain 32-bit integer"):
         hvd.alltoall(t, splits=torch.ones(n, dtype=torch.int64))
@@ -584,42 +648,55 @@ def test_alltoall_split_errors():
 def test_broadcast_root_errors():
     n = size()
     for bad in (n, -1):
-        with pytest.raises(ValueError, match=f"broadcast received invalid root rank {bad} for "
-                                             "provided process set"):
+        with pytest.raises(
+            ValueError, match=f"broadcast received invalid root rank {bad} for provided process set"
+        ):
             hvd.broadcast(torch.ones(3), bad)
     assert_job_works("root")
 
 
 def test_unregistered_process_set_errors():
     ps = hvd.ProcessSet(list(range(size())))  # never registered: id None
-    cases = [("Allreduce", lambda: hvd.allreduce(torch.ones(2), process_set=ps)),
-             ("Allgather", lambda: hvd.allgather(torch.ones(2), process_set=ps)),
-             ("Broadcast", lambda: hvd.broadcast(torch.ones(2), 0, process_set=ps)),
-             ("Alltoall", lambda: hvd.alltoall(torch.ones(size()), process_set=ps)),
-             ("Reducescatter", lambda: hvd.reducescatter(torch.ones(2), process_set=ps))]
+    cases = [
+        ("Allreduce", lambda: hvd.allreduce(torch.ones(2), process_set=ps)),
+        ("Allgather", lambda: hvd.allgather(torch.ones(2), process_set=ps)),
+        ("Broadcast", lambda: hvd.broadcast(torch.ones(2), 0, process_set=ps)),
+        ("Alltoall", lambda: hvd.alltoall(torch.ones(size()), process_set=ps)),
+        ("Reducescatter", lambda: hvd.reducescatter(torch.ones(2), process_set=ps)),
+    ]
     for op, fn in cases:
-        with pytest.raises(ValueError, match=f"{op}: Process set provided does not exist, or "
-                                             "has not been registered."):
+        with pytest.raises(
+            ValueError,
+            match=f"{op}: Process set provided does not exist, or has not been registered.",
+        ):
             fn()
     assert_job_works("ps")
 
 
 @needs_peers()
 def test_duplicate_name_error():
+    """A second enqueue under a pending name fails at once; the first op still completes.
+
+    "Pending" must be certain: each name is held back by a rank that submits it only after a
+    barrier (a fast peer could otherwise complete the op between the two enqueues).
+    """
     t = torch.ones(17, 17)
     handles = []
-    if rank() == 0:
-        handles.append(hvd.allreduce_async(t, name="duplicate_name"))
+    if rank() == 0:  # "dup.a" stays pending until the others submit it after the barrier
+        handles.append(hvd.allreduce_async(t, name="dup.a"))
         with pytest.raises(ValueError, match=DUPLICATE_NAME.replace(".", r"\.")):
-            hvd.allreduce_async(t, name="duplicate_name")
+            hvd.allreduce_async(t, name="dup.a")
     hvd.barrier()
-    if rank() > 0:
-        handles.append(hvd.allreduce_async(t, name="duplicate_name"))
+    if rank() > 0:  # "dup.b" stays pending until rank 0 submits it after the next barrier
+        handles.append(hvd.allreduce_async(t, name="dup.a"))
+        handles.append(hvd.allreduce_async(t, name="dup.b"))
         with pytest.raises(ValueError, match="Requested to allreduce, allgather, or broadcast"):
-            hvd.allreduce_async(t, name="duplicate_name")
-    for h in handles:
-        hvd.synchronize(h)
+            hvd.allreduce_async(t, name="dup.b")
     hvd.barrier()
+    if rank() == 0:
+        handles.append(hvd.allreduce_async(t, name="dup.b"))
+    for h in handles:
+        assert torch.equal(hvd.synchronize(h), t)
     assert_job_works("dup")
 
 
@@ -633,38 +710,51 @@ def test_mismatch_errors_every_rank():
     r = rank()
     # shapes
     dims = [17 + r] * 3
-    _expect_internal(lambda: hvd.allreduce(torch.ones(*dims), name="mm.shape"),
-                     r"Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape \[")
+    _expect_internal(
+        lambda: hvd.allreduce(torch.ones(*dims), name="mm.shape"),
+        r"Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape \[",
+    )
     assert_job_works("mm-shape")
     # dtypes
     dt = torch.float32 if r % 2 == 0 else torch.int32
-    _expect_internal(lambda: hvd.allreduce(torch.ones(5, dtype=dt), op=hvd.Sum, name="mm.dtype"),
-                     "Mismatched data types: One rank had type")
+    _expect_internal(
+        lambda: hvd.allreduce(torch.ones(5, dtype=dt), op=hvd.Sum, name="mm.dtype"),
+        "Mismatched data types: One rank had type",
+    )
     assert_job_works("mm-dtype")
     # different operations under one core name (the frontends prefix names with the op, so
     # this goes through the framework-neutral layer)
     _expect_internal(lambda: _raw_same_name_op(r), "Mismatched operations: One rank did an")
     assert_job_works("mm-op")
     # reduce ops
-    _expect_internal(lambda: hvd.allreduce(torch.ones(3), name="mm.rop",
-                                           op=hvd.Sum if r == 0 else hvd.Average),
-                     "Mismatched reduction operation: One rank sent reduction op")
+    _expect_internal(
+        lambda: hvd.allreduce(torch.ones(3), name="mm.rop", op=hvd.Sum if r == 0 else hvd.Average),
+        "Mismatched reduction operation: One rank sent reduction op",
+    )
     assert_job_works("mm-rop")
     # scale factors
-    _expect_internal(lambda: hvd.allreduce(torch.ones(3), op=hvd.Sum, name="mm.scale",
-                                           prescale_factor=1.0 + (r == 0)),
-                     r"Mismatched prescale and/or postscale factors: One rank sent factors \(")
+    _expect_internal(
+        lambda: hvd.allreduce(
+            torch.ones(3), op=hvd.Sum, name="mm.scale", prescale_factor=1.0 + (r == 0)
+        ),
+        r"Mismatched prescale and/or postscale factors: One rank sent factors \(",
+    )
     assert_job_works("mm-scale")
     # broadcast roots
-    _expect_internal(lambda: hvd.broadcast(torch.ones(3), 0 if r == 0 else 1, name="mm.root"),
-                     "Mismatched BROADCAST root ranks: One rank specified root rank")
+    _expect_internal(
+        lambda: hvd.broadcast(torch.ones(3), 0 if r == 0 else 1, name="mm.root"),
+        "Mismatched BROADCAST root ranks: One rank specified root rank",
+    )
     assert_job_works("mm-root")
     # allgather rank and trailing dims
-    _expect_internal(lambda: hvd.allgather(torch.ones([2] * (2 + (r == 0))), name="mm.agrank"),
-                     "Mismatched ALLGATHER tensor shapes: One rank sent a tensor of rank")
-    _expect_internal(lambda: hvd.allgather(torch.ones(2, 17 + (r == 0)), name="mm.agdim"),
-                     "Mismatched ALLGATHER tensor shapes: One rank sent a tensor with "
-                     "dimension 1 equal to")
+    _expect_internal(
+        lambda: hvd.allgather(torch.ones([2] * (2 + (r == 0))), name="mm.agrank"),
+        "Mismatched ALLGATHER tensor shapes: One rank sent a tensor of rank",
+    )
+    _expect_internal(
+        lambda: hvd.allgather(torch.ones(2, 17 + (r == 0)), name="mm.agdim"),
+        "Mismatched ALLGATHER tensor shapes: One rank sent a tensor with dimension 1 equal to",
+    )
     assert_job_works("mm-ag")
     # async: the error surfaces at synchronize, the handle is gone afterwards
     h = hvd.allreduce_async(torch.ones(3 + r), name="mm.async")
@@ -692,7 +782,6 @@ def _raw_same_name_op(r: int) -> None:
         del keep
 
 
-
 # ---- join and barrier ------------------------------------------------------------------------
 def test_barrier():
     for _ in range(5):
@@ -709,25 +798,44 @@ def test_join_size_one_or_all_at_once():
     assert_job_works("join-all")
 
 
+# Unnamed ops are named "<op>.noname.<handle>" from a per-process handle counter (as in
+# Horovod), so every rank must enqueue the same number of ops: the join tests rotate roles so
+# that each rank does the same work over a whole test.
+
+
 @needs_peers()
 @pytest.mark.parametrize("dtype", ["int32", "int64", "float32", "float64"])
 def test_join_allreduce_staggered(dtype):
-    """Rank r runs r allreduces then joins; joined ranks contribute zeros."""
+    """The rank with role q runs q allreduce pairs, then joins; joined ranks contribute zeros."""
     n, r = size(), rank()
-    for rep in range(2):  # second round: cached responses
-        cases = [inputs_for(("join", k), n, lambda q: (5, 3), dtype, -100, 100)
-                 for k in range(n - 1)]
-        for k in range(r):
+    for rnd in range(n):
+        role = (r + rnd) % n
+        holder = [(q - rnd) % n for q in range(n)]  # holder[q]: the rank with role q
+        cases = [
+            inputs_for(("join", rnd, k), n, lambda q: (5, 3), dtype, -100, 100)
+            for k in range(n - 1)
+        ]
+        for k in range(role):
             mine = to_torch(cases[k][r], dtype)
             got_sum = hvd.allreduce(mine, op=hvd.Sum, name=f"join.sum.{k}")
             got_avg = hvd.allreduce(mine, op=hvd.Average, name=f"join.avg.{k}")
-            joined = list(range(k + 1))  # ranks 0..k have joined before allreduce k
-            check(got_sum, ref.join_allreduce(cases[k], joined, ref.SUM, dtype), dtype, 0,
-                  f"join sum {k} rep {rep}")
-            check(got_avg, ref.join_allreduce(cases[k], joined, ref.AVERAGE, dtype), dtype,
-                  ref.tolerance(dtype, ref.AVERAGE, n), f"join avg {k} rep {rep}")
+            joined = [holder[q] for q in range(k + 1)]  # roles 0..k joined before allreduce k
+            check(
+                got_sum,
+                ref.join_allreduce(cases[k], joined, ref.SUM, dtype),
+                dtype,
+                0,
+                f"join sum {k} round {rnd}",
+            )
+            check(
+                got_avg,
+                ref.join_allreduce(cases[k], joined, ref.AVERAGE, dtype),
+                dtype,
+                ref.tolerance(dtype, ref.AVERAGE, n),
+                f"join avg {k} round {rnd}",
+            )
         last = hvd.join()
-        assert last == n - 1, f"join returned {last}, expected the last rank {n - 1}"
+        assert last == holder[n - 1], f"join returned {last}, expected {holder[n - 1]}"
     assert_job_works("join")
 
 
@@ -735,7 +843,7 @@ def test_join_allreduce_staggered(dtype):
 def test_join_first_rank_and_grouped():
     """Horovod's pattern: one rank joins first; the others allreduce (fused) then join."""
     n, r = size(), rank()
-    for first in (0, n - 1):
+    for first in range(n):
         a = torch.arange(25, dtype=torch.float32).view(5, 5) + r
         b = torch.arange(17, dtype=torch.float32) * (r + 1)
         if r == first:
@@ -750,22 +858,26 @@ def test_join_first_rank_and_grouped():
             assert torch.equal(ga, ea) and torch.equal(gb, eb)
             ret = hvd.join()
         assert ret != first
-        assert hvd.allgather(torch.tensor([ret])).tolist() == [ret] * n
+        assert hvd.allgather(torch.tensor([ret]), name="join.ret").tolist() == [ret] * n
 
 
 @needs_peers()
 def test_join_with_allgather_fails():
-    if rank() == 0:
-        hvd.join()
-    else:
-        with pytest.raises(HorovodInternalError, match="Allgather is not supported with Join"):
-            hvd.allgather(torch.ones(2), name="join.ag")
-        hvd.join()
+    for first in range(size()):
+        if rank() == first:
+            hvd.join()
+        else:
+            with pytest.raises(
+                HorovodInternalError, match="Allgather is not supported with Join at this time."
+            ):
+                hvd.allgather(torch.ones(2), name="join.ag")
+            hvd.join()
     assert_job_works("join-ag")
 
 
 # ---- lifecycle -------------------------------------------------------------------------------
 def test_ops_before_init_and_reinit():
+    hvd.barrier()  # any rank's shutdown stops the whole job: wait for the others first
     hvd.shutdown()
     assert not hvd.is_initialized()
     with pytest.raises(ValueError, match=NOT_INIT):
@@ -786,14 +898,19 @@ def test_ops_before_init_and_reinit():
 def test_pending_handle_fails_at_shutdown_no_hang():
     if size() == 1:
         pytest.skip("needs a peer that never submits")
-    # rank 0 submits a tensor nobody else submits, then shuts down: the handle must fail
-    # (not hang), and everyone re-initializes cleanly.
-    if rank() == 0:
-        h = hvd.allreduce_async(torch.ones(3), name="never.matched")
-        hvd.shutdown()
+    # every rank submits a tensor nobody else submits, then shuts down: shutdown must not
+    # hang on the pending handles, and everyone re-initializes cleanly.
+    # A peer's shutdown stops this rank's runtime too (Horovod semantics), so the enqueue may
+    # already see the shutdown.
+    hvd.barrier()
+    try:
+        h = hvd.allreduce_async(torch.ones(3), name=f"never.matched.{rank()}")
+    except HorovodInternalError as e:
+        assert "Horovod has been shut down" in str(e)
+        h = None
+    hvd.shutdown()
+    if h is not None:
         assert hvd.synchronize(h) is None  # shutdown dropped the handle
-    else:
-        hvd.shutdown()
     hvd.init()
     assert_job_works("after-pending-shutdown")
 

@@ -13,8 +13,11 @@ namespace bagua_hvd {
 // compile-time constants on purpose (an environment knob differing between ranks would make ranks
 // run different algorithms and corrupt the byte streams).
 //
-// Allreduce uses the direct (all-to-all, one round) algorithm up to this many bytes per rank.
+// Allreduce uses the direct (all-to-all, one round) algorithm up to this many bytes per rank, as
+// long as each rank sends at most kAllreduceDirectMaxTotal bytes in all. Measured at n = 2 on
+// this 2-core machine: direct and ring cost the same at 64 KiB; below, direct wins by 2x.
 constexpr size_t kAllreduceDirectMaxBytes = 64 << 10;
+constexpr size_t kAllreduceDirectMaxTotal = 4 << 20;
 // Allgatherv and broadcast send directly to every peer up to this many bytes in total.
 constexpr size_t kAllgatherDirectMaxBytes = 256 << 10;
 constexpr size_t kBroadcastDirectMaxBytes = 256 << 10;

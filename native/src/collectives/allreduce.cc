@@ -36,7 +36,9 @@ void allreduce(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op)
   check_reduction(dtype, op, "allreduce");
   if (comm.size() <= 1 || count == 0) return;
   // Direct: one round, n-1 copies of the buffer per rank; ring: 2(n-1) rounds, 2(n-1)/n copies.
-  if (count * dtype_size(dtype) <= kAllreduceDirectMaxBytes) {
+  const size_t bytes = count * dtype_size(dtype);
+  if (bytes <= kAllreduceDirectMaxBytes &&
+      bytes * static_cast<size_t>(comm.size() - 1) <= kAllreduceDirectMaxTotal) {
     allreduce_direct(comm, buf, count, dtype, op);
   } else {
     allreduce_ring(comm, buf, count, dtype, op, kChunkBytes);

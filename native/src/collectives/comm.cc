@@ -14,6 +14,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "collectives/algorithms.h"
 #include "collectives/collectives.h"
 
 namespace bagua_hvd {
@@ -139,8 +140,8 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what) {
                                   " bytes with a null buffer");
     }
     if (x.kind == Xfer::RECV_REDUCE) {
-      const size_t es = dtype_size(x.dtype);
-      if (es == 0 || x.len % es != 0) {
+      check_reduction(x.dtype, x.op, what);
+      if (x.len % dtype_size(x.dtype) != 0) {
         throw std::invalid_argument(std::string(what) + ": reducing transfer of " +
                                     std::to_string(x.len) + " bytes is not a whole number of " +
                                     dtype_name(x.dtype) + " elements");

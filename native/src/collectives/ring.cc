@@ -21,7 +21,7 @@ void ring_pipeline(Comm& comm, unsigned char* buf, const std::vector<size_t>& se
   const size_t es = dtype_size(dtype);
   // Segment k is only written by the last reduce-scatter step, so it can be seeded into rs_out
   // first and reduced there.
-  if (reduce_scatter && rs_out != nullptr && rs_out != buf + seg_off[k]) {
+  if (reduce_scatter && rs_out != nullptr && seg_len[k] != 0 && rs_out != buf + seg_off[k]) {
     std::memmove(rs_out, buf + seg_off[k], seg_len[k]);
   }
   const int rs_steps = reduce_scatter ? n - 1 : 0;

@@ -267,8 +267,8 @@ size_t ShmPair::peek(const void** ptr) {
 void ShmPair::consume(size_t n) {
   if (n == 0) return;
   if (n > in_tail_cache_ - in_head_) {
-    throw TransportError("shm consume(" + std::to_string(n) + ") past the readable bytes from rank " +
-                         std::to_string(peer_));
+    throw TransportError("shm consume(" + std::to_string(n) +
+                         ") past the readable bytes from rank " + std::to_string(peer_));
   }
   in_head_ += n;
   in_.ctl->head.store(in_head_, std::memory_order_release);
@@ -304,7 +304,12 @@ void ShmPair::after_consume() {
 }
 
 void ShmPair::check_alive() {
-  if (!pid_alive(peer_pid_)) {
+  if (pid_alive(peer_pid_)) return;
+  // Like TCP, bytes the peer wrote before it died are still delivered: report the death once
+  // they are consumed, unless we are stuck sending to it.
+  const bool unread = in_.ctl->tail.load(std::memory_order_acquire) != in_head_;
+  const bool send_blocked = out_.ctl->want_space.load(std::memory_order_relaxed) != 0;
+  if (!unread || send_blocked) {
     throw TransportError("rank " + std::to_string(peer_) + " (pid " + std::to_string(peer_pid_) +
                          ") on this host exited");
   }

@@ -82,6 +82,8 @@ class ShmPair : public Pair {
   size_t try_recv(void* buf, size_t len) override;
   size_t peek(const void** ptr) override;
   void consume(size_t n) override;
+  // Throws once the peer's pid is gone or a zombie and nothing it wrote is left unread (or our
+  // send to it is blocked).
   void check_alive() override;
 
  private:

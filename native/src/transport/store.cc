@@ -115,6 +115,10 @@ std::unique_ptr<Store> connect_tcp_store(const std::string& host, int port,
                          std::to_string(port) +
                          "' (HOROVOD_GLOO_RENDEZVOUS_ADDR / HOROVOD_GLOO_RENDEZVOUS_PORT)");
   }
+  if (secret.empty()) {
+    throw TransportError("the job secret is empty (BAGUA_HVD_SECRET must hold the launcher's hex "
+                         "secret)");
+  }
   const std::string what = "the rendezvous store";
   const std::string where = what + " at " + format_endpoint(host, port);
   Deadline deadline = deadline_after(timeout_s);

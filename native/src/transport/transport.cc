@@ -70,7 +70,10 @@ RankInfo decode(const std::string& v, int rank, const std::string& key) {
     try {
       if (k == "host") info.host = val;
       if (k == "addr") info.addr = val;
-      if (k == "port") info.port = std::stoi(val), have_port = true;
+      if (k == "port") {
+        info.port = std::stoi(val);
+        have_port = true;
+      }
       if (k == "pid") info.pid = std::stoi(val);
       if (k == "shm") info.shm = val == "1";
     } catch (const std::exception&) {
@@ -365,7 +368,10 @@ void NetTransport::setup_tcp(const BootstrapConfig& cfg, Listener& listener,
   std::vector<char> expect(size_, 0);
   int expected = 0;
   for (int r = rank_ + 1; r < size_; ++r) {
-    if (!data_[r]) expect[r] = 1, expected += 2;
+    if (!data_[r]) {
+      expect[r] = 1;
+      expected += 2;  // ctrl and data
+    }
   }
   for (int r = 0; r < size_; ++r) {
     if (r != rank_ && !data_[r]) any_tcp_ = true;
@@ -523,11 +529,12 @@ void NetTransport::wait(std::chrono::microseconds timeout) {
     // The epoll fd is readable while its (edge-triggered) ready list is non-empty.
     pollfd p{epoll_.get(), POLLIN, 0};
     int r = ppoll(&p, 1, &ts, nullptr);
-    if (r > 0) {
-      harvest();
+    if (r > 0) harvest();
+    if (r > 0 || Clock::now() >= deadline) {
+      // Whatever rang meanwhile is covered by this return: the caller re-checks every pair.
+      if (bell_) seen_ = bell_->seq.load(std::memory_order_acquire);
       return;
     }
-    if (Clock::now() >= deadline) return;
   }
 }
 
