@@ -281,6 +281,12 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what) {
         if (lane.pair != nullptr) lane.pair->check_alive();
         if (idle >= timeout) throw stuck_error(lane, timeout);
       }
+      // A rank we are not waiting on may be the one that died (the peer we wait on is then
+      // stuck behind it): check every member so the error names the rank that is gone.
+      if (!progress) {
+        for (int r = 0; r < size(); ++r)
+          if (r != rank_) transport_.data(global_ranks_[r]).check_alive();
+      }
     }
   }
 }

@@ -48,4 +48,19 @@ size_t TcpPair::try_recv(void* buf, size_t len) {
   }
 }
 
+void TcpPair::check_alive() {
+  if (!failed_.empty()) throw TransportError(failed_);
+  char c;
+  for (;;) {
+    ssize_t n = ::recv(fd_.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0) return;  // unread bytes: alive as far as we can tell
+    if (n == 0) fail("closed: the peer exited or failed");
+    int err = errno;
+    if (err == EINTR) continue;
+    if (err == EAGAIN || err == EWOULDBLOCK) return;
+    if (err == ECONNRESET) fail("closed: the peer exited or failed (connection reset)");
+    fail("failed on receive (" + std::string(channel_) + " channel): " + errno_string(err));
+  }
+}
+
 }  // namespace bagua_hvd

@@ -17,6 +17,8 @@ class TcpPair : public Pair {
   size_t try_send(const void* buf, size_t len) override;
   size_t try_recv(void* buf, size_t len) override;
   int fd() const override { return fd_.get(); }
+  // Detects an orderly close or reset without consuming data (MSG_PEEK).
+  void check_alive() override;
 
  private:
   [[noreturn]] void fail(const std::string& why);

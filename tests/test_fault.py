@@ -1,0 +1,35 @@
+"""A rank killed with SIGKILL while the others are inside an allreduce: the survivors raise an
+error naming it within the timeout, and the launcher exits non-zero naming the rank."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "workers" / "kill_during_allreduce.py"
+
+
+@pytest.mark.parametrize("np_,transport", [(2, "auto"), (3, "auto"), (3, "tcp")])
+def test_sigkill_during_allreduce(np_, transport):
+    pytest.importorskip("torch")
+    env = dict(os.environ, HOROVOD_GLOO_TIMEOUT_SECONDS="10", BAGUA_HVD_TRANSPORT=transport)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", str(np_), sys.executable,
+         str(WORKER)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "Process name: 1" in out, out
+    assert "Exit code: 137" in out, out
+    survivors = [r for r in range(np_) if r != 1]
+    for r in survivors:
+        m = re.search(rf"rank {r} caught after ([0-9.]+) s: (.*)", out)
+        assert m, f"rank {r} did not raise:\n{out}"
+        assert float(m.group(1)) < 10.0, out  # within HOROVOD_GLOO_TIMEOUT_SECONDS
+        assert "rank 1" in m.group(2), m.group(2)
