@@ -417,16 +417,17 @@ def output_copy(handle: int, index: int, dst: int) -> None:
         )
 
 
-def received_splits(handle: int, count: int) -> List[int]:
-    """Alltoall: the number of rows received from each of the ``count`` process-set ranks."""
+def received_splits(handle: int) -> List[int]:
+    """Alltoall: the number of rows this rank received from each process-set rank."""
     n = _n if _n is not None else native()
-    buf = n.newp(n.i32_t, max(count, 1))
-    got = n.lib.bhvd_received_splits(handle, buf, count)
-    if got < 0:
+    count = n.lib.bhvd_received_splits(handle, n.null, 0)
+    if count < 0:
         raise HorovodInternalError(
-            f"reading the received splits of handle {handle}: {_native.last_error()}"
+            f"reading the received splits of handle {handle}: unknown handle"
         )
-    return list(buf[0 : min(got, count)])
+    buf = n.newp(n.i32_t, max(count, 1))
+    n.lib.bhvd_received_splits(handle, buf, count)
+    return list(buf[0:count])
 
 
 def join_result(handle: int) -> int:

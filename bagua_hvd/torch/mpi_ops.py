@@ -261,10 +261,6 @@ def _ps_id(process_set: ProcessSet) -> int:
     return -1 if ps_id is None else ps_id
 
 
-def _label(prefix: str, name: str | None, handle: int) -> str:
-    return name if name is not None else f"{prefix}.noname.{handle}"
-
-
 def _register(handle: int, finish: Callable[[int], Any], keep: Any, label: str) -> int:
     _handle_map[handle] = (finish, keep, label)
     return handle
@@ -750,8 +746,7 @@ def _gather_like_async(
                 out = out.to(t.device)
             outs.append(out)
         if op_type == _ops.OP_ALLTOALL:
-            count = _ops.process_set_size(ps_id)
-            rsplits = torch.tensor(_ops.received_splits(h, count), dtype=torch.int32)
+            rsplits = torch.tensor(_ops.received_splits(h), dtype=torch.int32)
             if splits_like is not None and splits_like.device != rsplits.device:
                 rsplits = rsplits.to(splits_like.device)
             return outs[0], rsplits

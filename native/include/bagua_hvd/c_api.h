@@ -120,7 +120,10 @@ int bhvd_cross_size(void);
 int bhvd_is_homogeneous(void);
 
 /* ---- build and runtime facts ---------------------------------------------------------------- */
+/* 1 when CUDA kernels were compiled in. Collectives on device pointers are accepted only when
+ * bhvd_device_pointers_supported() is 1. */
 int bhvd_cuda_built(void);
+int bhvd_device_pointers_supported(void);
 int bhvd_nccl_built(void); /* NCCL_VERSION_CODE or 0 */
 /* Name of the transport used between two ranks of the global set: "self", "shm" or "tcp". */
 const char* bhvd_transport_name(int32_t peer_rank);
@@ -137,7 +140,10 @@ int bhvd_add_process_set(const int32_t* ranks, int32_t n, int32_t* id_out);
 int bhvd_remove_process_set(int32_t id);
 
 /* ---- operations --------------------------------------------------------------------------- */
-/* Queues an operation; returns BHVD_OK and a handle, or BHVD_INVALID_ARGUMENT etc. at once. */
+/* Queues an operation; returns BHVD_OK and a handle, or BHVD_INVALID_ARGUMENT etc. at once.
+ * The request struct, its name, shapes and splits are copied: the caller may reuse them as soon as
+ * this returns (tensor data must stay alive until the handle completes). A rejected request does
+ * not consume a handle id, so unnamed ops stay aligned across ranks. */
 int bhvd_enqueue(const bhvd_request* request, int64_t* handle_out);
 /* 1 when done (successfully or not), 0 while in flight, -1 for an unknown handle. */
 int bhvd_poll(int64_t handle);

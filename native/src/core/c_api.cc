@@ -79,6 +79,7 @@ int bhvd_cuda_built(void) {
 #endif
 }
 int bhvd_nccl_built(void) { return 0; }
+int bhvd_device_pointers_supported(void) { return 0; }
 
 const char* bhvd_transport_name(int32_t peer_rank) {
   return Runtime::get().initialized() ? Runtime::get().transport_kind(peer_rank) : "";

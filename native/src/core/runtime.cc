@@ -193,6 +193,9 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
     stop_status_ = Status::OK();
     barrier_counter_.clear();
     internal_counter_ = 0;
+    // Unnamed ops are named after their handle: every rank restarts the count together.
+    handles_.clear();
+    next_handle_ = 1;
   }
   dynamic_sets_ = dynamic_sets;
   cache_.clear();
@@ -277,7 +280,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
     return Status::InvalidArgument("broadcast received invalid root rank " +
                                    std::to_string(req.root_rank) + " for provided process set");
 
-  const int64_t id = next_handle_++;
+  const int64_t id = next_handle_;  // consumed only if the request is accepted
   const int n = tensor_op ? req.num_tensors : 0;
   std::vector<Request> reqs;
   std::string base;
@@ -318,7 +321,9 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
         return Status::InvalidArgument(title + ": tensor data pointer is NULL");
       const bool needs_output = t == BHVD_OP_ALLREDUCE || t == BHVD_OP_BROADCAST ||
                                 t == BHVD_OP_REDUCESCATTER;
-      if (needs_output && (!req.outputs || (!req.outputs[i].data && num_elements(r.shape) > 0)))
+      // A reducescatter output can be empty on this rank while the input is not.
+      if (needs_output && (!req.outputs || (!req.outputs[i].data && num_elements(r.shape) > 0 &&
+                                            t != BHVD_OP_REDUCESCATTER)))
         return Status::InvalidArgument(title + ": output tensor is required");
       if (t == BHVD_OP_ALLTOALL) {
         int64_t dim0 = r.shape.empty() ? 0 : r.shape[0];
@@ -351,6 +356,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
     reqs.push_back(std::move(r));
   }
   if (t == BHVD_OP_BARRIER) ++barrier_counter_[req.process_set_id];
+  ++next_handle_;
 
   auto h = std::make_shared<Handle>();
   h->id = id;
