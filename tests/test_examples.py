@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,21 +32,33 @@ def launcher() -> list[str]:
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Runs cmd from the repository root; fails the test on a non-zero exit or after TIMEOUT_S."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    try:
-        proc = subprocess.run(
-            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(
-            f"{' '.join(cmd)} did not finish in {TIMEOUT_S} s; output so far:\n"
-            f"{exc.stdout or ''}\n{exc.stderr or ''}"
-        )
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout\n{proc.stdout}\n"
-        f"--- stderr\n{proc.stderr}"
+    # A collective stuck on a bug fails with the core's message instead of waiting out TIMEOUT_S.
+    env.setdefault("BAGUA_HVD_OP_TIMEOUT_SECONDS", "60")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
-    return proc
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the launcher stops its ranks on SIGTERM ...
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # ... or everything in its group goes
+            out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT_S} s:\n{out}\n{err}")
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+    )
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def final_accuracy(proc: subprocess.CompletedProcess) -> float:

@@ -278,3 +278,20 @@ def test_static_and_dynamic_together(restore_default):
                 hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=extra, name="extra").item()
                 == 1.0
             )
+
+
+def test_same_names_in_disjoint_sets(restore_default):
+    """Names are unique per process set, as in Horovod: two disjoint sets may run ops with the
+    same name (here unnamed ones, named from equal handle counters) at the same time."""
+    n = hvd.size()
+    evens = hvd.ProcessSet(list(range(0, n, 2)))
+    odds = hvd.ProcessSet(list(range(1, n, 2))) if n > 1 else None
+    sets = [evens] + ([odds] if odds else [])
+    _reinit(process_sets=sets)
+    mine = evens if evens.included() else odds
+    for _ in range(20):
+        got = hvd.allreduce(torch.full((4,), float(hvd.rank())), op=hvd.Sum, process_set=mine)
+        assert torch.equal(got, torch.full((4,), float(sum(mine.ranks))))
+        got = hvd.allreduce(torch.ones(3), op=hvd.Sum, process_set=mine, name="same")
+        assert torch.equal(got, torch.full((3,), float(mine.size())))
+    _global_still_works()

@@ -107,7 +107,8 @@ void Coordinator::add_request(Request r) {
     for (auto& kv : table_) check_ready(kv.first, kv.second, now);
     return;
   }
-  auto& p = table_[r.name];
+  const std::string key = tensor_key(r.process_set_id, r.name);
+  auto& p = table_[key];
   if (p.reqs.empty()) {
     p.set_id = r.process_set_id;
     const auto* ranks = set_ranks(r.process_set_id);
@@ -129,7 +130,7 @@ void Coordinator::add_request(Request r) {
   }
   p.urgent = p.urgent || r.urgent;
   p.reqs[sr] = std::move(r);
-  check_ready(p.reqs[sr].name, p, now);
+  check_ready(key, p, now);
 }
 
 void Coordinator::check_ready(const std::string& name, Pending& p, Clock::time_point now) {
@@ -151,10 +152,10 @@ bool Coordinator::member_joined(const Pending& p) const {
   return false;
 }
 
-Response Coordinator::construct(const std::string& name, Pending& p) {
+Response Coordinator::construct(const std::string& key, Pending& p) {
   Response resp;
   resp.process_set_id = p.set_id;
-  resp.names = {name};
+  resp.names = {key_name(key)};
   // The first submitted request is the reference the others are compared with.
   size_t first = 0;
   while (first < p.have.size() && !p.have[first]) ++first;
@@ -312,7 +313,8 @@ void Coordinator::assign_cache_ids(Response& r, ResponseList& out) {
   if (params_.cache_capacity <= 0 || r.kind != Response::OP || !cacheable(r.type)) return;
   for (size_t i = 0; i < r.names.size(); ++i) {
     const std::string& name = r.names[i];
-    auto it = cache_by_name_.find(name);
+    const std::string key = tensor_key(r.process_set_id, name);
+    auto it = cache_by_name_.find(key);
     // The template is rebuilt from the response, which carries every parameter of the request.
     Request tmpl;
     tmpl.type = r.type;
@@ -345,7 +347,7 @@ void Coordinator::assign_cache_ids(Response& r, ResponseList& out) {
       int32_t victim = lru_.back();
       lru_.pop_back();
       auto& ve = cache_.at(victim);
-      cache_by_name_.erase(ve.tmpl.name);
+      cache_by_name_.erase(tensor_key(ve.tmpl.process_set_id, ve.tmpl.name));
       dead_templates_[victim] = std::move(ve.tmpl);
       cache_.erase(victim);
       pending_evictions_.push_back(victim);
@@ -353,7 +355,7 @@ void Coordinator::assign_cache_ids(Response& r, ResponseList& out) {
     int32_t id = next_cache_id_++;
     lru_.push_front(id);
     cache_[id] = CacheEntry{*req, lru_.begin()};
-    cache_by_name_[name] = id;
+    cache_by_name_[key] = id;
     r.cache_ids[i] = id;
   }
   (void)out;
@@ -412,7 +414,7 @@ void Coordinator::stall_check(Clock::time_point now, ResponseList& out,
     r.kind = Response::ERROR;
     r.type = table_[name].reqs.empty() ? 0 : table_[name].reqs[0].type;
     r.process_set_id = table_[name].set_id;
-    r.names = {name};
+    r.names = {key_name(name)};
     r.shapes = {{}};
     r.per_rank = {{}};
     r.cache_ids = {-1};

@@ -74,6 +74,13 @@ struct ResponseList {
   std::vector<int32_t> evicted;  // cache ids dropped by the coordinator
 };
 
+// Names are unique within a process set (as in Horovod, where every set has its own queue):
+// the core keys its tables by set and name.
+inline std::string tensor_key(int32_t set_id, const std::string& name) {
+  return std::to_string(set_id) + ":" + name;
+}
+inline std::string key_name(const std::string& key) { return key.substr(key.find(':') + 1); }
+
 std::string encode(const RequestList& m);
 std::string encode(const ResponseList& m);
 // Throw TransportError on malformed input (a peer sending garbage must not crash us).

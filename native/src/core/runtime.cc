@@ -299,7 +299,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
     r.rank = cfg_.rank;
     r.type = t;
     r.name = n > 1 ? base + "_" + std::to_string(i) : base;
-    r.process_set_id = req.process_set_id;
+    r.process_set_id = t == BHVD_OP_JOIN ? 0 : req.process_set_id;  // join is global
     r.reduce_op = static_cast<ReduceOp>(req.reduce_op);
     r.root_rank = req.root_rank;
     r.device = req.device;
@@ -350,7 +350,8 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
         }
       }
     }
-    if (table_.count(r.name)) return Status::InvalidArgument(kDuplicateName);
+    if (table_.count(tensor_key(r.process_set_id, r.name)))
+      return Status::InvalidArgument(kDuplicateName);
     for (const auto& o : reqs)
       if (o.name == r.name) return Status::InvalidArgument(kDuplicateName);
     reqs.push_back(std::move(r));
@@ -372,10 +373,11 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
       e.input = req.inputs[i].data;
       e.output = req.outputs ? req.outputs[i].data : nullptr;
     }
-    h->names.push_back(reqs[i].name);
+    const std::string key = tensor_key(reqs[i].process_set_id, reqs[i].name);
+    h->names.push_back(key);
     e.request = std::move(reqs[i]);
-    queue_.push_back(e.request.name);
-    table_.emplace(e.request.name, std::move(e));
+    queue_.push_back(key);
+    table_.emplace(key, std::move(e));
   }
   handles_[id] = h;
   *handle_out = id;
@@ -404,12 +406,13 @@ Status Runtime::run_internal(int32_t type, std::vector<int32_t> args, int32_t* r
     h->urgent = true;
     h->outputs.resize(1);
     h->output_shapes.resize(1);
-    h->names.push_back(r.name);
+    const std::string key = tensor_key(0, r.name);
+    h->names.push_back(key);
     Entry e;
     e.handle = h;
     e.request = std::move(r);
-    queue_.push_back(e.request.name);
-    table_.emplace(e.request.name, std::move(e));
+    queue_.push_back(key);
+    table_.emplace(key, std::move(e));
     handles_[id] = h;
     transport_->notify();
   }
@@ -681,29 +684,31 @@ unsigned char* Runtime::fusion(size_t bytes) {
 void Runtime::execute(const Response& r) {
   stats_.responses++;
   if (r.names.size() > 1) stats_.fused_tensors += static_cast<int64_t>(r.names.size());
+  std::vector<std::string> keys;
+  for (const auto& name : r.names) keys.push_back(tensor_key(r.process_set_id, name));
   if (r.kind == Response::ERROR) {
-    for (const auto& name : r.names) finish(name, Status::Precondition(r.error));
+    for (const auto& key : keys) finish(key, Status::Precondition(r.error));
     return;
   }
-  auto set_result = [&](const std::string& name, int32_t value) {
+  auto set_result = [&](const std::string& key, int32_t value) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = table_.find(name);
+    auto it = table_.find(key);
     if (it != table_.end()) it->second.handle->result = value;
   };
   switch (r.type) {
     case BHVD_OP_JOIN:
-      set_result("join", r.last_joined_rank);
-      finish("join", Status::OK());
+      set_result(tensor_key(0, "join"), r.last_joined_rank);
+      finish(tensor_key(0, "join"), Status::OK());
       return;
     case BHVD_OP_BARRIER:
-      finish(r.names[0], Status::OK());
+      finish(keys[0], Status::OK());
       return;
     case kOpAddProcessSet:
       register_set(r.new_set_id, r.set_ranks);
       if (coordinator_) coordinator_->set_next_set_id(std::max(coordinator_->next_set_id(),
                                                                r.new_set_id + 1));
-      set_result(r.names[0], r.new_set_id);
-      finish(r.names[0], Status::OK());
+      set_result(keys[0], r.new_set_id);
+      finish(keys[0], Status::OK());
       return;
     case kOpRemoveProcessSet: {
       {
@@ -711,8 +716,8 @@ void Runtime::execute(const Response& r) {
         sets_.erase(r.new_set_id);
         comms_.erase(r.new_set_id);
       }
-      set_result(r.names[0], r.new_set_id);
-      finish(r.names[0], Status::OK());
+      set_result(keys[0], r.new_set_id);
+      finish(keys[0], Status::OK());
       return;
     }
     default:
@@ -723,8 +728,8 @@ void Runtime::execute(const Response& r) {
   std::vector<Entry*> entries;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& name : r.names) {
-      auto it = table_.find(name);
+    for (const auto& key : keys) {
+      auto it = table_.find(key);
       entries.push_back(it == table_.end() ? nullptr : &it->second);
     }
   }
@@ -735,17 +740,17 @@ void Runtime::execute(const Response& r) {
     case BHVD_OP_ALLTOALL: execute_alltoall(r, *comm, entries); break;
     case BHVD_OP_REDUCESCATTER: execute_reducescatter(r, *comm, entries); break;
     default:
-      for (const auto& name : r.names)
-        finish(name, Status::Error(StatusType::UNKNOWN_ERROR, "unsupported response type"));
+      for (const auto& key : keys)
+        finish(key, Status::Error(StatusType::UNKNOWN_ERROR, "unsupported response type"));
       return;
   }
-  for (size_t i = 0; i < r.names.size(); ++i) {
+  for (size_t i = 0; i < keys.size(); ++i) {
     if (r.cache_ids[i] >= 0 && entries[i]) {
-      cache_names_.erase(cache_.count(r.names[i]) ? cache_[r.names[i]].first : -1);
-      cache_[r.names[i]] = {r.cache_ids[i], entries[i]->request};
-      cache_names_[r.cache_ids[i]] = r.names[i];
+      if (auto old = cache_.find(keys[i]); old != cache_.end()) cache_names_.erase(old->second.first);
+      cache_[keys[i]] = {r.cache_ids[i], entries[i]->request};
+      cache_names_[r.cache_ids[i]] = keys[i];
     }
-    finish(r.names[i], Status::OK());
+    finish(keys[i], Status::OK());
   }
 }
 
