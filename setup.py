@@ -23,12 +23,20 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
+    def get_ext_filename(self, fullname: str) -> str:
+        # CMake names the library libbagua_hvd.so (cffi dlopens it), not <name>.cpython-XY-...so.
+        if fullname == "bagua_hvd._lib.libbagua_hvd":
+            return os.path.join("bagua_hvd", "_lib", "libbagua_hvd.so")
+        return super().get_ext_filename(fullname)
+
     def build_extension(self, ext: Extension) -> None:
         if shutil.which("cmake") is None:
             raise RuntimeError("bagua_hvd needs CMake (>= 3.18) to build its core library")
         # In-place (pip install -e .) builds land in the source tree; wheels in build_lib.
-        pkg_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        lib_dir = pkg_dir / "_lib"
+        lib_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        # Editable installs copy the library into the source tree's _lib, which a fresh
+        # checkout lacks (it holds only build outputs).
+        (ROOT / "bagua_hvd" / "_lib").mkdir(exist_ok=True)
         build_temp = Path(self.build_temp).resolve() / "cmake"
         build_temp.mkdir(parents=True, exist_ok=True)
         cfg = os.environ.get("BAGUA_HVD_BUILD_TYPE", "Release")
