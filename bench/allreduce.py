@@ -9,7 +9,7 @@ then initializes bagua_hvd and a gloo process group on 127.0.0.1 (GLOO_SOCKET_IF
 two libraries are measured in the same processes, on the same data, alternately.
 
 Method (docs/benchmarks.md): float32 sum; per size, warm-up iterations, then timed iterations in
-which the backends alternate; each timed iteration is preceded by a (gloo) barrier and its input
+which the backends alternate; each timed iteration is preceded by that library's own barrier and its input
 is refilled outside the timed region; the iteration's time is the max over ranks; the table shows
 the median over iterations. Every result is checked against the exact expected sum.
 busbw = 2(n-1)/n * bytes / time (MB = 1e6 B).
@@ -231,7 +231,13 @@ class Bench:
         """One iteration: refill, barrier, timed allreduce, check. Returns this rank's seconds."""
         torch, dist = self.torch, self.dist
         buf.copy_(src)
-        dist.barrier()
+        # Each library is timed after its own barrier: the ranks then leave it about together,
+        # as they would in a training step, and one library's wake-up skew does not bill the
+        # other (gloo's barrier alone costs ~0.5 ms with a skew of the same order).
+        if backend == "gloo":
+            dist.barrier()
+        else:
+            self.hvd.barrier()
         start = time.perf_counter()
         if backend == "gloo":
             dist.all_reduce(buf, op=dist.ReduceOp.SUM)
