@@ -6,10 +6,10 @@
 
 The script launches itself through bagua-run (`python -m bagua_hvd.runner.launch`). Every rank
 then initializes bagua_hvd and a gloo process group on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), so the
-two libraries are measured in the same processes, on the same data, alternately.
+two libraries are measured in the same processes, on the same data.
 
-Method (docs/benchmarks.md): float32 sum; per size, warm-up iterations, then timed iterations in
-which the backends alternate; each timed iteration is preceded by that library's own barrier and its input
+Method (docs/benchmarks.md): float32 sum; per size, each library runs a block of warm-up and
+timed iterations, in A-B-B-A order over two halves; each timed iteration is preceded by that library's own barrier and its input
 is refilled outside the timed region; the iteration's time is the max over ranks; the table shows
 the median over iterations. Every result is checked against the exact expected sum.
 busbw = 2(n-1)/n * bytes / time (MB = 1e6 B).
@@ -262,13 +262,18 @@ class Bench:
         buf = torch.empty_like(src)
         iters = self.args.iters or iterations_for(nbytes)
         name = f"bench.allreduce.{nbytes}"
-        for _ in range(self.args.warmup):
-            for backend in self.args.backend_list:
-                self.run_one(backend, buf, src, expected, name)
+        # One block of iterations per library, in ABBA order across halves so that slow drift
+        # of the machine hits both alike. Blocks rather than alternating single iterations:
+        # gloo's worker threads stay busy for a while after each of its ops and would bill
+        # their wake-ups to whichever library runs next.
         local = {b: [] for b in self.args.backend_list}
-        for _ in range(iters):
-            for backend in self.args.backend_list:  # alternate: drift hits both alike
-                local[backend].append(self.run_one(backend, buf, src, expected, name))
+        order = list(self.args.backend_list)
+        for half in range(2):
+            for backend in order if half == 0 else reversed(order):
+                for _ in range(self.args.warmup):
+                    self.run_one(backend, buf, src, expected, name)
+                for _ in range((iters + 1 - half) // 2):
+                    local[backend].append(self.run_one(backend, buf, src, expected, name))
         result = Result()
         for backend, times in local.items():
             t = torch.tensor(times, dtype=torch.float64)

@@ -113,6 +113,7 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
   cp.stall_warning_s =
       env_bool("STALL_CHECK_DISABLE", false) ? 0 : env_double("STALL_CHECK_TIME_SECONDS", 60);
   cp.stall_shutdown_s = env_double("STALL_SHUTDOWN_TIME_SECONDS", 0);
+  spin_ = std::chrono::microseconds(env_int("SPIN_US", 1000));
 
   try {
     if (!addr || !*addr) {
@@ -202,6 +203,8 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
   cache_names_.clear();
   acked_seq_ = 0;
   sent_shutdown_ = false;
+  oversubscribed_ =
+      cfg_.local_size > static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   inbox_.assign(cfg_.size, std::string());
   inbox_error_.assign(cfg_.size, std::string());
   coordinator_.reset();
@@ -514,9 +517,21 @@ void Runtime::loop() {
         idle_since = now;
         continue;
       }
-      // Spin briefly: a reply usually follows within microseconds, and a futex sleep costs more.
-      if (now - idle_since < std::chrono::microseconds(50)) {
-        for (int i = 0; i < 64; ++i) BHVD_CPU_RELAX();
+      // Poll before sleeping while this rank has ops in flight: their responses usually follow
+      // within microseconds, and waking a sleeping thread (an idle vCPU, in a VM) costs tens of
+      // microseconds per hop. With nothing in flight, sleep soon and leave the cores to compute.
+      // BAGUA_HVD_SPIN_US (default 1000) bounds the polling.
+      bool in_flight;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        in_flight = !table_.empty();
+      }
+      if (now - idle_since < (in_flight ? spin_ : std::chrono::microseconds(200))) {
+        // More busy pollers than cores would starve the one that has work: yield instead.
+        if (oversubscribed_)
+          std::this_thread::yield();
+        else
+          for (int i = 0; i < 64; ++i) BHVD_CPU_RELAX();
         continue;
       }
       auto timeout = std::chrono::microseconds(100000);
