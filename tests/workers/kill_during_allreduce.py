@@ -14,7 +14,7 @@ import bagua_hvd.torch as hvd
 hvd.init()
 rank = hvd.rank()
 x = torch.ones(1 << 16)
-for i in range(20):  # warm up: the job works
+for _ in range(20):  # warm up: the job works
     hvd.allreduce(x, name="warm", op=hvd.Sum)
 
 if rank == 1:
@@ -22,7 +22,7 @@ if rank == 1:
     threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
 start = time.monotonic()
 try:
-    for i in range(1_000_000):
+    for _ in range(1_000_000):
         hvd.allreduce(x, name="loop", op=hvd.Sum)
         if rank != 1 and time.monotonic() - start > 60:
             print("NO ERROR after 60 s", flush=True)
