@@ -1,0 +1,53 @@
+"""Two launchers on this machine act as two nodes (`--num-nodes 2`): ranks on one node use
+shared memory, ranks on different nodes TCP, and collectives across them are correct."""
+
+import ast
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "workers" / "multinode_allreduce.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_use_shm_within_and_tcp_between():
+    pytest.importorskip("torch")
+    port = _free_port()
+    env = dict(os.environ, BAGUA_HVD_SECRET="5a" * 32, HOROVOD_GLOO_TIMEOUT_SECONDS="30")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    common = [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "4", "--num-nodes", "2",
+              "--rendezvous-addr", f"127.0.0.1:{port}"]
+    nodes = [subprocess.Popen(common + ["--node-rank", str(i), sys.executable, str(WORKER)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = []
+    for p in nodes:
+        try:
+            outs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in nodes:
+                q.kill()
+            pytest.fail("the two-node job did not finish in 120 s")
+    text = "\n".join(outs)
+    assert all(p.returncode == 0 for p in nodes), text
+    seen = {}
+    for m in re.finditer(r"rank (\d) node (\d) local (\d) transports (\[.*?\])", text):
+        seen[int(m.group(1))] = (int(m.group(2)), ast.literal_eval(m.group(4)))
+    assert sorted(seen) == [0, 1, 2, 3], text
+    for r, (node, kinds) in seen.items():
+        assert node == r // 2, text  # node-major rank placement
+        for peer, kind in enumerate(kinds):
+            expected = "self" if peer == r else ("shm" if peer // 2 == r // 2 else "tcp")
+            assert kind == expected, f"rank {r} -> {peer}: {kind} != {expected}\n{text}"
+    assert len(re.findall(r"rank \d OK", text)) == 4, text
