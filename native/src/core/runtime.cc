@@ -462,6 +462,11 @@ Status Runtime::wait(int64_t handle, int64_t timeout_ms) {
     if (transport_) transport_->notify();
   }
   auto pred = [&] { return h->done; };
+  struct Waiting {  // counts callers blocked in wait(), which lets the background thread poll
+    std::atomic<int>& n;
+    explicit Waiting(std::atomic<int>& c) : n(c) { n.fetch_add(1); }
+    ~Waiting() { n.fetch_sub(1); }
+  } waiting(waiters_);
   if (timeout_ms < 0) {
     h->cv.wait(lock, pred);
   } else if (!h->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), pred)) {
@@ -517,16 +522,12 @@ void Runtime::loop() {
         idle_since = now;
         continue;
       }
-      // Poll before sleeping while this rank has ops in flight: their responses usually follow
-      // within microseconds, and waking a sleeping thread (an idle vCPU, in a VM) costs tens of
-      // microseconds per hop. With nothing in flight, sleep soon and leave the cores to compute.
-      // BAGUA_HVD_SPIN_US (default 1000) bounds the polling.
-      bool in_flight;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        in_flight = !table_.empty();
-      }
-      if (now - idle_since < (in_flight ? spin_ : std::chrono::microseconds(200))) {
+      // Poll before sleeping: replies usually follow within microseconds, and waking a sleeping
+      // thread (an idle vCPU, in a VM) costs tens of microseconds per hop. Poll long
+      // (BAGUA_HVD_SPIN_US, default 1000) only while a caller is blocked on us, since its core
+      // is then free; otherwise briefly, so that frontend threads computing keep their cores.
+      const bool caller_blocked = waiters_.load(std::memory_order_relaxed) > 0;
+      if (now - idle_since < (caller_blocked ? spin_ : std::chrono::microseconds(200))) {
         // More busy pollers than cores would starve the one that has work: yield instead.
         if (oversubscribed_)
           std::this_thread::yield();

@@ -132,6 +132,7 @@ class Runtime {
   std::vector<std::string> inbox_error_;  // per-peer failure seen after buffered frames
   std::vector<unsigned char> fusion_;
   double cycle_time_s_ = 1e-3;
+  std::atomic<int> waiters_{0};            // frontend threads blocked in wait()
   bool oversubscribed_ = false;            // more local ranks than cores
   std::chrono::microseconds spin_{1000};  // BAGUA_HVD_SPIN_US: poll this long before sleeping
   Clock::time_point wake_at_ = Clock::time_point::max();
