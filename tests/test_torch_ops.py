@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-INNER = ["test_torch_ops.py", "test_torch_process_sets.py", "test_torch_lifecycle.py"]
+INNER = ["test_torch_ops.py", "test_torch_process_sets.py", "test_torch_lifecycle.py", "test_torch_functions.py", "test_torch_optimizer.py"]
 TIMEOUT_S = 600
 
 

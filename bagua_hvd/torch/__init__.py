@@ -9,6 +9,12 @@ from bagua_hvd.common.exceptions import HorovodInternalError
 from bagua_hvd.common.util import check_extension
 from bagua_hvd.torch import compression, mpi_ops
 from bagua_hvd.torch.compression import Compression
+from bagua_hvd.torch.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
 from bagua_hvd.torch.mpi_ops import (
     Adasum,
     Average,
@@ -69,11 +75,17 @@ from bagua_hvd.torch.mpi_ops import (
     stop_timeline,
     synchronize,
 )
+from bagua_hvd.torch.optimizer import DistributedOptimizer
+from bagua_hvd.torch.sync_batch_norm import SyncBatchNorm
 
 check_extension("bagua_hvd.torch", "HOROVOD_WITH_PYTORCH", __file__, "mpi_lib_v2")
 
 __all__ = [
     "Compression",
+    "allgather_object",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
     "allreduce",
     "allreduce_async",
     "allreduce_",
@@ -133,6 +145,8 @@ __all__ = [
     "Max",
     "Product",
     "HorovodInternalError",
+    "DistributedOptimizer",
+    "SyncBatchNorm",
     "check_extension",
     "compression",
     "mpi_ops",

@@ -471,10 +471,10 @@ ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_a
       if (used[i]) continue;
       used[i] = 1;
       Response r = std::move(singles[i]);
+      const int64_t esize = static_cast<int64_t>(dtype_size(r.dtype));
+      int64_t bytes = r.kind == Response::OP ? num_elements(r.shapes[0]) * esize : 0;
       if (r.kind == Response::OP && r.type == BHVD_OP_ALLREDUCE &&
-          params_.fusion_threshold > 0) {
-        int64_t esize = static_cast<int64_t>(dtype_size(r.dtype));
-        int64_t bytes = num_elements(r.shapes[0]) * esize;
+          params_.fusion_threshold > 0 && bytes < params_.no_fuse_bytes) {
         for (size_t j = i + 1; j < singles.size(); ++j) {
           Response& c = singles[j];
           if (used[j] || c.kind != Response::OP || c.type != r.type ||
@@ -483,7 +483,7 @@ ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_a
               c.postscale != r.postscale || c.device != r.device)
             continue;
           int64_t cb = num_elements(c.shapes[0]) * esize;
-          if (bytes + cb > params_.fusion_threshold) continue;
+          if (cb >= params_.no_fuse_bytes || bytes + cb > params_.fusion_threshold) continue;
           bytes += cb;
           used[j] = 1;
           r.names.push_back(std::move(c.names[0]));

@@ -110,6 +110,7 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
   cp.fusion_threshold = fusion_threshold_;
   cp.cycle_time_s = cycle_time_s_;
   cp.cache_capacity = env_int("CACHE_CAPACITY", 1024);
+  cp.no_fuse_bytes = env_int("NO_FUSE_BYTES", int64_t(1) << 20);
   cp.stall_warning_s =
       env_bool("STALL_CHECK_DISABLE", false) ? 0 : env_double("STALL_CHECK_TIME_SECONDS", 60);
   cp.stall_shutdown_s = env_double("STALL_SHUTDOWN_TIME_SECONDS", 0);
