@@ -208,27 +208,70 @@ def _local_step(optimizer: torch.optim.Optimizer) -> None:
     raise TypeError(f"cannot find the wrapped optimizer's step() in {type(optimizer).__mro__}")
 
 
+# Parameters initialised per step() in _initialize_state: bounds the transient copies.
+_INIT_CHUNK_BYTES = 32 << 20
+
+
 def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
     """Horovod's state initialisation, one ``step()`` on zero gradients, without side effects:
-    the parameters and their ``.grad`` are restored afterwards."""
+    the parameters and their ``.grad`` are restored afterwards.
+
+    The step runs over chunks of about 32 MiB of parameters (the optimizer's param groups
+    temporarily narrowed to the chunk; torch's optimizers other than LBFGS update each parameter
+    independently), so the saved parameters and zero gradients never take more than a chunk's
+    worth of memory at a time instead of twice the model's size."""
     sparse = isinstance(optimizer, torch.optim.SparseAdam)
-    saved = []
-    for group in optimizer.param_groups:
+    original = optimizer.param_groups
+    chunks: List[List[Tuple[int, torch.Tensor]]] = [[]]
+    nbytes = 0
+    for gi, group in enumerate(original):
         for p in group["params"]:
             if not p.requires_grad:
                 continue
-            saved.append((p, p.detach().clone(), p.grad))
-            if sparse:
-                p.grad = torch.zeros_like(p).to_sparse()
-            else:
-                p.grad = torch.zeros_like(p)
+            if nbytes >= _INIT_CHUNK_BYTES:
+                chunks.append([])
+                nbytes = 0
+            chunks[-1].append((gi, p))
+            nbytes += p.numel() * p.element_size()
     try:
-        _local_step(optimizer)
+        for chunk in chunks:
+            if not chunk:
+                continue
+            members: Dict[int, List[torch.Tensor]] = {}
+            for gi, p in chunk:
+                members.setdefault(gi, []).append(p)
+            # Same option dicts (a step that updates an option updates the real group), fewer
+            # parameters.
+            optimizer.param_groups = [_NarrowedGroup(original[gi], ps) for gi, ps in members.items()]
+            saved = []
+            for _, p in chunk:
+                saved.append((p, p.detach().clone(), p.grad))
+                p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
+            try:
+                _local_step(optimizer)
+            finally:
+                with torch.no_grad():
+                    for p, value, grad in saved:
+                        p.copy_(value)
+                        p.grad = grad
+                del saved
     finally:
-        with torch.no_grad():
-            for p, value, grad in saved:
-                p.copy_(value)
-                p.grad = grad
+        optimizer.param_groups = original
+
+
+class _NarrowedGroup(dict):
+    """A param group restricted to some of its parameters that writes option changes through
+    to the original group."""
+
+    def __init__(self, group: Dict[str, Any], params: List[torch.Tensor]):
+        super().__init__(group)
+        self._group = group
+        dict.__setitem__(self, "params", params)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        if key != "params":
+            self._group[key] = value
 
 
 def _tensor_spec(t: torch.Tensor, p: Optional[torch.Tensor]) -> Tuple[Any, ...]:

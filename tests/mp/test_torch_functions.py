@@ -9,6 +9,7 @@ torch.nn.BatchNorm1d/2d/3d run on the concatenated batch. Run:
 
 from __future__ import annotations
 
+import copy
 import zlib
 
 import numpy as np
@@ -462,3 +463,40 @@ def test_broadcast_optimizer_state_tensor_options():
     assert opt.param_groups[0]["lr"] is lr
     assert torch.equal(lr, torch.tensor(0.01 * (root() + 1)))
     assert opt.param_groups[0]["betas"] == (0.9, 0.99 - 0.01 * root())
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.01),
+    lambda ps: torch.optim.AdamW(ps, lr=0.01),
+    lambda ps: torch.optim.ASGD(ps, lr=0.01),
+])
+def test_state_initialisation_in_chunks_matches_one_step(make, monkeypatch):
+    """The empty state is initialised in chunks of parameters (to bound the transient memory):
+    the result must equal plain torch's one step() on zero gradients, parameters untouched."""
+    from bagua_hvd.torch import functions
+
+    monkeypatch.setattr(functions, "_INIT_CHUNK_BYTES", 1)  # one parameter per chunk
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    reference = copy.deepcopy(model)
+    opt = make([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.5}])
+    ref = make([{"params": reference[0].parameters()},
+                {"params": reference[2].parameters(), "lr": 0.5}])
+    before = [p.detach().clone() for p in model.parameters()]
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for p in reference.parameters():
+        p.grad = torch.zeros_like(p)
+    ref.step()  # plain torch: what Horovod's initialisation does (parameters may move)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b) and p.grad is None
+    for (p, q) in zip(model.parameters(), reference.parameters()):
+        mine, theirs = opt.state[p], ref.state[q]
+        assert mine.keys() == theirs.keys()
+        for k in mine:
+            if torch.is_tensor(theirs[k]):
+                assert torch.equal(mine[k], theirs[k]), k
+            else:
+                assert mine[k] == theirs[k], k
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+    assert all(len(g["params"]) == 2 for g in opt.param_groups)
