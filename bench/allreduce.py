@@ -22,13 +22,14 @@ import datetime
 import json
 import os
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import free_port, run_ranks  # noqa: E402
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 PORT_ENV = "BAGUA_HVD_BENCH_GLOO_PORT"
@@ -126,12 +127,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- launcher side --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Re-runs this script on --np ranks through bagua-run, then prints rank 0's results."""
     with tempfile.TemporaryDirectory(prefix="bagua_hvd_bench_") as tmp:
@@ -143,22 +138,11 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         env["OMP_NUM_THREADS"] = "1"
         if args.transport != "auto":
             env["BAGUA_HVD_TRANSPORT"] = args.transport
-        cmd = [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", str(args.np)]
-        cmd += [sys.executable, os.path.abspath(__file__), *argv, WORKER_FLAG]
-        proc = subprocess.Popen(cmd, env=env)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(
-                f"allreduce bench: no result after --timeout {args.timeout:g} s; stopping",
-                file=sys.stderr,
-            )
-            proc.terminate()  # the launcher stops its ranks on SIGTERM
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        rc = run_ranks(args.np, [sys.executable, os.path.abspath(__file__), *argv, WORKER_FLAG],
+                       env, args.timeout)
+        if rc is None:
+            print(f"allreduce bench: no result after --timeout {args.timeout:g} s; stopped",
+                  file=sys.stderr)
             return 124
         if rc != 0:
             print(f"allreduce bench: the ranks failed (launcher exit status {rc})", file=sys.stderr)

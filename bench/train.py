@@ -44,12 +44,14 @@ import datetime
 import glob
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import free_port, run_ranks  # noqa: E402
 
 PORT_ENV = "BAGUA_HVD_BENCH_GLOO_PORT"
 RESULT_ENV = "BAGUA_HVD_BENCH_RESULT"  # a directory: each rank writes its JSON there
@@ -142,12 +144,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- launcher side --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(args: argparse.Namespace, worker_args: list[str], steady: bool = False) -> list[dict]:
     """Runs this script as --np ranks through bagua-run; returns every rank's JSON result."""
     with tempfile.TemporaryDirectory(prefix="bagua_hvd_bench_train_") as tmp:
@@ -159,24 +155,15 @@ def launch(args: argparse.Namespace, worker_args: list[str], steady: bool = Fals
         env[RESULT_ENV] = tmp
         env["GLOO_SOCKET_IFNAME"] = "lo"
         env["OMP_NUM_THREADS"] = "1"
-        cmd = [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", str(args.np)]
-        cmd += [sys.executable, os.path.abspath(__file__), *worker_args]
+        cmd = [sys.executable, os.path.abspath(__file__), *worker_args]
         cmd += [
             "--np", str(args.np), "--batch-size", str(args.batch_size),
             "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--rounds", str(args.rounds),
         ]  # fmt: skip
-        proc = subprocess.Popen(cmd, env=env)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # the launcher stops its ranks on SIGTERM
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            raise RuntimeError(f"no result after --timeout {args.timeout:g} s") from None
+        rc = run_ranks(args.np, cmd, env, args.timeout)
+        if rc is None:
+            raise RuntimeError(f"no result after --timeout {args.timeout:g} s")
         if rc != 0:
             raise RuntimeError(f"the ranks failed (launcher exit status {rc})")
         results = []
