@@ -223,17 +223,11 @@ def enqueue(
                 s.out_shape[0:ond] = oshape
                 o.shape = s.out_shape
                 req.outputs = s.tout
-            req.op_type = op_type
-            req.process_set_id = process_set_id
-            req.reduce_op = reduce_op
-            req.root_rank = root_rank
-            req.device = device
-            req.prescale_factor = prescale_factor
-            req.postscale_factor = postscale_factor
+            _set_scalars(req, op_type, process_set_id, reduce_op, root_rank, device,
+                         prescale_factor, postscale_factor, urgent)
             req.num_tensors = 1
             req.splits = n.null
             req.num_splits = 0
-            req.urgent = 1 if urgent else 0
             if name is None:
                 req.name = n.null
                 status = n.lib.bhvd_enqueue(req, s.hout)
@@ -266,29 +260,36 @@ def enqueue(
                 off += len(d[2])
             req.outputs = tout = _fill(n, newp(n.tensors_t, num), outputs, shapes, off)
             keep.append(tout)
-    req.op_type = op_type
     if name is not None:
         cname = newp(n.char_t, name.encode("utf-8"))
         keep.append(cname)
         req.name = cname
-    req.process_set_id = process_set_id
-    req.reduce_op = reduce_op
-    req.root_rank = root_rank
-    req.device = device
-    req.prescale_factor = prescale_factor
-    req.postscale_factor = postscale_factor
+    _set_scalars(req, op_type, process_set_id, reduce_op, root_rank, device, prescale_factor,
+                 postscale_factor, urgent)
     req.num_tensors = num
     if splits is not None:
         csplits = newp(n.i32_t, list(splits) or [0])
         keep.append(csplits)
         req.splits = csplits
         req.num_splits = len(splits)
-    req.urgent = 1 if urgent else 0
     handle_out = newp(n.i64p_t, None)
     status = n.lib.bhvd_enqueue(req, handle_out)
     if status != OK:
         _raise_enqueue_error(n, status)
     return handle_out[0], keep
+
+
+def _set_scalars(req: Any, op_type: int, process_set_id: int, reduce_op: int, root_rank: int,
+                 device: int, prescale: float, postscale: float, urgent: bool) -> None:
+    """The request's fields shared by the single-tensor fast path and the general path."""
+    req.op_type = op_type
+    req.process_set_id = process_set_id
+    req.reduce_op = reduce_op
+    req.root_rank = root_rank
+    req.device = device
+    req.prescale_factor = prescale
+    req.postscale_factor = postscale
+    req.urgent = 1 if urgent else 0
 
 
 def _init_scratch() -> _Scratch:

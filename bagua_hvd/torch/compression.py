@@ -33,42 +33,33 @@ class NoneCompressor(Compressor):
         return tensor
 
 
-class FP16Compressor(Compressor):
+class _CastCompressor(Compressor):
+    """Casts floating-point tensors to ``wire_dtype`` for the collective and back afterwards;
+    other tensors pass unchanged. The context is the original dtype."""
+
+    wire_dtype: torch.dtype
+
+    @classmethod
+    def compress(cls, tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        if tensor.dtype.is_floating_point:
+            return tensor.type(cls.wire_dtype), tensor.dtype
+        return tensor, tensor.dtype
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor.type(ctx) if ctx.is_floating_point else tensor
+
+
+class FP16Compressor(_CastCompressor):
     """Casts floating-point tensors to float16 for the collective and back afterwards."""
 
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        tensor_compressed = tensor
-        if tensor.dtype.is_floating_point:
-            tensor_compressed = tensor.type(torch.float16)
-        return tensor_compressed, tensor.dtype
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        dtype = ctx
-        tensor_decompressed = tensor
-        if dtype.is_floating_point:
-            tensor_decompressed = tensor.type(dtype)
-        return tensor_decompressed
+    wire_dtype = torch.float16
 
 
-class BF16Compressor(Compressor):
+class BF16Compressor(_CastCompressor):
     """Casts floating-point tensors to bfloat16 (float32's range, fewer mantissa bits)."""
 
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        tensor_compressed = tensor
-        if tensor.dtype.is_floating_point:
-            tensor_compressed = tensor.type(torch.bfloat16)
-        return tensor_compressed, tensor.dtype
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        dtype = ctx
-        tensor_decompressed = tensor
-        if dtype.is_floating_point:
-            tensor_decompressed = tensor.type(dtype)
-        return tensor_decompressed
+    wire_dtype = torch.bfloat16
 
 
 class Compression:

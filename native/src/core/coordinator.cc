@@ -86,7 +86,6 @@ void Coordinator::add(const RequestList& list, int from_rank) {
     Request r = *tmpl;
     r.rank = from_rank;
     r.urgent = i < list.cached_urgent.size() && list.cached_urgent[i] != 0;
-    ++cache_hits_;
     add_request(std::move(r));
   }
   for (const auto& name : list.urgent) {
@@ -309,7 +308,7 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
   return resp;
 }
 
-void Coordinator::assign_cache_ids(Response& r, ResponseList& out) {
+void Coordinator::assign_cache_ids(Response& r) {
   if (params_.cache_capacity <= 0 || r.kind != Response::OP || !cacheable(r.type)) return;
   for (size_t i = 0; i < r.names.size(); ++i) {
     const std::string& name = r.names[i];
@@ -358,7 +357,6 @@ void Coordinator::assign_cache_ids(Response& r, ResponseList& out) {
     cache_by_name_[key] = id;
     r.cache_ids[i] = id;
   }
-  (void)out;
 }
 
 void Coordinator::stall_check(Clock::time_point now, ResponseList& out,
@@ -493,7 +491,7 @@ ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_a
         }
       }
       // Responses completed with zeros from joined ranks are not cached: their requests differ.
-      if (joined_count_ == 0) assign_cache_ids(r, out);
+      if (joined_count_ == 0) assign_cache_ids(r);
       out.responses.push_back(std::move(r));
     }
   }

@@ -40,7 +40,6 @@ class Coordinator {
   ResponseList build(Clock::time_point now, Clock::time_point* wake_at);
 
   bool shutdown_requested() const { return shutdown_requested_; }
-  int64_t cache_hits() const { return cache_hits_; }
 
  private:
   struct Pending {
@@ -61,7 +60,7 @@ class Coordinator {
   bool member_joined(const Pending& p) const;
   const std::vector<int32_t>* set_ranks(int32_t id) const;
   int set_rank_of(int32_t set_id, int32_t global_rank) const;
-  void assign_cache_ids(Response& r, ResponseList& out);
+  void assign_cache_ids(Response& r);
   void stall_check(Clock::time_point now, ResponseList& out, Clock::time_point* wake_at);
 
   int world_size_;
@@ -93,7 +92,6 @@ class Coordinator {
   std::vector<uint64_t> acked_;
   std::vector<int32_t> pending_evictions_;
   int32_t next_cache_id_ = 0;
-  int64_t cache_hits_ = 0;
 
  public:
   // Exposed for tests through bhvd_stat.

@@ -449,17 +449,13 @@ Status Runtime::wait(int64_t handle, int64_t timeout_ms) {
   if (!h->done && !h->urgent) {
     // The caller blocks now: nothing is gained by holding its tensors back for fusion.
     h->urgent = true;
-    bool queued_any = false;
     for (const auto& name : h->names) {
       auto e = table_.find(name);
       if (e == table_.end()) continue;
-      e->second.request.urgent = true;
-      if (std::find(queue_.begin(), queue_.end(), name) == queue_.end()) {
-        urgent_queue_.push_back(name);
-        queued_any = true;
-      }
+      e->second.request.urgent = true;  // still queued: it goes out urgent
+      if (std::find(queue_.begin(), queue_.end(), name) == queue_.end())
+        urgent_queue_.push_back(name);  // already sent: tell the coordinator
     }
-    (void)queued_any;
     if (transport_) transport_->notify();
   }
   auto pred = [&] { return h->done; };
