@@ -44,6 +44,7 @@ import datetime
 import glob
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -190,6 +191,7 @@ def one_run(args: argparse.Namespace) -> dict:
                 "shmem_mib": max(r["rss_shmem_kib"] for r in ranks) / 1024,
                 "per_rank_peak_mib": [r["vm_hwm_kib"] / 1024 for r in ranks],
                 "step_ms": max(r["median_step_s"] for r in ranks) * 1e3,
+                "faults": max(r["median_faults"] for r in ranks),
                 "marks": ranks[0]["marks"],  # rank 0's (after what, VmHWM, VmRSS) KiB
             }
     return {"throughput": throughput, "memory": memory}
@@ -287,10 +289,10 @@ def print_report(meta: dict, runs: list[dict]) -> None:
     med = statistics.median
     header = (
         "| mode | step ms | fwd ms | bwd ms | step() ms | comm wait ms | samples/s | "
-        "comm share % | vs no-comm % | peak RSS MiB |"
+        "comm share % | vs no-comm % | page faults/step | peak RSS MiB |"
     )
     print(header)
-    print("|---" + "|---:" * 9 + "|")
+    print("|---" + "|---:" * 10 + "|")
     summary: dict[str, dict[str, float]] = {}
     for mode in modes:
         per = [r["throughput"]["modes"][mode] for r in runs]
@@ -323,6 +325,7 @@ def print_report(meta: dict, runs: list[dict]) -> None:
             cells.append(fmt_runs([100 * (1 - n / s) for s, n in zip(steps, nocomm)], ".1f"))
         else:
             cells.append("-")
+        cells.append(fmt_runs([p["faults"] for p in per], ".0f"))
         mems = [r["memory"][mode]["peak_mib"] for r in runs if mode in r.get("memory", {})]
         if mems:
             summary[mode]["peak_mib"] = med(mems)
@@ -343,6 +346,11 @@ def print_report(meta: dict, runs: list[dict]) -> None:
                 k: med([r["memory"][m][k] for r in runs if m in r["memory"]])
                 for k in ("base_mib", "setup_mib", "peak_mib", "anon_mib", "shmem_mib")
             }
+            fresh = [(r["memory"][m]["step_ms"], r["memory"][m]["faults"]) for r in runs]
+            print(
+                f"  {m}: step in its own processes "
+                + " / ".join(f"{s:.1f} ms ({f:.0f} faults)" for s, f in fresh)
+            )
             print(
                 f"  {m}: after imports and init {got['base_mib']:.0f}, peak by the end of setup "
                 f"(model, optimizer, broadcasts) {got['setup_mib']:.0f}, peak {got['peak_mib']:.0f}"
@@ -386,6 +394,20 @@ def print_report(meta: dict, runs: list[dict]) -> None:
             f"{fmt_runs([100 * o for o in overheads], '+.1f')} % (runs, median); "
             f"goal < {100 * MAX_OVERHEAD:.0f} %: {'met' if over < MAX_OVERHEAD else 'NOT met'}"
         )
+        clean = [
+            r["throughput"]["modes"]["bagua_hvd"]["step_ms_nofault"]
+            / r["throughput"]["modes"]["plain"]["step_ms_nofault"]
+            - 1
+            for r in runs
+            if r["throughput"]["modes"]["bagua_hvd"].get("step_ms_nofault")
+            and r["throughput"]["modes"]["plain"].get("step_ms_nofault")
+        ]
+        if clean:
+            print(
+                "  over the steps without page faults only (the allocator's share removed): "
+                f"{fmt_runs([100 * o for o in clean], '+.1f')} % (runs with >= 5 such steps "
+                "per mode)"
+            )
         if "peak_mib" in summary["bagua_hvd"] and "peak_mib" in summary["plain"]:
             print(
                 f"peak RSS bagua_hvd {summary['bagua_hvd']['peak_mib']:.0f} MiB vs plain "
@@ -394,6 +416,12 @@ def print_report(meta: dict, runs: list[dict]) -> None:
 
 
 # ---- worker side ----------------------------------------------------------------------------
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far: a step that faults its fresh gradients in anew
+    (glibc returned them to the system) shows thousands."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def read_status_kib(field: str) -> int:
@@ -467,10 +495,11 @@ class Worker:
         x, y = self.x, self.y
         if mode == "bagua_hvd":
             hvd = self.hvd
-            opt = hvd.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
-                named_parameters=model.named_parameters(),
-            )
+            # The first optimizer of a process costs ~70 MiB of torch's own lazy imports: marked
+            # apart so that it is not billed to DistributedOptimizer.
+            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+            self.mark("SGD")
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
             self.mark("DistributedOptimizer")
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
             self.mark("broadcast_parameters")
@@ -516,6 +545,7 @@ class Worker:
 
         elif mode == "plain":
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+            self.mark("SGD")
 
             def step() -> tuple:
                 t0 = perf()
@@ -540,15 +570,17 @@ class Worker:
             self.dist.barrier()
 
     def block(self, mode: str, n: int, out: list, losses: dict) -> None:
-        """Warm-up then n timed steps of one mode; appends (step, fwd, bwd, opt, sync) rows."""
+        """Warm-up then n timed steps of one mode; appends (step, fwd, bwd, opt, sync, minor
+        page faults) rows."""
         self.barrier()
         step = self.steps[mode]
         for _ in range(self.args.warmup):
             step()
         self.barrier()
         for _ in range(n):
+            faults = minor_faults()
             *times, loss = step()
-            out.append(times)
+            out.append([*times, minor_faults() - faults])
         losses[mode] = loss.item()
 
     def slowest(self, rows: list) -> list:
@@ -602,6 +634,13 @@ def summarize(rows: list) -> dict:
         "bwd_ms": med(cols[2]) * 1e3,
         "opt_ms": med(cols[3]) * 1e3,
         "sync_ms": med(cols[4]) * 1e3,
+        "faults": med(cols[5]),
+        # Steps that faulted no page in: the optimizer's own cost without the allocator's.
+        "step_ms_nofault": (
+            med([r[0] for r in rows if r[5] == 0]) * 1e3
+            if sum(1 for r in rows if r[5] == 0) >= 5
+            else None
+        ),
         "steps": len(rows),
     }
 
@@ -646,6 +685,7 @@ def worker_memory(args: argparse.Namespace) -> int:
         "rss_anon_kib": read_status_kib("RssAnon"),
         "rss_shmem_kib": read_status_kib("RssShmem"),
         "median_step_s": statistics.median(r[0] for r in rows),
+        "median_faults": statistics.median(r[5] for r in rows),
     }
     w.write(result)
     w.close()

@@ -26,7 +26,7 @@ CONTRACT = [
 ]
 TUNING = ["HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY",
           "HOROVOD_LOG_LEVEL", "HOROVOD_GLOO_TIMEOUT_SECONDS", "BAGUA_HVD_TRANSPORT",
-          "HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME"]
+          "HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME", "BAGUA_HVD_ALGORITHM"]
 # A rank's rendezvous through the launcher's store, with the address and secret it was given:
 # publish its hostname, read everybody's (STORE=h0,h1,...); rank 0 leaves last so that the store
 # (served by rank 0's launcher) outlives every reader.
@@ -101,7 +101,7 @@ def free_port() -> int:
 def test_env_per_rank(np: int) -> None:
     tuning = ["--fusion-threshold-mb", "4", "--cycle-time-ms", "2.5", "--cache-capacity", "7",
               "--log-level", "debug", "--gloo-timeout-seconds", "9", "--transport", "tcp",
-              "--network-interfaces", "lo,eth0"] if np == 2 else []
+              "--network-interfaces", "lo,eth0", "--algorithm", "bytegrad"] if np == 2 else []
     proc = bagua_run(["-np", str(np), "-H", f"localhost:{np}", *tuning, *PRINT_ENV])
     assert proc.returncode == 0, proc.stderr.decode()
     ranks = by_rank(proc.stdout)
@@ -133,6 +133,7 @@ def test_env_per_rank(np: int) -> None:
             assert env["BAGUA_HVD_TRANSPORT"] == "tcp"
             assert env["HOROVOD_GLOO_IFACE"] == "lo"
             assert env["NCCL_SOCKET_IFNAME"] == "lo,eth0"
+            assert env["BAGUA_HVD_ALGORITHM"] == "bytegrad"
         else:
             assert all(env[key] == "" for key in TUNING), env  # nothing set unless asked
 

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-INNER = ["test_torch_ops.py", "test_torch_process_sets.py", "test_torch_lifecycle.py", "test_torch_functions.py", "test_torch_optimizer.py"]
+INNER = [
+    "test_torch_ops.py",
+    "test_torch_process_sets.py",
+    "test_torch_lifecycle.py",
+    "test_torch_functions.py",
+    "test_torch_optimizer.py",
+    "test_torch_algorithms.py",
+]
 TIMEOUT_S = 600
 
 
@@ -61,8 +68,11 @@ def _run(cmd: list, what: str) -> str:
     return text
 
 
-@pytest.mark.parametrize("inner", INNER)
-@pytest.mark.parametrize("np", [1, 2, 3])
+# BAGUA's algorithms also at 4 ranks (shift_one and the ring change shape with n).
+CASES = [(inner, np) for inner in INNER for np in (1, 2, 3)] + [("test_torch_algorithms.py", 4)]
+
+
+@pytest.mark.parametrize("inner,np", CASES)
 def test_torch_multiprocess(inner: str, np: int) -> None:
     pytest_cmd = [
         sys.executable,

@@ -57,6 +57,13 @@ OP_ADASUM = 4
 OP_ALLTOALL = 5
 OP_BARRIER = 6
 OP_REDUCESCATTER = 7
+OP_DECENTRALIZED = 8
+OP_LP_DECENTRALIZED = 9
+
+# enum bhvd_compression, enum bhvd_peer_mode
+COMPRESSION_NONE = 0
+COMPRESSION_MINMAX_UINT8 = 1
+PEER_MODES = {"all": 0, "shift_one": 1, "ring": 2}
 
 # Reduce ops: Horovod's values (hvd.Average == 0, ...).
 Average = 0
@@ -188,18 +195,24 @@ def enqueue(
     postscale_factor: float = 1.0,
     splits: Sequence[int] | None = None,
     urgent: bool = False,
+    compression: int = 0,
+    peer_mode: int = 0,
+    step: int = 0,
+    aux: Sequence[TensorDesc] | None = None,
 ) -> Tuple[int, Any]:
     """Queues one request (grouped when ``len(inputs) > 1``) and returns ``(handle, keepalive)``.
 
     ``name`` is the full core name (``"allreduce.grad0"``) or None for ``"<op>.noname.<handle>"``.
     ``keepalive`` holds C structs that must outlive the call (None when there are none); the
-    caller keeps the tensors' memory alive until :func:`release`.
+    caller keeps the tensors' memory alive until :func:`release`. ``compression``,
+    ``peer_mode``, ``step`` and ``aux`` (state buffers) describe BAGUA's primitives
+    (docs/algorithms.md).
     Raises ValueError (invalid argument), NotImplementedError, or HorovodInternalError.
     """
     global _scratch
     n = _n if _n is not None else native()
     newp = n.newp
-    if len(inputs) == 1 and splits is None:
+    if len(inputs) == 1 and splits is None and aux is None:
         # Hot path: one tensor, reusable structs, no allocation but the name.
         s = _scratch if _scratch is not None else _init_scratch()
         req = s.req
@@ -225,6 +238,11 @@ def enqueue(
                 req.outputs = s.tout
             _set_scalars(req, op_type, process_set_id, reduce_op, root_rank, device,
                          prescale_factor, postscale_factor, urgent)
+            req.compression = compression
+            req.peer_mode = peer_mode
+            req.step = step
+            req.num_aux = 0
+            req.aux = n.null
             req.num_tensors = 1
             req.splits = n.null
             req.num_splits = 0
@@ -267,6 +285,14 @@ def enqueue(
     _set_scalars(req, op_type, process_set_id, reduce_op, root_rank, device, prescale_factor,
                  postscale_factor, urgent)
     req.num_tensors = num
+    req.compression = compression
+    req.peer_mode = peer_mode
+    req.step = step
+    if aux:
+        ashapes = newp(n.i64_t, sum(len(d[2]) for d in aux) or 1)
+        req.aux = taux = _fill(n, newp(n.tensors_t, len(aux)), aux, ashapes, 0)
+        req.num_aux = len(aux)
+        keep += [ashapes, taux]
     if splits is not None:
         csplits = newp(n.i32_t, list(splits) or [0])
         keep.append(csplits)

@@ -167,6 +167,13 @@ def make_parser() -> argparse.ArgumentParser:
         "everywhere (BAGUA_HVD_TRANSPORT)",
     )
     tuning.add_argument(
+        "--algorithm",
+        choices=ALGORITHM_NAMES,
+        help="one of BAGUA's algorithms, with default arguments, for every "
+        "DistributedOptimizer built without algorithm= (BAGUA_HVD_ALGORITHM; "
+        "docs/algorithms.md)",
+    )
+    tuning.add_argument(
         "--network-interfaces",
         metavar="NICS",
         help="comma-separated interfaces for TCP traffic; the first one is used "
@@ -263,6 +270,17 @@ def parse_rendezvous_addr(text: str) -> Tuple[str, int]:
     return host, port
 
 
+# bagua_hvd.torch.algorithms.from_name's names (QAdam needs its own optimizer: code only). Kept
+# here so that the launcher does not import torch.
+ALGORITHM_NAMES = (
+    "gradient_allreduce",
+    "bytegrad",
+    "decentralized",
+    "low_precision_decentralized",
+    "async",
+)
+
+
 def tuning_env(args: argparse.Namespace) -> Dict[str, str]:
     """The environment variables set by tuning flags (only those given)."""
     env: Dict[str, str] = {}
@@ -278,6 +296,8 @@ def tuning_env(args: argparse.Namespace) -> Dict[str, str]:
         env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(args.gloo_timeout_seconds)
     if args.transport is not None:
         env["BAGUA_HVD_TRANSPORT"] = args.transport
+    if args.algorithm is not None:
+        env["BAGUA_HVD_ALGORITHM"] = args.algorithm
     if args.network_interfaces:
         nics = [n.strip() for n in args.network_interfaces.split(",") if n.strip()]
         if nics:

@@ -225,14 +225,15 @@ def _check_bool_reduce(op: int, prescale: float, postscale: float) -> None:
 # ---- devices -----------------------------------------------------------------------------------
 # Whether CUDA tensors reach the core as device pointers. The core does not run collectives on
 # GPU memory yet (it rejects device >= 0 even when built with nvcc), so CUDA tensors are staged
-# through host memory unless BAGUA_HVD_CUDA_DEVICE_POINTERS=1 and the core was built with CUDA.
+# through host memory unless BAGUA_HVD_CUDA_DEVICE_POINTERS=1 and the core accepts device
+# pointers (compiled CUDA kernels alone, e.g. the compressors, are not enough).
 _core_cuda = False
 
 
 def _refresh_core_facts() -> None:
     global _core_cuda
     wanted = os.environ.get("BAGUA_HVD_CUDA_DEVICE_POINTERS", "0") == "1"
-    _core_cuda = wanted and bool(_basics.cuda_built())
+    _core_cuda = wanted and bool(_ops.native().lib.bhvd_device_pointers_supported())
 
 
 def _device_of(tensor: torch.Tensor) -> int:
@@ -264,6 +265,49 @@ def _ps_id(process_set: ProcessSet) -> int:
 def _register(handle: int, finish: Callable[[int], Any], keep: Any, label: str) -> int:
     _handle_map[handle] = (finish, keep, label)
     return handle
+
+
+def _primitive_async(
+    op_type: int,
+    tensor: torch.Tensor,
+    name: str,
+    process_set: ProcessSet,
+    *,
+    reduce_op: int = Sum,
+    compression: int = 0,
+    peer_mode: int = 0,
+    step: int = 0,
+    aux: Sequence[torch.Tensor] = (),
+    output: torch.Tensor | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """One of BAGUA's primitives on a contiguous CPU bucket (docs/algorithms.md): a compressed
+    allreduce, a decentralized average or a low-precision decentralized step. ``output``
+    defaults to ``tensor`` (in place); ``aux`` are this rank's state buffers."""
+    if tensor.device.type != "cpu":
+        raise NotImplementedError(
+            "BAGUA's algorithms run on CPU tensors in this build of bagua_hvd; GPU buckets are "
+            "not supported yet"
+        )
+    out = tensor if output is None else output
+    code = _check(tensor, _ALLREDUCE_DTYPES)
+    handle, keep = _ops.enqueue(
+        op_type,
+        (_desc(tensor, code),),
+        (_desc(out, code),),
+        name=name,
+        process_set_id=_ps_id(process_set),
+        reduce_op=reduce_op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        urgent=True,
+        compression=compression,
+        peer_mode=peer_mode,
+        step=step,
+        aux=[_desc(a, code) for a in aux] or None,
+    )
+    return _register(handle, lambda h: out, (keep, tensor, out, tuple(aux)), name)
 
 
 # ---- allreduce ---------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
+from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.common.util import split_list
 from bagua_hvd.torch import mpi_ops
@@ -48,7 +49,7 @@ from bagua_hvd.torch.compression import (
     FP16Compressor,
     NoneCompressor,
 )
-from bagua_hvd.torch.mpi_ops import Adasum, Average, rocm_built, size
+from bagua_hvd.torch.mpi_ops import Adasum, Average, Sum, rocm_built, size
 
 __all__ = ["DistributedOptimizer"]
 
@@ -108,6 +109,7 @@ class _Bucket:
         "sparse_dense",
         "dense_tmp",
         "skip",
+        "residuals",
     )
 
     def __init__(self, params: List[torch.Tensor], name: str) -> None:
@@ -124,6 +126,7 @@ class _Bucket:
         self.sparse_dense: List[torch.Tensor] = []  # sparse grads sent densely this step
         self.dense_tmp: Dict[torch.Tensor, torch.Tensor] = {}  # sparse grads made dense
         self.skip: set = set()  # sparse grads sent on their own this step (not yet moved out)
+        self.residuals: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # error feedback
 
 
 def _hook(ref: Callable[[], Any], p: torch.Tensor) -> None:
@@ -149,8 +152,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         groups: Any = None,
         sparse_as_dense: bool = False,
         process_set: ProcessSet = global_process_set,
+        algorithm: Any = None,
     ) -> None:
         super(self._hvd_cls, self).__init__(params)
+        self._algorithm = algorithm
+        self._algo_impl: Any = None
+        if algorithm is not None and hasattr(algorithm, "optimizer"):  # QAdam: its stage
+            self.warmup_steps = algorithm.optimizer.warmup_steps
+            self.step_id = algorithm.optimizer.step_id
+            self._momentum_in_grad = set()
         self._compression = compression
 
         if named_parameters is not None:
@@ -239,6 +249,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._cast_dtype = _CAST_COMPRESSORS.get(compression, False)
 
         if self.process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
+            if algorithm is not None:
+                self._algo_impl = algorithm.reify(self)
             self._register_hooks()
 
     # ---- Horovod's public surface --------------------------------------------------------------
@@ -271,6 +283,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Waits for every gradient's allreduce (starting those not started yet) and writes
         the averaged gradients to ``p.grad``."""
         if not self.process_set.included():
+            self._synchronized = True
+            return
+        impl = self._algo_impl
+        if impl is not None and not impl.communicates_gradients():
+            impl.synchronize()  # weight algorithms: gradients stay local
+            self._handles.clear()
             self._synchronized = True
             return
         if self._hooks_registered:
@@ -318,7 +336,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 warnings.warn(_STEP_AFTER_SYNC_WARNING, stacklevel=2)
             self.synchronize()
         self._synchronized = False
-        return super(self._hvd_cls, self).step(closure)
+        result = super(self._hvd_cls, self).step(closure)
+        if self._algo_impl is not None:
+            self._algo_impl.after_step()
+        return result
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         if self._handles:
@@ -413,6 +434,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         """The gradient of ``p`` has been accumulated (one backward pass)."""
+        impl = self._algo_impl
+        if impl is not None and not impl.communicates_gradients():
+            impl.on_gradient(p)
+            return
         delay = self._allreduce_delay
         d = delay[p]
         if d <= 0:
@@ -487,6 +512,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         view.copy_(g)
                         p.grad = view
             buf = b.flat
+            if self._algo_impl is not None:
+                self._algo_impl.before_launch(b.params)
+                if self._algo_impl.compresses_gradients():
+                    self._handles[b] = (self._launch_compressed(b, buf), None)
+                    return
             if b.comp is not None:
                 b.comp.copy_(buf)
                 buf = b.comp
@@ -556,6 +586,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         self._handles[b] = (handle, (tensors, ctxs))
 
+    def _launch_compressed(self, b: _Bucket, buf: torch.Tensor) -> int:
+        """ByteGrad's compressed allreduce of a bucket, in place (docs/algorithms.md)."""
+        aux: Tuple[torch.Tensor, ...] = ()
+        if self._algo_impl.error_feedback():
+            n = self.process_set.size()
+            chunk = -(-buf.numel() // n)
+            if b.residuals is None or b.residuals[1].numel() != chunk:
+                b.residuals = (buf.new_zeros(chunk * n), buf.new_zeros(chunk))
+            aux = b.residuals
+        return mpi_ops._primitive_async(
+            _ops.OP_ALLREDUCE,
+            buf,
+            _ops.op_name("allreduce", b.name),
+            self.process_set,
+            reduce_op=b.op,
+            compression=_ops.COMPRESSION_MINMAX_UINT8,
+            aux=aux,
+            prescale_factor=b.prescale,
+            postscale_factor=b.postscale,
+        )
+
     def _launch_direct(self, b: _Bucket, urgent: bool) -> None:
         """A bucket of one parameter: its gradient is reduced where it is (no flat buffer)."""
         p = b.params[0]
@@ -581,6 +632,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 b.dense_tmp[p] = t
         buf = t
+        if self._algo_impl is not None:
+            self._algo_impl.before_launch(b.params)
+            if self._algo_impl.compresses_gradients():
+                self._handles[b] = (self._launch_compressed(b, buf), t)
+                return
         if b.comp is not None:
             b.comp.copy_(t)
             buf = b.comp
@@ -814,6 +870,7 @@ def DistributedOptimizer(
     groups: Any = None,
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
+    algorithm: Any = None,
 ) -> torch.optim.Optimizer:
     """An optimizer that wraps another torch.optim.Optimizer, using an allreduce to combine
     gradient values before applying gradients to model weights.
@@ -869,6 +926,11 @@ def DistributedOptimizer(
             (sparse gradients go through ``sparse_allreduce_async``).
         process_set: Gradients will only be reduced over Horovod processes belonging to this
             process set. Defaults to the global process set.
+        algorithm: One of BAGUA's algorithms from ``bagua_hvd.torch.algorithms``
+            (``GradientAllReduce``, ``ByteGrad``, ``Decentralized``, ``LowPrecisionDecentralized``,
+            ``QAdamAlgorithm``, ``AsyncModelAverage``; docs/algorithms.md). Default: None, which
+            takes ``BAGUA_HVD_ALGORITHM`` (``bagua-run --algorithm``) if set, else Horovod's
+            gradient allreduce configured by the arguments above.
 
     Environment: ``BAGUA_HVD_BUCKET_MB`` (default 25, like DDP's ``bucket_cap_mb``) caps the
     size of a bucket of gradients sent as one allreduce; 0 sends one allreduce per parameter.
@@ -901,6 +963,31 @@ def DistributedOptimizer(
             "has no Adasum reduction); use op=hvd.Average (the default) or op=hvd.Sum."
         )
 
+    from bagua_hvd.torch import algorithms as _alg
+
+    if algorithm is None:
+        algorithm = _alg.from_environment()
+    if algorithm is not None:
+        if not isinstance(algorithm, _alg.Algorithm):
+            raise ValueError(
+                "algorithm must be an object from bagua_hvd.torch.algorithms, got "
+                f"{type(algorithm).__name__}"
+            )
+        if isinstance(algorithm, (_alg.GradientAllReduce, _alg.ByteGrad)):
+            op = Average if algorithm.average else Sum
+        if isinstance(algorithm, _alg.QAdamAlgorithm) != isinstance(optimizer, _alg.QAdamOptimizer):
+            raise ValueError(
+                "QAdamAlgorithm goes with QAdamOptimizer: pass the QAdamOptimizer to both "
+                "QAdamAlgorithm(...) and DistributedOptimizer(...)"
+            )
+        if not isinstance(algorithm, _alg.GradientAllReduce) and (
+            compression is not Compression.none or groups is not None
+        ):
+            raise ValueError(
+                f"algorithm={type(algorithm).__name__}(...) decides how data is communicated: it "
+                "cannot be combined with compression= or groups="
+            )
+
     cls = type(
         optimizer.__class__.__name__,
         (optimizer.__class__,),
@@ -917,4 +1004,5 @@ def DistributedOptimizer(
         groups,
         sparse_as_dense,
         process_set,
+        algorithm,
     )

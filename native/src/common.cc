@@ -61,6 +61,8 @@ const char* op_type_name(OpType t) {
     case OpType::ALLTOALL: return "ALLTOALL";
     case OpType::BARRIER: return "BARRIER";
     case OpType::REDUCESCATTER: return "REDUCESCATTER";
+    case OpType::DECENTRALIZED: return "DECENTRALIZED";
+    case OpType::LP_DECENTRALIZED: return "LP_DECENTRALIZED";
   }
   return "UNKNOWN";
 }

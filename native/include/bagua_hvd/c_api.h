@@ -70,7 +70,24 @@ enum bhvd_op_type {
   BHVD_OP_ADASUM = 4,
   BHVD_OP_ALLTOALL = 5,
   BHVD_OP_BARRIER = 6,
-  BHVD_OP_REDUCESCATTER = 7
+  BHVD_OP_REDUCESCATTER = 7,
+  /* BAGUA's primitives beyond Horovod's (docs/algorithms.md). */
+  BHVD_OP_DECENTRALIZED = 8,   /* full-precision peer average of weights (peer_mode, step) */
+  BHVD_OP_LP_DECENTRALIZED = 9 /* low-precision ring; aux: replicas self, left, right */
+};
+
+/* Compression of an allreduce (BHVD_OP_ALLREDUCE only). */
+enum bhvd_compression {
+  BHVD_COMPRESSION_NONE = 0,
+  BHVD_COMPRESSION_MINMAX_UINT8 = 1 /* ByteGrad: compressed alltoall, mean, compressed allgather;
+                                       aux (optional): error-feedback residuals worker, server */
+};
+
+/* Peer selection of BHVD_OP_DECENTRALIZED. */
+enum bhvd_peer_mode {
+  BHVD_PEER_ALL = 0,
+  BHVD_PEER_SHIFT_ONE = 1,
+  BHVD_PEER_RING = 2
 };
 
 typedef struct bhvd_tensor {
@@ -95,6 +112,11 @@ typedef struct bhvd_request {
   const int32_t* splits;      /* alltoall: one entry per process-set rank, or NULL */
   int32_t num_splits;
   int32_t urgent;             /* the caller blocks on this handle at once: do not hold it for fusion */
+  int32_t compression;        /* enum bhvd_compression */
+  int32_t peer_mode;          /* enum bhvd_peer_mode (BHVD_OP_DECENTRALIZED) */
+  int64_t step;               /* communication round k (BHVD_OP_DECENTRALIZED shift_one) */
+  int32_t num_aux;
+  const bhvd_tensor* aux;     /* this rank's algorithm state buffers, same dtype as the input */
 } bhvd_request;
 
 /* ---- lifecycle ---------------------------------------------------------------------------- */
@@ -163,13 +185,41 @@ int bhvd_received_splits(int64_t handle, int32_t* splits_out, int32_t capacity);
 int bhvd_join_result(int64_t handle);
 int bhvd_release(int64_t handle);
 
+/* ---- asynchronous model averaging (docs/algorithms.md) ------------------------------------------ */
+/* Starts background averaging of num_tensors weight buffers over a process set: rounds at least
+ * interval_ms apart, each an allreduce per buffer under the names "<name>.go" and "<name>.w<i>"
+ * (name: the same on every rank, unique in the job). */
+int bhvd_async_start(const char* name, const bhvd_tensor* weights, int32_t num_tensors,
+                     int32_t process_set_id, int64_t interval_ms, int64_t* id_out);
+/* A step boundary of the training thread: merges a finished round into the weights or snapshots
+ * them for the next one. Never waits for other ranks. */
+int bhvd_async_step(int64_t id);
+/* Stops the rounds on every rank (after the current one) and waits up to timeout_ms (< 0: no
+ * limit) for this rank's to end; BHVD_TIMED_OUT with a message otherwise. */
+int bhvd_async_abort(int64_t id, int64_t timeout_ms);
+/* Forgets an averager (stopping it first if needed). */
+int bhvd_async_release(int64_t id);
+/* Rounds merged so far, -1 for an unknown id. */
+int64_t bhvd_async_rounds(int64_t id);
+
 /* ---- diagnostics -------------------------------------------------------------------------- */
-/* Counters for tests: key is one of "responses", "fused_tensors", "cycles", "cache_hits",
- * "fusion_buffer_bytes". Returns -1 for an unknown key. */
+/* Counters for tests and benchmarks: key is one of "responses", "fused_tensors", "cycles",
+ * "cache_hits", "fusion_buffer_bytes", "exec_ns" (time the background thread spent executing
+ * operations), "bytes_sent" (payload bytes sent to other ranks). Returns -1 for an unknown key. */
 int64_t bhvd_stat(const char* key);
 /* HMAC-SHA256(key, msg) into out[32]; exposed so tests can check it against Python's hmac. */
 int bhvd_hmac_sha256(const uint8_t* key, int32_t key_len, const uint8_t* msg, int32_t msg_len,
                      uint8_t* out);
+
+/* ---- compression (MinMaxUInt8, docs/algorithms.md) ------------------------------------------- */
+/* Bytes of the compressed form of n elements of dtype (float32, float16, bfloat16) in n_chunks
+ * chunks; -1 if the dtype is not one of those, n_chunks < 1 or n is not a multiple of n_chunks. */
+int64_t bhvd_minmax_uint8_size(int32_t dtype, int64_t n, int32_t n_chunks);
+/* CPU kernels; return BHVD_OK or BHVD_INVALID_ARGUMENT (message in bhvd_last_error()). */
+int bhvd_minmax_uint8_compress(const void* in, int32_t dtype, int64_t n, int32_t n_chunks,
+                               uint8_t* out);
+int bhvd_minmax_uint8_decompress(const uint8_t* in, int32_t dtype, int64_t n, int32_t n_chunks,
+                                 void* out);
 
 /* BHVD_CDEF_END */
 

@@ -19,6 +19,11 @@ void reduce_into(void* dst, const void* src, size_t count, DataType dtype, Reduc
 // buf[i] *= factor. Integers are computed in double and truncated toward zero, like Horovod.
 void scale_buffer(void* buf, size_t count, DataType dtype, double factor);
 
+// Floating-point types (float32, float16, bfloat16, float64) to and from float32; 16-bit
+// results are rounded to nearest-even. Other types throw std::invalid_argument.
+void to_float(const void* src, DataType dtype, size_t n, float* out);
+void from_float(const float* src, DataType dtype, size_t n, void* out);
+
 // ---- collectives ----------------------------------------------------------------------------
 // In-place allreduce of count elements. Picks a latency-optimal algorithm for small buffers and a
 // bandwidth-optimal ring for large ones (collectives/allreduce_*.cc). Every rank ends with
@@ -45,5 +50,25 @@ void reducescatterv(Comm& comm, void* buf, void* out, const std::vector<size_t>&
                     DataType dtype, ReduceOp op);
 
 void barrier(Comm& comm);
+
+// ---- BAGUA's primitives (docs/algorithms.md) --------------------------------------------------
+// ByteGrad: MinMaxUInt8-compressed alltoall, mean (average) or sum in float32, re-compression of
+// this rank's chunk, compressed allgather. buf holds count elements (float32/16/bfloat16), in and
+// out. ef_worker (n * ceil(count / n) elements) and ef_server (ceil(count / n) elements) are the
+// error-feedback residuals, or null without error feedback.
+void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype, bool average,
+                            void* ef_worker, void* ef_server);
+
+enum class PeerMode : int32_t { ALL = 0, SHIFT_ONE = 1, RING = 2 };
+// The peer of set rank `rank` in round `step` of shift_one over n ranks; n (no peer) for the
+// rank left over when n is odd.
+int shift_one_peer(int rank, int n, int64_t step);
+// out = the peer average of in (full precision); in and out may alias.
+void decentralized_average(Comm& comm, const void* in, void* out, size_t count, DataType dtype,
+                           PeerMode mode, int64_t step);
+// Low-precision decentralized step on the ring: x (the updated weights) and the replicas self,
+// left, right of count elements are updated in place.
+void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, size_t count,
+                      DataType dtype);
 
 }  // namespace bagua_hvd

@@ -151,6 +151,7 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what) {
     if (x.len == 0) continue;  // completes at once
     const bool send = x.kind == Xfer::SEND;
     if (x.peer == rank_) (send ? self_send : self_recv) += x.len;
+    if (send && x.peer != rank_) bytes_sent_.fetch_add(x.len, std::memory_order_relaxed);
     int& li = lane_of[2 * static_cast<size_t>(x.peer) + (send ? 1 : 0)];
     if (li < 0) {
       li = static_cast<int>(lanes.size());

@@ -2,6 +2,8 @@
 // over the transport's data pairs. Collective algorithms are written against this only.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -38,13 +40,17 @@ class Comm {
   void run(std::vector<Xfer>& xfers, const char* what);
 
   void send(int peer, const void* buf, size_t len, const char* what);
+
+  // Payload bytes handed to the transport for other ranks by every Comm of this process.
+  static int64_t bytes_sent() { return bytes_sent_.load(std::memory_order_relaxed); }
   void recv(int peer, void* buf, size_t len, const char* what);
 
  private:
   Transport& transport_;
   std::vector<int> global_ranks_;
   int rank_ = -1;
-  std::vector<unsigned char> partial_;  // staging for RECV_REDUCE element fragments
+  std::vector<unsigned char> partial_;
+  static inline std::atomic<int64_t> bytes_sent_{0};  // staging for RECV_REDUCE element fragments
 };
 
 }  // namespace bagua_hvd

@@ -18,77 +18,24 @@
 #endif
 
 #include "collectives/collectives.h"
+#include "float_bits.h"
 
 namespace bagua_hvd {
 namespace {
+
+using fbits::bf16_to_float;
+using fbits::bits_f32;
+using fbits::f32_bits;
+using fbits::float_to_bf16;
+using fbits::float_to_half;
+using fbits::half_to_float;
+using fbits::mask;
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define BHVD_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define BHVD_CLONES
 #endif
-
-// ---- 16-bit floats ----------------------------------------------------------------------------
-inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline float bits_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// All-ones when c holds: selects with masks keep the conversion loops free of branches, which
-// g++ would not vectorize.
-inline uint32_t mask(bool c) { return 0u - static_cast<uint32_t>(c); }
-
-// IEEE half -> float, exact.
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t em = h & 0x7fffu;
-  const uint32_t exp = em & 0x7c00u;
-  const uint32_t shifted = em << 13;
-  const uint32_t normal = shifted + (112u << 23);   // rebias 15 -> 127
-  // inf / nan: exponent 255; nan is made quiet, like the F16C instructions do.
-  const uint32_t special = (shifted + (224u << 23)) | (mask(em > 0x7c00u) & 0x00400000u);
-  const uint32_t denorm =                           // m * 2^-24, exact in float
-      f32_bits(bits_f32(shifted + (113u << 23)) - bits_f32(113u << 23));
-  const uint32_t is_special = mask(exp == 0x7c00u), is_denorm = mask(exp == 0);
-  const uint32_t mag =
-      (special & is_special) | (denorm & is_denorm) | (normal & ~(is_special | is_denorm));
-  return bits_f32(mag | sign);
-}
-
-// float -> IEEE half, round to nearest even (after F. Giesen's float_to_half_fast3_rtne).
-inline uint16_t float_to_half(float f) {
-  uint32_t u = f32_bits(f);
-  const uint32_t sign = u & 0x80000000u;
-  u ^= sign;
-  // Subnormal results: adding 0.5 aligns the 10 mantissa bits at the bottom; the FPU rounds.
-  const uint32_t magic = ((127 - 15) + (23 - 10) + 1) << 23;
-  const uint32_t sub = f32_bits(bits_f32(u) + bits_f32(magic)) - magic;
-  // Normal results: rebias and round to nearest even by adding 0xfff + the lowest kept bit.
-  const uint32_t odd = (u >> 13) & 1u;
-  const uint32_t norm = (u + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + odd) >> 13;
-  // inf, or a quiet nan keeping the top payload bits (what F16C's vcvtps2ph produces)
-  const uint32_t special = 0x7c00u | (mask(u > (255u << 23)) & (0x0200u | ((u >> 13) & 0x3ffu)));
-  const uint32_t is_special = mask(u >= ((127u + 16u) << 23));
-  const uint32_t is_sub = mask(u < (113u << 23)) & ~is_special;
-  const uint32_t o = (special & is_special) | (sub & is_sub) | (norm & ~(is_special | is_sub));
-  return static_cast<uint16_t>(o | (sign >> 16));
-}
-
-inline float bf16_to_float(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
-
-inline uint16_t float_to_bf16(float f) {
-  const uint32_t u = f32_bits(f);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t nan = (u >> 16) | 0x40u;  // keep sign and payload, force quiet
-  const uint32_t is_nan = mask((u & 0x7fffffffu) > 0x7f800000u);
-  return static_cast<uint16_t>((nan & is_nan) | (rounded & ~is_nan));
-}
 
 // ---- binary ops -----------------------------------------------------------------------------
 // Integer sum and product wrap around (computed unsigned: no signed-overflow UB, and no int
@@ -402,6 +349,60 @@ void scale_buffer(void* buf, size_t count, DataType dtype, double factor) {
     std::memcpy(d, dp + i * es, bytes);
     scale_aligned(d, m, dtype, factor);
     std::memcpy(dp + i * es, d, bytes);
+  }
+}
+
+}  // namespace bagua_hvd
+
+namespace bagua_hvd {
+
+void to_float(const void* src, DataType dtype, size_t n, float* out) {
+  switch (dtype) {
+    case DataType::FLOAT32:
+      std::memcpy(out, src, n * 4);
+      return;
+    case DataType::FLOAT16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < n; ++i) out[i] = half_to_float(s[i]);
+      return;
+    }
+    case DataType::BFLOAT16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(s[i]);
+      return;
+    }
+    case DataType::FLOAT64: {
+      const auto* s = static_cast<const double*>(src);
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(s[i]);
+      return;
+    }
+    default:
+      throw std::invalid_argument(std::string("not a floating-point type: ") + dtype_name(dtype));
+  }
+}
+
+void from_float(const float* src, DataType dtype, size_t n, void* out) {
+  switch (dtype) {
+    case DataType::FLOAT32:
+      std::memcpy(out, src, n * 4);
+      return;
+    case DataType::FLOAT16: {
+      auto* d = static_cast<uint16_t*>(out);
+      for (size_t i = 0; i < n; ++i) d[i] = float_to_half(src[i]);
+      return;
+    }
+    case DataType::BFLOAT16: {
+      auto* d = static_cast<uint16_t*>(out);
+      for (size_t i = 0; i < n; ++i) d[i] = float_to_bf16(src[i]);
+      return;
+    }
+    case DataType::FLOAT64: {
+      auto* d = static_cast<double*>(out);
+      for (size_t i = 0; i < n; ++i) d[i] = src[i];
+      return;
+    }
+    default:
+      throw std::invalid_argument(std::string("not a floating-point type: ") + dtype_name(dtype));
   }
 }
 

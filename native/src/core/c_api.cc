@@ -8,6 +8,8 @@
 #include <mutex>
 #include <string>
 
+#include "core/async_average.h"
+#include "core/c_api_report.h"
 #include "core/runtime.h"
 #include "transport/hmac.h"
 
@@ -26,6 +28,10 @@ int report(const Status& s) {
 }
 
 }  // namespace
+
+namespace bagua_hvd {
+int c_api_report(const Status& s) { return report(s); }
+}  // namespace bagua_hvd
 
 extern "C" {
 
@@ -192,7 +198,70 @@ int64_t bhvd_stat(const char* key) {
   if (k == "cycles") return s.cycles;
   if (k == "cache_hits") return s.cache_hits;
   if (k == "fusion_buffer_bytes") return s.fusion_buffer_bytes;
+  if (k == "exec_ns") return s.exec_ns;
+  if (k == "bytes_sent") return bagua_hvd::Comm::bytes_sent();
   return -1;
+}
+
+int bhvd_async_start(const char* name, const bhvd_tensor* weights, int32_t num_tensors,
+                     int32_t process_set_id, int64_t interval_ms, int64_t* id_out) {
+  using bagua_hvd::AsyncAverager;
+  auto& rt = Runtime::get();
+  if (!rt.initialized()) return report(Status::InvalidArgument("bagua_hvd has not been initialized; use hvd.init()."));
+  if (!name || !*name) return report(Status::InvalidArgument("async model averaging: a name is required"));
+  if (num_tensors < 1 || !weights)
+    return report(Status::InvalidArgument("async model averaging: no weight buffers"));
+  if (interval_ms < 0)
+    return report(Status::InvalidArgument("async model averaging: sync_interval_ms must be >= 0"));
+  auto sets = rt.process_sets();
+  auto it = sets.find(process_set_id);
+  if (it == sets.end() ||
+      !std::binary_search(it->second.begin(), it->second.end(), rt.config().rank))
+    return report(Status::InvalidArgument(
+        "async model averaging: this rank is not a member of process set " +
+        std::to_string(process_set_id)));
+  std::vector<AsyncAverager::Weights> ws;
+  for (int32_t i = 0; i < num_tensors; ++i) {
+    const bhvd_tensor& t = weights[i];
+    if (t.dtype != BHVD_FLOAT32 && t.dtype != BHVD_FLOAT16 && t.dtype != BHVD_BFLOAT16 &&
+        t.dtype != BHVD_FLOAT64)
+      return report(Status::InvalidArgument(
+          "async model averaging: weights must be float32, float16, bfloat16 or float64"));
+    if (t.ndim < 0 || (t.ndim > 0 && !t.shape))
+      return report(Status::InvalidArgument("async model averaging: invalid tensor shape"));
+    std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
+    int64_t n = 1;
+    for (auto d : shape) n *= d;
+    if (n > 0 && !t.data)
+      return report(Status::InvalidArgument("async model averaging: null weight buffer"));
+    ws.push_back({t.data, static_cast<bagua_hvd::DataType>(t.dtype), std::move(shape)});
+  }
+  *id_out = bagua_hvd::AsyncRegistry::get().add(std::make_unique<AsyncAverager>(
+      rt, name, std::move(ws), process_set_id, interval_ms));
+  return BHVD_OK;
+}
+
+int bhvd_async_step(int64_t id) {
+  auto a = bagua_hvd::AsyncRegistry::get().find(id);
+  if (!a) return report(Status::InvalidArgument("unknown async averager " + std::to_string(id)));
+  a->step();
+  return BHVD_OK;
+}
+
+int bhvd_async_abort(int64_t id, int64_t timeout_ms) {
+  auto a = bagua_hvd::AsyncRegistry::get().find(id);
+  if (!a) return BHVD_OK;  // already stopped and released (e.g. by shutdown)
+  return report(a->abort(timeout_ms));
+}
+
+int bhvd_async_release(int64_t id) {
+  bagua_hvd::AsyncRegistry::get().release(id);
+  return BHVD_OK;
+}
+
+int64_t bhvd_async_rounds(int64_t id) {
+  auto a = bagua_hvd::AsyncRegistry::get().find(id);
+  return a ? a->rounds() : -1;
 }
 
 int bhvd_hmac_sha256(const uint8_t* key, int32_t key_len, const uint8_t* msg, int32_t msg_len,

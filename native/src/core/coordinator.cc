@@ -166,6 +166,9 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
   resp.device = a.device;
   resp.prescale = a.prescale;
   resp.postscale = a.postscale;
+  resp.compression = a.compression;
+  resp.peer_mode = a.peer_mode;
+  resp.step = a.step;
   resp.shapes = {a.shape};
   resp.per_rank = {{}};
   resp.cache_ids = {-1};
@@ -207,14 +210,20 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
       case kOpAddProcessSet:
       case kOpRemoveProcessSet:
       case BHVD_OP_BARRIER:
+      case BHVD_OP_DECENTRALIZED:
+      case BHVD_OP_LP_DECENTRALIZED:
         return fail(std::string(tn) + " is not supported with Join at this time.");
+      case BHVD_OP_ALLREDUCE:
+        if (a.compression != 0)
+          return fail("Compressed allreduce (ByteGrad) is not supported with Join at this time.");
+        break;
       default:
         break;
     }
   }
   const bool gather_like = t == BHVD_OP_ALLGATHER || t == BHVD_OP_ALLTOALL;
   if (t == BHVD_OP_ALLREDUCE || t == BHVD_OP_BROADCAST || t == BHVD_OP_REDUCESCATTER ||
-      t == BHVD_OP_ADASUM) {
+      t == BHVD_OP_ADASUM || t == BHVD_OP_DECENTRALIZED || t == BHVD_OP_LP_DECENTRALIZED) {
     for (size_t i = 0; i < p.reqs.size(); ++i) {
       if (!p.have[i] || i == first) continue;
       if (p.reqs[i].shape != a.shape)
@@ -270,6 +279,14 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
                   std::to_string(static_cast<int>(a.reduce_op)) +
                   ", but another rank sent reduction op " +
                   std::to_string(static_cast<int>(b.reduce_op)) + ".");
+    if (b.compression != a.compression || b.peer_mode != a.peer_mode || b.step != a.step)
+      return fail(std::string("Mismatched ") + tn +
+                  " algorithm parameters: One rank sent (compression " +
+                  std::to_string(a.compression) + ", peer mode " + std::to_string(a.peer_mode) +
+                  ", step " + std::to_string(a.step) + "), but another rank sent (compression " +
+                  std::to_string(b.compression) + ", peer mode " + std::to_string(b.peer_mode) +
+                  ", step " + std::to_string(b.step) +
+                  "): every rank must use the same algorithm and step.");
     if ((t == kOpAddProcessSet || t == kOpRemoveProcessSet) && b.splits != a.splits)
       return fail("Mismatched process set arguments: every rank must pass the same ranks (or id) "
                   "to add_process_set/remove_process_set.");
@@ -325,6 +342,9 @@ void Coordinator::assign_cache_ids(Response& r) {
     tmpl.device = r.device;
     tmpl.prescale = r.prescale;
     tmpl.postscale = r.postscale;
+    tmpl.compression = r.compression;
+    tmpl.peer_mode = r.peer_mode;
+    tmpl.step = r.step;
     tmpl.shape = r.shapes[i];
     const Request* req = &tmpl;
     if (it != cache_by_name_.end()) {
@@ -471,14 +491,16 @@ ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_a
       Response r = std::move(singles[i]);
       const int64_t esize = static_cast<int64_t>(dtype_size(r.dtype));
       int64_t bytes = r.kind == Response::OP ? num_elements(r.shapes[0]) * esize : 0;
-      if (r.kind == Response::OP && r.type == BHVD_OP_ALLREDUCE &&
+      // Compressed allreduces are not fused: their chunking and error-feedback state are per
+      // tensor (a bucket of the frontend).
+      if (r.kind == Response::OP && r.type == BHVD_OP_ALLREDUCE && r.compression == 0 &&
           params_.fusion_threshold > 0 && bytes < params_.no_fuse_bytes) {
         for (size_t j = i + 1; j < singles.size(); ++j) {
           Response& c = singles[j];
           if (used[j] || c.kind != Response::OP || c.type != r.type ||
               c.process_set_id != r.process_set_id || c.dtype != r.dtype ||
               c.reduce_op != r.reduce_op || c.prescale != r.prescale ||
-              c.postscale != r.postscale || c.device != r.device)
+              c.postscale != r.postscale || c.device != r.device || c.compression != 0)
             continue;
           int64_t cb = num_elements(c.shapes[0]) * esize;
           if (cb >= params_.no_fuse_bytes || bytes + cb > params_.fusion_threshold) continue;

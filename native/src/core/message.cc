@@ -9,7 +9,8 @@ bool Request::same_params(const Request& o) const {
   return type == o.type && dtype == o.dtype && name == o.name &&
          process_set_id == o.process_set_id && reduce_op == o.reduce_op &&
          root_rank == o.root_rank && device == o.device && prescale == o.prescale &&
-         postscale == o.postscale && shape == o.shape && splits == o.splits;
+         postscale == o.postscale && shape == o.shape && splits == o.splits &&
+         compression == o.compression && peer_mode == o.peer_mode && step == o.step;
 }
 
 namespace {
@@ -94,6 +95,9 @@ void put_request(Writer& w, const Request& r) {
   w.put_vec(r.shape);
   w.put_vec(r.splits);
   w.put<uint8_t>(r.urgent ? 1 : 0);
+  w.put<int32_t>(r.compression);
+  w.put<int32_t>(r.peer_mode);
+  w.put<int64_t>(r.step);
 }
 
 Request get_request(Reader& rd) {
@@ -113,6 +117,9 @@ Request get_request(Reader& rd) {
   r.shape = rd.get_vec<int64_t>();
   r.splits = rd.get_vec<int32_t>();
   r.urgent = rd.get<uint8_t>() != 0;
+  r.compression = rd.get<int32_t>();
+  r.peer_mode = rd.get<int32_t>();
+  r.step = rd.get<int64_t>();
   return r;
 }
 
@@ -165,6 +172,9 @@ std::string encode(const ResponseList& m) {
     w.put<int32_t>(r.device);
     w.put<double>(r.prescale);
     w.put<double>(r.postscale);
+    w.put<int32_t>(r.compression);
+    w.put<int32_t>(r.peer_mode);
+    w.put<int64_t>(r.step);
     w.put_str(r.error);
     w.put<uint32_t>(static_cast<uint32_t>(r.names.size()));
     for (size_t i = 0; i < r.names.size(); ++i) {
@@ -202,6 +212,9 @@ ResponseList decode_response_list(const std::string& bytes) {
     r.device = rd.get<int32_t>();
     r.prescale = rd.get<double>();
     r.postscale = rd.get<double>();
+    r.compression = rd.get<int32_t>();
+    r.peer_mode = rd.get<int32_t>();
+    r.step = rd.get<int64_t>();
     r.error = rd.get_str();
     uint32_t k = rd.get<uint32_t>();
     for (uint32_t j = 0; j < k; ++j) {

@@ -1,5 +1,7 @@
 #include "core/runtime.h"
 
+#include "core/async_average.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -52,6 +54,8 @@ std::string op_title(int32_t type) {
     case BHVD_OP_ALLTOALL: return "Alltoall";
     case BHVD_OP_BARRIER: return "Barrier";
     case BHVD_OP_REDUCESCATTER: return "Reducescatter";
+    case BHVD_OP_DECENTRALIZED: return "Decentralized";
+    case BHVD_OP_LP_DECENTRALIZED: return "Low-precision decentralized";
   }
   return "Operation";
 }
@@ -65,6 +69,8 @@ std::string op_prefix(int32_t type, bool grouped) {
     case BHVD_OP_ALLTOALL: p = "alltoall"; break;
     case BHVD_OP_REDUCESCATTER: p = "reducescatter"; break;
     case BHVD_OP_ADASUM: p = "adasum"; break;
+    case BHVD_OP_DECENTRALIZED: p = "decentralized"; break;
+    case BHVD_OP_LP_DECENTRALIZED: p = "lp_decentralized"; break;
     default: p = "op"; break;
   }
   return grouped ? "grouped_" + p : p;
@@ -217,6 +223,8 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
 
 Status Runtime::shutdown() {
   if (!initialized_) return Status::OK();
+  // Background averaging rounds need the runtime: stop them first, on every rank together.
+  auto averagers = AsyncRegistry::get().stop_all(static_cast<int64_t>(cfg_.timeout_s * 1000));
   {
     std::lock_guard<std::mutex> lock(mu_);
     shutdown_requested_ = true;
@@ -224,6 +232,7 @@ Status Runtime::shutdown() {
   }
   if (thread_.joinable()) thread_.join();
   fail_all(Status::Aborted(kShutDown));
+  averagers.clear();  // their threads' last collectives have failed by now: they end
   {
     std::lock_guard<std::mutex> lock(mu_);
     comms_.clear();
@@ -243,10 +252,95 @@ Status Runtime::shutdown() {
 
 // ---- frontend side ------------------------------------------------------------------------
 
+namespace {
+
+int64_t tensor_elements(const bhvd_tensor& t) {
+  int64_t n = 1;
+  for (int d = 0; d < t.ndim; ++d) n *= t.shape ? t.shape[d] : 0;
+  return n;
+}
+
+bool compressible(int32_t dtype) {
+  return dtype == BHVD_FLOAT32 || dtype == BHVD_FLOAT16 || dtype == BHVD_BFLOAT16;
+}
+
+}  // namespace
+
+// Arguments of BAGUA's primitives: compression, peer mode and state buffers.
+Status Runtime::check_algorithm_request(const bhvd_request& req, const std::string& title) {
+  const int32_t t = req.op_type;
+  if (req.compression != BHVD_COMPRESSION_NONE) {
+    if (req.compression != BHVD_COMPRESSION_MINMAX_UINT8)
+      return Status::InvalidArgument(title + ": unknown compression " +
+                                     std::to_string(req.compression));
+    if (t != BHVD_OP_ALLREDUCE)
+      return Status::InvalidArgument(title + ": MinMaxUInt8 compression applies to allreduce only");
+    if (req.reduce_op != BHVD_AVERAGE && req.reduce_op != BHVD_SUM)
+      return Status::InvalidArgument(
+          "Compressed allreduce (ByteGrad) supports only op=Average and op=Sum.");
+  }
+  const bool algorithm_op = req.compression != BHVD_COMPRESSION_NONE ||
+                            t == BHVD_OP_DECENTRALIZED || t == BHVD_OP_LP_DECENTRALIZED;
+  if (!algorithm_op) {
+    if (req.num_aux != 0)
+      return Status::InvalidArgument(title + ": state buffers (aux) are only taken by BAGUA's "
+                                             "algorithm operations");
+    return Status::OK();
+  }
+  if (req.num_tensors != 1 || !req.inputs)
+    return Status::InvalidArgument(title + ": takes exactly one tensor (a bucket), got " +
+                                   std::to_string(req.num_tensors));
+  const bhvd_tensor& in = req.inputs[0];
+  if ((req.compression != BHVD_COMPRESSION_NONE || t == BHVD_OP_LP_DECENTRALIZED) &&
+      !compressible(in.dtype))
+    return Status::InvalidArgument(title + ": MinMaxUInt8 compression needs float32, float16 or "
+                                           "bfloat16 data, got " +
+                                   std::string(dtype_name(static_cast<DataType>(in.dtype))));
+  if (t == BHVD_OP_DECENTRALIZED) {
+    if (req.peer_mode < BHVD_PEER_ALL || req.peer_mode > BHVD_PEER_RING)
+      return Status::InvalidArgument(title + ": unknown peer selection mode " +
+                                     std::to_string(req.peer_mode));
+    if (!compressible(in.dtype) && in.dtype != BHVD_FLOAT64)
+      return Status::InvalidArgument(title + ": weights must be floating point");
+    if (req.step < 0) return Status::InvalidArgument(title + ": negative step");
+  }
+  const int64_t n = tensor_elements(in);
+  auto set = sets_.find(req.process_set_id);
+  const int64_t size = set == sets_.end() ? 1 : static_cast<int64_t>(set->second.size());
+  const int64_t chunk = (n + size - 1) / size;
+  std::vector<int64_t> want;  // required element counts of the aux buffers
+  if (req.compression != BHVD_COMPRESSION_NONE) {
+    if (req.num_aux != 0 && req.num_aux != 2)
+      return Status::InvalidArgument(title + ": error feedback takes 2 residual buffers (worker, "
+                                             "server), got " + std::to_string(req.num_aux));
+    if (req.num_aux == 2) want = {chunk * size, chunk};
+  } else if (t == BHVD_OP_LP_DECENTRALIZED) {
+    if (req.num_aux != 3)
+      return Status::InvalidArgument(title + ": takes 3 replica buffers (self, left, right), got " +
+                                     std::to_string(req.num_aux));
+    if (!req.outputs || req.outputs[0].data != in.data)
+      return Status::InvalidArgument(title + ": updates the weights in place (output == input)");
+    want = {n, n, n};
+  } else if (req.num_aux != 0) {
+    return Status::InvalidArgument(title + ": takes no state buffers");
+  }
+  for (size_t a = 0; a < want.size(); ++a) {
+    const bhvd_tensor& x = req.aux[a];
+    if (x.dtype != in.dtype || tensor_elements(x) != want[a] || (want[a] > 0 && !x.data))
+      return Status::InvalidArgument(
+          title + ": state buffer " + std::to_string(a) + " must hold " +
+          std::to_string(want[a]) + " elements of " +
+          dtype_name(static_cast<DataType>(in.dtype)) + ", got " +
+          std::to_string(tensor_elements(x)) + " of " +
+          (dtype_valid(x.dtype) ? dtype_name(static_cast<DataType>(x.dtype)) : "an unknown type"));
+  }
+  return Status::OK();
+}
+
 Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
   if (!initialized_) return Status::InvalidArgument(kNotInitialized);
   const int32_t t = req.op_type;
-  if (t < BHVD_OP_ALLREDUCE || t > BHVD_OP_REDUCESCATTER)
+  if (t < BHVD_OP_ALLREDUCE || t > BHVD_OP_LP_DECENTRALIZED)
     return Status::InvalidArgument("unknown operation type " + std::to_string(t));
   const std::string title = op_title(t);
   const bool tensor_op = t != BHVD_OP_JOIN && t != BHVD_OP_BARRIER;
@@ -280,6 +374,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
     return Status::InvalidArgument(title + ": Rank " + std::to_string(cfg_.rank) +
                                    " is not a member of the provided process set.");
   const int set_size = static_cast<int>(ranks.size());
+  if (Status s = check_algorithm_request(req, title); !s.ok()) return s;
   if (t == BHVD_OP_BROADCAST && !std::binary_search(ranks.begin(), ranks.end(), req.root_rank))
     return Status::InvalidArgument("broadcast received invalid root rank " +
                                    std::to_string(req.root_rank) + " for provided process set");
@@ -310,6 +405,9 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
     r.prescale = req.prescale_factor;
     r.postscale = req.postscale_factor;
     r.urgent = req.urgent != 0;
+    r.compression = req.compression;
+    r.peer_mode = req.peer_mode;
+    r.step = req.step;
     if (tensor_op) {
       const bhvd_tensor& in = req.inputs[i];
       if (!dtype_valid(in.dtype))
@@ -324,7 +422,8 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
       if (num_elements(r.shape) > 0 && !in.data)
         return Status::InvalidArgument(title + ": tensor data pointer is NULL");
       const bool needs_output = t == BHVD_OP_ALLREDUCE || t == BHVD_OP_BROADCAST ||
-                                t == BHVD_OP_REDUCESCATTER;
+                                t == BHVD_OP_REDUCESCATTER || t == BHVD_OP_DECENTRALIZED ||
+                                t == BHVD_OP_LP_DECENTRALIZED;
       // A reducescatter output can be empty on this rank while the input is not.
       if (needs_output && (!req.outputs || (!req.outputs[i].data && num_elements(r.shape) > 0 &&
                                             t != BHVD_OP_REDUCESCATTER)))
@@ -376,6 +475,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
     if (tensor_op) {
       e.input = req.inputs[i].data;
       e.output = req.outputs ? req.outputs[i].data : nullptr;
+      for (int a = 0; a < req.num_aux; ++a) e.aux.push_back(req.aux[a].data);
     }
     const std::string key = tensor_key(reqs[i].process_set_id, reqs[i].name);
     h->names.push_back(key);
@@ -746,17 +846,22 @@ void Runtime::execute(const Response& r) {
       entries.push_back(it == table_.end() ? nullptr : &it->second);
     }
   }
+  const auto started = Clock::now();
   switch (r.type) {
     case BHVD_OP_ALLREDUCE: execute_allreduce(r, *comm, entries); break;
     case BHVD_OP_ALLGATHER: execute_allgather(r, *comm, entries); break;
     case BHVD_OP_BROADCAST: execute_broadcast(r, *comm, entries); break;
     case BHVD_OP_ALLTOALL: execute_alltoall(r, *comm, entries); break;
     case BHVD_OP_REDUCESCATTER: execute_reducescatter(r, *comm, entries); break;
+    case BHVD_OP_DECENTRALIZED:
+    case BHVD_OP_LP_DECENTRALIZED: execute_decentralized(r, *comm, entries); break;
     default:
       for (const auto& key : keys)
         finish(key, Status::Error(StatusType::UNKNOWN_ERROR, "unsupported response type"));
       return;
   }
+  stats_.exec_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - started)
+                        .count();
   for (size_t i = 0; i < keys.size(); ++i) {
     if (r.cache_ids[i] >= 0 && entries[i]) {
       if (auto old = cache_.find(keys[i]); old != cache_.end()) cache_names_.erase(old->second.first);
@@ -769,6 +874,19 @@ void Runtime::execute(const Response& r) {
 
 void Runtime::execute_allreduce(const Response& r, Comm& comm, std::vector<Entry*>& entries) {
   const size_t esize = dtype_size(r.dtype);
+  if (r.compression == BHVD_COMPRESSION_MINMAX_UINT8) {
+    // Never fused (coordinator): one tensor, this rank's entry.
+    Entry* e = entries[0];
+    if (!e) return;
+    const size_t count = static_cast<size_t>(num_elements(r.shapes[0]));
+    if (e->input != e->output && count) std::memcpy(e->output, e->input, count * esize);
+    if (r.prescale != 1.0) scale_buffer(e->output, count, r.dtype, r.prescale);
+    allreduce_minmax_uint8(comm, e->output, count, r.dtype, r.reduce_op == ReduceOp::AVERAGE,
+                           e->aux.size() > 0 ? e->aux[0] : nullptr,
+                           e->aux.size() > 1 ? e->aux[1] : nullptr);
+    if (r.postscale != 1.0) scale_buffer(e->output, count, r.dtype, r.postscale);
+    return;
+  }
   std::vector<size_t> counts(r.names.size());
   size_t total = 0;
   for (size_t i = 0; i < counts.size(); ++i) {
@@ -904,6 +1022,19 @@ void Runtime::execute_reducescatter(const Response& r, Comm& comm,
     double post = r.postscale;
     if (r.reduce_op == ReduceOp::AVERAGE) post /= n;
     if (post != 1.0) scale_buffer(e->output, counts[comm.rank()], r.dtype, post);
+  }
+}
+
+void Runtime::execute_decentralized(const Response& r, Comm& comm,
+                                    std::vector<Entry*>& entries) {
+  Entry* e = entries[0];
+  if (!e) return;
+  const size_t count = static_cast<size_t>(num_elements(r.shapes[0]));
+  if (r.type == BHVD_OP_DECENTRALIZED) {
+    decentralized_average(comm, e->input, e->output, count, r.dtype,
+                          static_cast<PeerMode>(r.peer_mode), r.step);
+  } else {
+    lp_decentralized(comm, e->output, e->aux[0], e->aux[1], e->aux[2], count, r.dtype);
   }
 }
 

@@ -43,11 +43,13 @@ struct Entry {
   Request request;
   const void* input = nullptr;
   void* output = nullptr;
+  std::vector<void*> aux;  // algorithm state buffers (residuals, replicas)
 };
 
 struct RuntimeStats {
   std::atomic<int64_t> responses{0}, fused_tensors{0}, cycles{0}, cache_hits{0};
   std::atomic<int64_t> fusion_buffer_bytes{0};
+  std::atomic<int64_t> exec_ns{0};  // time the background thread spent executing operations
 };
 
 class Runtime {
@@ -89,6 +91,8 @@ class Runtime {
   void execute_broadcast(const Response& r, Comm& comm, std::vector<Entry*>& entries);
   void execute_alltoall(const Response& r, Comm& comm, std::vector<Entry*>& entries);
   void execute_reducescatter(const Response& r, Comm& comm, std::vector<Entry*>& entries);
+  Status check_algorithm_request(const bhvd_request& req, const std::string& title);
+  void execute_decentralized(const Response& r, Comm& comm, std::vector<Entry*>& entries);
   void finish(const std::string& name, const Status& s);
   void fail_all(const Status& s);
   void send_message(int peer, const std::string& payload);

@@ -1,0 +1,602 @@
+"""BAGUA's algorithms for ``hvd.DistributedOptimizer(..., algorithm=...)``.
+
+An algorithm is a declaration: which tensors are communicated (gradients, weights or the
+optimizer's momentum), how they are bucketed, and which primitive of the core runs when. The
+primitives themselves (compressed allreduce, decentralized averages, asynchronous averaging)
+run in the C++ core; Python only decides when to start them. The exact math of each algorithm
+is in docs/algorithms.md.
+
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   algorithm=ByteGrad())
+
+``bagua-run --algorithm NAME`` (``BAGUA_HVD_ALGORITHM=NAME``) picks one for every
+``DistributedOptimizer`` built without ``algorithm=``.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from bagua_hvd.common import ops as _ops
+from bagua_hvd.common._native import ffi as _ffi
+from bagua_hvd.common._native import last_error as _last_error
+from bagua_hvd.common._native import lib as _lib
+
+__all__ = [
+    "Algorithm",
+    "GradientAllReduce",
+    "ByteGrad",
+    "Decentralized",
+    "LowPrecisionDecentralized",
+    "QAdamOptimizer",
+    "QAdamAlgorithm",
+    "AsyncModelAverage",
+    "from_name",
+]
+
+ALGORITHM_ENV = "BAGUA_HVD_ALGORITHM"
+
+
+class Algorithm:
+    """Base class of the algorithm declarations."""
+
+    #: gradients are averaged by the optimizer's bucket machinery at this step
+    def communicates_gradients(self, step: int) -> bool:
+        return True
+
+    #: the gradient buckets go through the compressed (ByteGrad) allreduce at this step
+    def compresses_gradients(self, step: int) -> bool:
+        return False
+
+    def reify(self, opt: Any) -> _Impl:
+        return _Impl(self, opt)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"
+
+
+class GradientAllReduce(Algorithm):
+    """Gradients averaged (``average=True``) or summed by allreduce while backward runs:
+    Horovod's behaviour. ``hierarchical`` is accepted for BAGUA compatibility; on one host it
+    is the flat allreduce."""
+
+    def __init__(self, hierarchical: bool = False, average: bool = True) -> None:
+        self.hierarchical = hierarchical
+        self.average = average
+
+
+class ByteGrad(Algorithm):
+    """Gradients averaged by the 8-bit MinMaxUInt8-compressed allreduce (compressed alltoall,
+    mean, compressed allgather). ``error_feedback=True`` carries each quantization's residual
+    into the next step."""
+
+    def __init__(
+        self, hierarchical: bool = True, average: bool = True, error_feedback: bool = False
+    ) -> None:
+        self.hierarchical = hierarchical
+        self.average = average
+        self.error_feedback = error_feedback
+
+    def compresses_gradients(self, step: int) -> bool:
+        return True
+
+
+class Decentralized(Algorithm):
+    """Decentralized SGD: every ``communication_interval`` steps the weights are averaged with
+    peers (``peer_selection_mode`` ``"all"``, ``"shift_one"`` or ``"ring"``) during backward and
+    the local gradient is applied to the average."""
+
+    def __init__(
+        self,
+        hierarchical: bool = True,
+        peer_selection_mode: str = "all",
+        communication_interval: int = 1,
+    ) -> None:
+        if peer_selection_mode not in _ops.PEER_MODES:
+            raise ValueError(
+                f"peer_selection_mode must be one of {sorted(_ops.PEER_MODES)}, got "
+                f"{peer_selection_mode!r}"
+            )
+        _check_interval(communication_interval)
+        self.hierarchical = hierarchical
+        self.peer_selection_mode = peer_selection_mode
+        self.communication_interval = communication_interval
+
+    def communicates_gradients(self, step: int) -> bool:
+        return False
+
+    def reify(self, opt: Any) -> _Impl:
+        return _DecentralizedImpl(self, opt)
+
+
+class LowPrecisionDecentralized(Algorithm):
+    """Low-precision decentralized SGD on a ring (W = 1/3): after each local step, 8-bit
+    compressed differences are exchanged with both neighbours and every rank keeps replicas of
+    its neighbours' weights."""
+
+    def __init__(self, hierarchical: bool = True, communication_interval: int = 1) -> None:
+        _check_interval(communication_interval)
+        self.hierarchical = hierarchical
+        self.communication_interval = communication_interval
+
+    def communicates_gradients(self, step: int) -> bool:
+        return False
+
+    def reify(self, opt: Any) -> _Impl:
+        return _LowPrecisionDecentralizedImpl(self, opt)
+
+
+class QAdamOptimizer(torch.optim.Optimizer):
+    """BAGUA's QAdam: Adam during ``warmup_steps``, then the second moment is frozen and the
+    momentum is averaged through the 8-bit compressed allreduce (with ``QAdamAlgorithm``).
+
+    Unlike BAGUA, weight decay is applied in both stages."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        warmup_steps: int = 100,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+    ) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not isinstance(warmup_steps, int) or warmup_steps <= 0:
+            raise ValueError(
+                f"warmup_steps must be a positive integer, got {warmup_steps!r}: the compression "
+                "stage freezes the second moment estimated during warm-up"
+            )
+        self.warmup_steps = warmup_steps
+        self.step_id = 0  # completed steps
+        self._momentum_in_grad: set = set()  # compression stage: grads already turned to m
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    def in_warmup(self) -> bool:
+        """True while the next step is a warm-up (plain Adam) step."""
+        return self.step_id < self.warmup_steps
+
+    def momentum_(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Compression stage, before communication: turns ``grad`` (in place) into this rank's
+        new momentum, beta1 * m + (1 - beta1) * (g + weight_decay * x)."""
+        group = self._group_of(p)
+        beta1 = group["betas"][0]
+        if group["weight_decay"] != 0:
+            grad.add_(p.detach(), alpha=group["weight_decay"])
+        # docs/algorithms.md fixes the operation order: m * beta1 + g * (1 - beta1).
+        grad.copy_(self.state[p]["exp_avg"].mul(beta1).add_(grad, alpha=1 - beta1))
+
+    def _group_of(self, p: torch.Tensor) -> Dict[str, Any]:
+        groups = getattr(self, "_groups_by_param", None)
+        if groups is None or p not in groups:
+            groups = self._groups_by_param = {q: g for g in self.param_groups for q in g["params"]}
+        return groups[p]
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        warm = self.in_warmup()
+        self.step_id += 1
+        s = self.step_id
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                state["step"] += 1
+                bc1 = 1 - beta1**s
+                bc2 = 1 - beta2**s
+                if warm:
+                    # torch.optim.Adam's single-tensor update, operation for operation.
+                    grad = p.grad if wd == 0 else p.grad.add(p, alpha=wd)
+                    exp_avg.lerp_(grad, 1 - beta1)
+                    exp_avg_sq.mul_(beta2).addcmul_(grad, grad.conj(), value=1 - beta2)
+                else:
+                    if p not in self._momentum_in_grad:  # not communicated (one rank)
+                        self.momentum_(p, p.grad)
+                    exp_avg.copy_(p.grad)  # the averaged momentum; v stays frozen
+                step_size = lr / bc1
+                denom = (exp_avg_sq.sqrt() / bc2**0.5).add_(eps)
+                if not warm:
+                    # A coordinate that never had a gradient in warm-up (v == 0, e.g. a dead
+                    # ReLU unit) stays put: its averaged momentum is quantization noise, which
+                    # divided by eps alone would blow the weight up.
+                    exp_avg.masked_fill_(exp_avg_sq == 0, 0.0)
+                p.addcdiv_(exp_avg, denom, value=-step_size)
+        self._momentum_in_grad.clear()
+        return loss
+
+
+class QAdamAlgorithm(Algorithm):
+    """QAdam's communication: full-precision gradient averaging during warm-up, then the
+    momentum through ByteGrad's compressed allreduce (``error_feedback`` as in ByteGrad)."""
+
+    def __init__(
+        self,
+        q_adam_optimizer: QAdamOptimizer,
+        hierarchical: bool = True,
+        error_feedback: bool = False,
+    ) -> None:
+        if not isinstance(q_adam_optimizer, QAdamOptimizer):
+            raise ValueError("QAdamAlgorithm needs the QAdamOptimizer it communicates for")
+        self.optimizer = q_adam_optimizer
+        self.hierarchical = hierarchical
+        self.error_feedback = error_feedback
+        self.average = True
+
+    def compresses_gradients(self, step: int) -> bool:
+        return not self.optimizer.in_warmup()
+
+    def reify(self, opt: Any) -> _Impl:
+        return _QAdamImpl(self, opt)
+
+
+class AsyncModelAverage(Algorithm):
+    """Asynchronous model averaging: after ``warmup_steps`` of gradient allreduce, gradients stay
+    local and the core averages the weights in the background, rounds at least
+    ``sync_interval_ms`` apart. ``abort()`` stops the rounds on every rank, ``resume()``
+    restarts them; ``hvd.shutdown()`` stops them too."""
+
+    def __init__(
+        self, peer_selection_mode: str = "all", sync_interval_ms: int = 500, warmup_steps: int = 0
+    ) -> None:
+        if peer_selection_mode != "all":
+            raise ValueError(
+                f"AsyncModelAverage supports peer_selection_mode='all' only, got "
+                f"{peer_selection_mode!r}"
+            )
+        if sync_interval_ms < 0:
+            raise ValueError(f"sync_interval_ms must be >= 0, got {sync_interval_ms}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.peer_selection_mode = peer_selection_mode
+        self.sync_interval_ms = sync_interval_ms
+        self.warmup_steps = warmup_steps
+        self._impls: weakref.WeakSet[_AsyncImpl] = weakref.WeakSet()
+
+    def communicates_gradients(self, step: int) -> bool:
+        return step < self.warmup_steps
+
+    def reify(self, opt: Any) -> _Impl:
+        impl = _AsyncImpl(self, opt)
+        self._impls.add(impl)
+        return impl
+
+    def abort(self, model: Any = None) -> None:
+        """Stops background averaging on every rank; returns when this rank's rounds ended.
+        ``model`` is accepted for BAGUA compatibility and ignored."""
+        for impl in list(self._impls):
+            impl.abort()
+
+    def resume(self, model: Any = None) -> None:
+        """Restarts background averaging after :meth:`abort` (every rank must call it)."""
+        for impl in list(self._impls):
+            impl.resume()
+
+
+# The names of bagua-run --algorithm (bagua_hvd.runner.launch.ALGORITHM_NAMES, kept in step).
+BY_NAME: Dict[str, Callable[[], Algorithm]] = {
+    "gradient_allreduce": GradientAllReduce,
+    "bytegrad": ByteGrad,
+    "decentralized": Decentralized,
+    "low_precision_decentralized": LowPrecisionDecentralized,
+    "async": AsyncModelAverage,
+}
+
+
+def from_name(name: str) -> Algorithm:
+    """The algorithm named ``name`` with default arguments (``bagua-run --algorithm``)."""
+    table = BY_NAME
+    key = name.strip().lower()
+    if key == "qadam":
+        raise ValueError(
+            "QAdam needs its own optimizer: build QAdamOptimizer and pass "
+            "algorithm=QAdamAlgorithm(optimizer) in code; it cannot be chosen by name"
+        )
+    if key not in table:
+        raise ValueError(
+            f"unknown algorithm {name!r} (from {ALGORITHM_ENV} or bagua-run --algorithm): choose "
+            f"one of {', '.join(table)}"
+        )
+    return table[key]()
+
+
+def from_environment() -> Optional[Algorithm]:
+    name = os.environ.get(ALGORITHM_ENV)
+    return from_name(name) if name else None
+
+
+def _check_interval(communication_interval: int) -> None:
+    if not isinstance(communication_interval, int) or communication_interval < 1:
+        raise ValueError(
+            f"communication_interval must be a positive integer, got {communication_interval!r}"
+        )
+
+
+# ---- implementations ------------------------------------------------------------------------------
+class _Impl:
+    """What an algorithm does inside one DistributedOptimizer. The base class is the gradient
+    path (GradientAllReduce, ByteGrad)."""
+
+    def __init__(self, alg: Algorithm, opt: Any) -> None:
+        self.alg = alg
+        self.opt_ref = weakref.ref(opt)
+        self.step = 0  # completed DistributedOptimizer steps
+
+    def communicates_gradients(self) -> bool:
+        return self.alg.communicates_gradients(self.step)
+
+    def compresses_gradients(self) -> bool:
+        return self.alg.compresses_gradients(self.step)
+
+    def error_feedback(self) -> bool:
+        return bool(getattr(self.alg, "error_feedback", False))
+
+    def before_launch(self, params: List[torch.Tensor]) -> None:
+        """A gradient bucket is complete and about to be sent."""
+
+    def on_gradient(self, p: torch.Tensor) -> None:
+        """A gradient is ready while gradients are not communicated."""
+
+    def synchronize(self) -> None:
+        """Before the local update, while gradients are not communicated."""
+
+    def after_step(self) -> None:
+        self.step += 1
+
+
+class _WeightBuckets:
+    """The parameters flattened into one contiguous buffer per bucket (``p.data`` become views),
+    so the core averages weights in place."""
+
+    def __init__(self, groups: List[List[torch.Tensor]], names: Dict[Any, str]) -> None:
+        self.flats: List[torch.Tensor] = []
+        self.names: List[str] = []
+        with torch.no_grad():
+            for g in groups:
+                flat = torch.empty(sum(p.numel() for p in g), dtype=g[0].dtype)
+                off = 0
+                for p in g:
+                    n = p.numel()
+                    flat[off : off + n].copy_(p.detach().reshape(-1))
+                    p.data = flat[off : off + n].view_as(p)
+                    off += n
+                self.flats.append(flat)
+                self.names.append(
+                    names.get(g[0], "param") + (f"+{len(g) - 1}" if len(g) > 1 else "")
+                )
+
+
+class _WeightImpl(_Impl):
+    def weights(self) -> _WeightBuckets:
+        wb = getattr(self, "_wb", None)
+        if wb is None:
+            opt = self.opt_ref()
+            params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+            # The gradient buckets' first-guess layout (reverse registration order, per dtype).
+            groups = opt._form_buckets(list(reversed(params)), set())
+            wb = self._wb = _WeightBuckets(groups, opt._parameter_names)
+        return wb
+
+    def _name(self, kind: str, i: int) -> str:
+        return f"{kind}.{self.weights().names[i]}"
+
+
+class _DecentralizedImpl(_WeightImpl):
+    """Weights averaged with peers during backward; the local gradient applied to the average."""
+
+    def __init__(self, alg: Decentralized, opt: Any) -> None:
+        super().__init__(alg, opt)
+        self.handles: Optional[List[int]] = None
+        self.peer: List[torch.Tensor] = []
+
+    def communicating(self) -> bool:
+        return self.step % self.alg.communication_interval == 0
+
+    def launch(self) -> None:
+        from bagua_hvd.torch import mpi_ops
+
+        opt = self.opt_ref()
+        wb = self.weights()
+        if not self.peer:
+            self.peer = [torch.empty_like(f) for f in wb.flats]
+        k = self.step // self.alg.communication_interval
+        self.handles = [
+            mpi_ops._primitive_async(
+                _ops.OP_DECENTRALIZED,
+                flat,
+                self._name("decentralized", i),
+                opt.process_set,
+                peer_mode=_ops.PEER_MODES[self.alg.peer_selection_mode],
+                step=k,
+                output=self.peer[i],
+            )
+            for i, flat in enumerate(wb.flats)
+        ]
+
+    def on_gradient(self, p: torch.Tensor) -> None:
+        if self.handles is None and self.communicating():
+            self.launch()  # the weights cannot change until step(): overlap with backward
+
+    def synchronize(self) -> None:
+        from bagua_hvd.torch import mpi_ops
+
+        if not self.communicating():
+            return
+        if self.handles is None:
+            self.launch()
+        handles, self.handles = self.handles, None
+        for h in handles:
+            mpi_ops.synchronize(h)
+        with torch.no_grad():
+            for flat, avg in zip(self.weights().flats, self.peer):
+                flat.copy_(avg)
+
+
+class _LowPrecisionDecentralizedImpl(_WeightImpl):
+    """After the local update, the compressed ring step of the core on every weight bucket."""
+
+    def __init__(self, alg: LowPrecisionDecentralized, opt: Any) -> None:
+        super().__init__(alg, opt)
+        self.replicas: Optional[List[List[torch.Tensor]]] = None  # per bucket: self, left, right
+
+    def synchronize(self) -> None:
+        # Before the first update: replicas from the weights as they are on every rank. One
+        # rank has no neighbours: nothing to keep.
+        if self.replicas is None and self.opt_ref().process_set.size() > 1:
+            self.replicas = self._init_replicas()
+
+    def _init_replicas(self) -> List[List[torch.Tensor]]:
+        from bagua_hvd.torch import mpi_ops
+
+        opt = self.opt_ref()
+        ps = opt.process_set
+        n, r = ps.size(), ps.rank()
+        left, right = (r - 1) % n, (r + 1) % n
+        out = []
+        for i, flat in enumerate(self.weights().flats):
+            everyone = mpi_ops.allgather(
+                flat.detach().unsqueeze(0), name=self._name("lpdec.init", i), process_set=ps
+            )
+            out.append([flat.detach().clone(), everyone[left].clone(), everyone[right].clone()])
+            del everyone
+        return out
+
+    def after_step(self) -> None:
+        from bagua_hvd.torch import mpi_ops
+
+        if self.replicas is not None and self.step % self.alg.communication_interval == 0:
+            opt = self.opt_ref()
+            handles = [
+                mpi_ops._primitive_async(
+                    _ops.OP_LP_DECENTRALIZED,
+                    flat,
+                    self._name("lpdec", i),
+                    opt.process_set,
+                    aux=self.replicas[i],
+                )
+                for i, flat in enumerate(self.weights().flats)
+            ]
+            for h in handles:
+                mpi_ops.synchronize(h)
+        super().after_step()
+
+
+class _QAdamImpl(_Impl):
+    """The DistributedOptimizer is itself a QAdamOptimizer (a subclass of its class): its own
+    step count decides the stage."""
+
+    def before_launch(self, params: List[torch.Tensor]) -> None:
+        q = self.opt_ref()
+        if q.in_warmup():
+            return
+        for p in params:
+            if p.grad is not None:
+                q.momentum_(p, p.grad)
+                q._momentum_in_grad.add(p)
+
+    def compresses_gradients(self) -> bool:
+        return not self.opt_ref().in_warmup()
+
+
+class _AsyncImpl(_WeightImpl):
+    """Gradient allreduce during warm-up, then background averaging by the core."""
+
+    def __init__(self, alg: AsyncModelAverage, opt: Any) -> None:
+        super().__init__(alg, opt)
+        self.id: Optional[int] = None
+        self.generation = 0
+        self.aborted = False
+        self._keep: Any = None
+
+    def _start(self) -> None:
+        opt = self.opt_ref()
+        wb = self.weights()
+        descs = []
+        keep = []
+        tensors = _ffi.new("bhvd_tensor[]", len(wb.flats))
+        for i, flat in enumerate(wb.flats):
+            shape = _ffi.new("int64_t[]", [flat.numel()])
+            keep.append(shape)
+            tensors[i].data = _ffi.cast("void *", flat.data_ptr())
+            tensors[i].dtype = _torch_dtype_code(flat)
+            tensors[i].ndim = 1
+            tensors[i].shape = shape
+            descs.append(flat)
+        out = _ffi.new("int64_t *")
+        name = f"async.{wb.names[0]}.{self.generation}"
+        status = _lib().bhvd_async_start(
+            name.encode(),
+            tensors,
+            len(wb.flats),
+            opt.process_set.process_set_id,
+            int(self.alg.sync_interval_ms),
+            out,
+        )
+        if status != _ops.OK:
+            raise _ops.exception_for_status(status, _last_error())
+        self.id = out[0]
+        self._keep = (tensors, keep, descs)
+        _live_averagers[self.id] = self
+
+    def after_step(self) -> None:
+        super().after_step()
+        if self.step <= self.alg.warmup_steps or self.aborted:
+            return
+        if self.id is None:
+            self._start()
+        _lib().bhvd_async_step(self.id)
+
+    def rounds(self) -> int:
+        return int(_lib().bhvd_async_rounds(self.id)) if self.id is not None else 0
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.id is None:
+            return
+        status = _lib().bhvd_async_abort(self.id, -1)
+        _lib().bhvd_async_release(self.id)
+        _live_averagers.pop(self.id, None)
+        self.id = None
+        if status not in (_ops.OK, _ops.ABORTED):
+            raise _ops.exception_for_status(status, _last_error())
+
+    def resume(self) -> None:
+        if not self.aborted:
+            return
+        self.aborted = False
+        self.generation += 1
+
+
+_live_averagers: Dict[int, _AsyncImpl] = {}
+
+
+def _torch_dtype_code(t: torch.Tensor) -> int:
+    from bagua_hvd.torch import mpi_ops
+
+    return mpi_ops._check(t, mpi_ops._ALLREDUCE_DTYPES)

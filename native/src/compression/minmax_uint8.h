@@ -1,0 +1,38 @@
+// MinMaxUInt8 compression on the CPU (docs/algorithms.md "MinMaxUInt8", docs/compression.md).
+//
+// n elements of dtype (FLOAT32, FLOAT16, BFLOAT16) are split into n_chunks chunks of
+// c = n / n_chunks elements, each quantized to uint8 with its own min and max. Compressed layout,
+// per chunk, chunks back to back: min at byte 0 and max at byte sizeof(T) (as T), zeros up to
+// byte 32, then the c uint8 values, then zeros up to align32(c). Single-threaded; vectorized with
+// AVX2 + F16C when the CPU has them (bit-identical to the scalar path).
+//
+// Every function throws std::invalid_argument for a dtype other than those three, n_chunks < 1
+// or n not a multiple of n_chunks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common.h"
+
+namespace bagua_hvd {
+
+// Bytes of the compressed form: n_chunks * (align32(2 * sizeof(T)) + align32(n / n_chunks)).
+size_t minmax_uint8_bytes(DataType dtype, size_t n, size_t n_chunks);
+
+// in: n elements of dtype; out: minmax_uint8_bytes(dtype, n, n_chunks) bytes, all written.
+void minmax_uint8_compress(const void* in, DataType dtype, size_t n, size_t n_chunks,
+                           uint8_t* out);
+
+// out: n elements of dtype (each decoded value rounded to nearest-even in dtype).
+void minmax_uint8_decompress(const uint8_t* in, DataType dtype, size_t n, size_t n_chunks,
+                             void* out);
+
+// acc[i] += float(T(x'_i)): the decoded values, rounded to dtype, accumulated in float32.
+void minmax_uint8_decompress_add_f32(const uint8_t* in, DataType dtype, size_t n,
+                                     size_t n_chunks, float* acc);
+
+// Throws std::invalid_argument naming the problem; used by the CPU and CUDA entry points.
+void minmax_uint8_check_args(DataType dtype, size_t n, size_t n_chunks);
+
+}  // namespace bagua_hvd

@@ -1,0 +1,121 @@
+// MinMaxUInt8 per-element and per-chunk math (docs/algorithms.md, "MinMaxUInt8"), shared by the
+// CPU kernels (minmax_uint8_cpu.cc) and the CUDA kernels (minmax_uint8_cuda.cu) so that both, and
+// a numpy float32 reference, agree bit for bit.
+//
+// Every operation is one IEEE float32 operation rounded to nearest even. In device code they are
+// spelled with the _rn intrinsics, which nvcc never fuses into FMA nor flushes; on the host the
+// formula has no a*b+c shape to contract in the first place (and the .cc files are compiled with
+// -ffp-contract=off besides).
+//
+// Conventions beyond the spec formula (docs/compression.md):
+//  - (uint8) saturates: values below 0 (and NaN) become 0, values above 255 become 255. Only
+//    chunks where |max * scale| >= 2^24 reach those cases: ub - 255 is then rounded, so
+//    ub - lb may be 256. Constant chunks are among them (scale = 255 / eps; a chunk of 1.0s
+//    gives 256), as are large offsets with tiny ranges and overflowing ranges. Saturating is
+//    what a GPU's float -> u8 conversion does; C++'s cast would be undefined.
+//  - A chunk holding NaN or +-Inf stores NaN as min and max and zero payload; decompress then
+//    yields NaN for every element, by the formula itself (scale = NaN).
+//  - A zero min or max is stored as +0 (the sign of a zero min/max changes no decoded value, and
+//    SIMD min/max may return either zero).
+//  - Decompressed NaN is the canonical quiet NaN (0x7fc00000, float16 0x7e00, bfloat16 0x7fc0),
+//    whatever NaN the hardware produced.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "float_bits.h"
+
+namespace bagua_hvd {
+namespace mmu8 {
+
+#if defined(__CUDA_ARCH__)
+BHVD_HD float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+BHVD_HD float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+BHVD_HD float rint_even(float a) { return ::rintf(a); }
+#else
+BHVD_HD float mul_rn(float a, float b) { return a * b; }
+BHVD_HD float div_rn(float a, float b) { return a / b; }
+BHVD_HD float rint_even(float a) { return std::nearbyint(a); }  // round-half-even, no errno
+#endif
+using fbits::add_rn;
+using fbits::sub_rn;
+
+constexpr float kEps = 1e-7f;  // the float32 nearest to 1e-7
+constexpr uint32_t kCanonicalNanBits = 0x7fc00000u;
+// Header per chunk: min at byte 0, max at byte sizeof(T), zeros up to byte 32.
+constexpr size_t kHeaderBytes = 32;
+
+BHVD_HD constexpr size_t align32(size_t n) { return (n + 31) & ~static_cast<size_t>(31); }
+
+struct Params {
+  float scale;  // 255 / (max - min + eps)
+  float ub;     // rint(max * scale)
+  float lb;     // ub - 255
+};
+
+BHVD_HD Params params(float mn, float mx) {
+  Params p;
+  p.scale = div_rn(255.0f, add_rn(sub_rn(mx, mn), kEps));
+  p.ub = rint_even(mul_rn(mx, p.scale));
+  p.lb = sub_rn(p.ub, 255.0f);
+  return p;
+}
+
+// q = (uint8) saturate(min(rint(x * scale), ub) - lb). fminf's operands are never NaN here
+// (x and the chunk's min/max are finite), so fminf and SIMD min agree.
+BHVD_HD uint8_t quantize(float x, const Params& p) {
+  float v = sub_rn(fminf(rint_even(mul_rn(x, p.scale)), p.ub), p.lb);
+  v = v > 0.0f ? v : 0.0f;  // also NaN -> 0
+  v = v < 255.0f ? v : 255.0f;
+  return static_cast<uint8_t>(v);
+}
+
+// x' = (q + lb) / scale in float32, NaN made canonical.
+BHVD_HD float dequantize(uint8_t q, const Params& p) {
+  const float v = div_rn(add_rn(static_cast<float>(q), p.lb), p.scale);
+  return v != v ? fbits::bits_f32(kCanonicalNanBits) : v;
+}
+
+// Zero min/max are stored as +0 (see above).
+BHVD_HD float canonical_zero(float v) { return v == 0.0f ? 0.0f : v; }
+
+// Element types: storage, exact widening to float32, round-to-nearest-even narrowing.
+struct F32 {
+  using Storage = float;
+  static BHVD_HD float widen(float v) { return v; }
+  static BHVD_HD float narrow(float v) { return v; }
+};
+struct F16 {
+  using Storage = uint16_t;
+  static BHVD_HD float widen(uint16_t v) { return fbits::half_to_float(v); }
+  static BHVD_HD uint16_t narrow(float v) { return fbits::float_to_half(v); }
+};
+struct BF16 {
+  using Storage = uint16_t;
+  static BHVD_HD float widen(uint16_t v) { return fbits::bf16_to_float(v); }
+  static BHVD_HD uint16_t narrow(float v) { return fbits::float_to_bf16(v); }
+};
+
+// Bytes of one compressed chunk of c elements of Ty.
+template <typename Ty>
+BHVD_HD constexpr size_t chunk_bytes(size_t c) {
+  static_assert(align32(2 * sizeof(typename Ty::Storage)) == kHeaderBytes, "header is 32 bytes");
+  return kHeaderBytes + align32(c);
+}
+
+// Header contents for a chunk with the given min, max and finiteness.
+struct Header {
+  float mn, mx;
+};
+BHVD_HD Header make_header(float mn, float mx, bool finite) {
+  if (!finite) {
+    const float nan = fbits::bits_f32(kCanonicalNanBits);
+    return {nan, nan};
+  }
+  return {canonical_zero(mn), canonical_zero(mx)};
+}
+
+}  // namespace mmu8
+}  // namespace bagua_hvd

@@ -1,0 +1,93 @@
+// Asynchronous model averaging (BAGUA's DecentralizedFullPrecisionAsynchronous): a thread of the
+// core averages registered weight buffers across a process set in the background, round after
+// round, while training goes on. The training thread only calls step() at step boundaries, where
+// a finished round is merged or a snapshot for the next round is taken: forward and backward
+// never see half-merged weights and no lock is held while Python runs. docs/algorithms.md.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+
+namespace bagua_hvd {
+
+class Runtime;
+
+class AsyncAverager {
+ public:
+  struct Weights {
+    void* data;
+    DataType dtype;
+    std::vector<int64_t> shape;
+  };
+  AsyncAverager(Runtime& rt, std::string name, std::vector<Weights> weights, int32_t set_id,
+                int64_t interval_ms);
+  ~AsyncAverager();  // stops (without the collective agreement if it must) and joins
+  AsyncAverager(const AsyncAverager&) = delete;
+  AsyncAverager& operator=(const AsyncAverager&) = delete;
+
+  // Training thread, at the end of an optimizer step: merge a finished round
+  // (x += sum / n - snapshot) or take the snapshot of the next round. Never waits for peers.
+  void step();
+  // Asks every rank to stop after the current round and waits for this rank's rounds to end.
+  Status abort(int64_t timeout_ms);
+  int64_t rounds() const;
+  bool stopped() const;
+
+ private:
+  enum class Phase { IDLE, WANT_SNAPSHOT, REDUCING, WANT_MERGE, STOPPED };
+  struct Buffer {
+    Weights w;
+    size_t count = 0;
+    std::vector<unsigned char> snapshot, sum;
+  };
+  void run();
+  void snapshot_locked();
+  void merge_locked();
+  // Runs one allreduce of the core (through negotiation, like a frontend) and waits for it.
+  Status allreduce(const std::string& name, void* in, void* out, DataType dtype,
+                   const std::vector<int64_t>& shape, int32_t reduce_op);
+
+  Runtime& rt_;
+  const std::string name_;
+  const int32_t set_id_;
+  const std::chrono::milliseconds interval_;
+  int set_size_ = 1;
+  std::vector<Buffer> buffers_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  Phase phase_ = Phase::IDLE;
+  bool abort_ = false;
+  int64_t rounds_ = 0;
+  Status error_;
+  std::thread thread_;
+};
+
+// The averagers of this process, by id (the C API's handles).
+class AsyncRegistry {
+ public:
+  static AsyncRegistry& get();
+  int64_t add(std::unique_ptr<AsyncAverager> a);
+  std::shared_ptr<AsyncAverager> find(int64_t id);
+  void release(int64_t id);
+  // At shutdown: asks every averager to stop (each waits for its peers up to timeout_ms) and
+  // hands them over; the caller destroys them once the runtime has stopped, which ends any
+  // collective they still wait for.
+  std::map<int64_t, std::shared_ptr<AsyncAverager>> stop_all(int64_t timeout_ms);
+
+ private:
+  std::mutex mu_;
+  std::map<int64_t, std::shared_ptr<AsyncAverager>> items_;
+  int64_t next_ = 1;
+};
+
+}  // namespace bagua_hvd

@@ -1,0 +1,407 @@
+"""BAGUA's algorithms through hvd.DistributedOptimizer(algorithm=...), run by every rank of a
+launched job (or alone at size 1, where HOROVOD_ELASTIC=1 makes the optimizer take its
+multi-rank path).
+
+Each rank trains its replica on its own batches and compares its final weights with
+tests/reference_algorithms.py, which simulates every rank in one process from the math of
+docs/algorithms.md without calling the core. Synchronous algorithms must agree within 1e-5
+relative (per tensor: max |got - want| <= 1e-5 * max |want|); the compressed ones agree
+bit for bit in practice (same bits into the same deterministic quantizer), the tolerance covers
+the full-precision sums, which the core adds in ring order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import reference_algorithms as ra
+import torch
+from torch import nn
+
+import bagua_hvd.torch as hvd
+from bagua_hvd.torch import algorithms as A
+
+STEPS = 5
+RTOL = 1e-5
+IN, HIDDEN, OUT, BATCH = 6, 16, 3, 8
+
+
+@pytest.fixture(autouse=True)
+def _hooks_at_every_size(monkeypatch):
+    if hvd.size() == 1:
+        monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    # Several buckets per model: chunking, padding and per-bucket state are exercised.
+    monkeypatch.setenv("BAGUA_HVD_BUCKET_MB", "0.001")
+    monkeypatch.delenv("BAGUA_HVD_ALGORITHM", raising=False)
+
+
+def make_model(rank: int, dtypes=(torch.float32,) * 3, unused: bool = False) -> nn.Module:
+    """The same initial weights on every rank (what broadcast_parameters gives)."""
+    torch.manual_seed(1234)
+    layers = [
+        nn.Linear(IN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, OUT),
+    ]
+    for layer, dt in zip([layers[0], layers[2], layers[4]], dtypes):
+        layer.to(dt)
+    model = _Net(layers, dtypes)
+    if unused:
+        model.spare = nn.Linear(3, 3)  # never used in forward: no gradient on any rank
+    return model
+
+
+class _Net(nn.Module):
+    def __init__(self, layers, dtypes) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.dtypes = dtypes
+
+    def forward(self, x):
+        for layer in self.layers:
+            if isinstance(layer, nn.Linear):
+                x = x.to(layer.weight.dtype)
+            x = layer(x)
+        return x.float()
+
+
+def batches(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _train(model, opt, steps=STEPS):
+    for step in range(steps):
+        opt.zero_grad()
+        loss_fn(model, batches(hvd.rank(), step)).backward()
+        opt.step()
+
+
+def _compare(model, want, what):
+    got = [p for p in model.parameters() if p.requires_grad]
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        scale = b.detach().float().abs().max().item()
+        err = (a.detach().float() - b.detach().float()).abs().max().item()
+        assert err <= RTOL * max(scale, 1e-30), (
+            f"{what}: parameter {i} differs from the reference by {err:.3g} (scale {scale:.3g})"
+        )
+
+
+def _reference(algorithm, model_kwargs=None, opt_factory=sgd, steps=STEPS, **kwargs):
+    model_kwargs = model_kwargs or {}
+    return ra.run_reference(
+        algorithm,
+        hvd.size(),
+        lambda r: make_model(r, **model_kwargs),
+        batches,
+        loss_fn,
+        opt_factory,
+        steps,
+        **kwargs,
+    )
+
+
+SYNC_CASES = [
+    ("gradient_allreduce", lambda: A.GradientAllReduce(), {}),
+    ("gradient_allreduce", lambda: A.GradientAllReduce(average=False), {"average": False}),
+    ("bytegrad", lambda: A.ByteGrad(), {}),
+    ("bytegrad", lambda: A.ByteGrad(average=False), {"average": False}),
+    ("bytegrad", lambda: A.ByteGrad(error_feedback=True), {"error_feedback": True}),
+    (
+        "decentralized",
+        lambda: A.Decentralized(peer_selection_mode="all"),
+        {"peer_selection_mode": "all"},
+    ),
+    (
+        "decentralized",
+        lambda: A.Decentralized(peer_selection_mode="shift_one"),
+        {"peer_selection_mode": "shift_one"},
+    ),
+    (
+        "decentralized",
+        lambda: A.Decentralized(peer_selection_mode="shift_one", communication_interval=2),
+        {"peer_selection_mode": "shift_one", "communication_interval": 2},
+    ),
+    (
+        "decentralized",
+        lambda: A.Decentralized(peer_selection_mode="ring"),
+        {"peer_selection_mode": "ring"},
+    ),
+    ("low_precision_decentralized", lambda: A.LowPrecisionDecentralized(), {}),
+    (
+        "low_precision_decentralized",
+        lambda: A.LowPrecisionDecentralized(communication_interval=2),
+        {"communication_interval": 2},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "name,make_alg,kwargs",
+    SYNC_CASES,
+    ids=[f"{c[0]}-{'-'.join(f'{k}={v}' for k, v in c[2].items())}" for c in SYNC_CASES],
+)
+def test_matches_reference(name, make_alg, kwargs):
+    model = make_model(hvd.rank())
+    opt = hvd.DistributedOptimizer(
+        sgd(model.parameters()), named_parameters=model.named_parameters(), algorithm=make_alg()
+    )
+    _train(model, opt)
+    want = _reference(name, **kwargs).params[hvd.rank()]
+    _compare(model, want, f"{name} {kwargs}")
+
+
+@pytest.mark.parametrize(
+    "name,make_alg,kwargs",
+    [
+        ("bytegrad", lambda: A.ByteGrad(error_feedback=True), {"error_feedback": True}),
+        (
+            "decentralized",
+            lambda: A.Decentralized(peer_selection_mode="ring"),
+            {"peer_selection_mode": "ring"},
+        ),
+        ("low_precision_decentralized", lambda: A.LowPrecisionDecentralized(), {}),
+    ],
+    ids=["bytegrad", "decentralized", "low_precision_decentralized"],
+)
+def test_mixed_dtypes_and_unused_parameters(name, make_alg, kwargs):
+    """float32, bfloat16 and float16 layers in one model (one bucket per dtype) and a parameter
+    that never gets a gradient."""
+    mk = {"dtypes": (torch.float32, torch.bfloat16, torch.float16), "unused": True}
+    model = make_model(hvd.rank(), **mk)
+    opt = hvd.DistributedOptimizer(
+        sgd(model.parameters()), named_parameters=model.named_parameters(), algorithm=make_alg()
+    )
+    _train(model, opt)
+    want = _reference(
+        name, model_kwargs=mk, layout_after_first_step=_final_layout(model, opt), **kwargs
+    ).params[hvd.rank()]
+    _compare(model, want, f"{name} mixed dtypes")
+
+
+def _final_layout(model, opt):
+    """The optimizer's gradient buckets after step 1, as parameter indices (the unused
+    parameter, never observed ready, moves to the end of the order)."""
+    index = {p: i for i, p in enumerate(p for p in model.parameters() if p.requires_grad)}
+    return [[index[p] for p in b.params] for b in opt._buckets]
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_qadam_matches_reference(error_feedback, weight_decay):
+    model = make_model(hvd.rank())
+    q = A.QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=2, weight_decay=weight_decay)
+    opt = hvd.DistributedOptimizer(
+        q,
+        named_parameters=model.named_parameters(),
+        algorithm=A.QAdamAlgorithm(q, error_feedback=error_feedback),
+    )
+    _train(model, opt, steps=6)
+    want = _reference(
+        "qadam",
+        opt_factory=None,
+        steps=6,
+        lr=0.01,
+        warmup_steps=2,
+        weight_decay=weight_decay,
+        error_feedback=error_feedback,
+    )
+    _compare(model, want.params[hvd.rank()], "qadam")
+
+
+def test_qadam_warmup_equals_adam_exactly():
+    """Every rank trains on the same batches: the averaged gradient is the local one (exactly
+    at sizes that are powers of two), so QAdam in warm-up is torch.optim.Adam bit for bit."""
+    model = make_model(0)
+    twin = make_model(0)
+    q = A.QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=100, weight_decay=0.01)
+    opt = hvd.DistributedOptimizer(
+        q, named_parameters=model.named_parameters(), algorithm=A.QAdamAlgorithm(q)
+    )
+    adam = torch.optim.Adam(twin.parameters(), lr=0.01, weight_decay=0.01)
+    for step in range(20):
+        for m, o in ((model, opt), (twin, adam)):
+            o.zero_grad()
+            loss_fn(m, batches(0, step)).backward()
+            o.step()
+    exact = hvd.size() & (hvd.size() - 1) == 0
+    for a, b in zip(model.parameters(), twin.parameters()):
+        if exact:
+            assert torch.equal(a, b)
+        else:  # (g + g + g) / 3 may differ from g in the last bit
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_low_precision_replicas_are_consistent_bitwise():
+    """My copy of my left neighbour equals its own replica, bit for bit, and my weights equal
+    my own replica."""
+    model = make_model(hvd.rank())
+    opt = hvd.DistributedOptimizer(
+        sgd(model.parameters()),
+        named_parameters=model.named_parameters(),
+        algorithm=A.LowPrecisionDecentralized(),
+    )
+    _train(model, opt)
+    n, r = hvd.size(), hvd.rank()
+    impl = opt._algo_impl
+    if n == 1:
+        assert impl.replicas is None  # no neighbours, no replicas
+        return
+    for i, flat in enumerate(impl.weights().flats):
+        own, left, right = impl.replicas[i]
+        assert torch.equal(flat, own)
+        stacked = torch.stack([own, left, right])
+        everyone = hvd.allgather(stacked.unsqueeze(0), name=f"lpdec.check.{i}")
+        assert torch.equal(everyone[(r - 1) % n][0], left), "left replica differs"
+        assert torch.equal(everyone[(r + 1) % n][0], right), "right replica differs"
+
+
+def test_decentralized_ranks_agree_after_all_average():
+    """With peer mode "all", the weights used in each step are the exact global average:
+    after a final communicating step with zero learning rate every rank holds the same bits."""
+    model = make_model(hvd.rank())
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = hvd.DistributedOptimizer(
+        base,
+        named_parameters=model.named_parameters(),
+        algorithm=A.Decentralized(peer_selection_mode="all"),
+    )
+    _train(model, opt, steps=3)
+    for g in base.param_groups:
+        g["lr"] = 0.0
+    _train(model, opt, steps=1)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = hvd.allgather(flat.unsqueeze(0), name="dec.all.agree")
+    for k in range(hvd.size()):
+        assert torch.equal(everyone[k], everyone[0])
+
+
+def test_module_buffers_are_broadcast():
+    """BAGUA never broadcast batch-norm statistics; Horovod's idiom does (state_dict)."""
+    torch.manual_seed(hvd.rank())
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model(torch.randn(8, 4) + hvd.rank())  # running statistics differ per rank
+    opt = hvd.DistributedOptimizer(
+        sgd(model.parameters()),
+        named_parameters=model.named_parameters(),
+        algorithm=A.Decentralized(),
+    )
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for name, buf in model.named_buffers():
+        everyone = hvd.allgather(buf.detach().reshape(1, -1).float(), name=f"buf.{name}")
+        for k in range(hvd.size()):
+            assert torch.equal(everyone[k], everyone[0]), f"buffer {name} differs on rank {k}"
+
+
+def test_async_model_average_runs_rounds_and_stops():
+    """Background rounds merge (float32 and bfloat16 weights), abort() stops them on every rank,
+    resume() restarts them."""
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT)).to(dtype)
+        alg = A.AsyncModelAverage(sync_interval_ms=5, warmup_steps=2)
+        opt = hvd.DistributedOptimizer(
+            sgd(model.parameters()), named_parameters=model.named_parameters(), algorithm=alg
+        )
+        import time
+
+        deadline = time.monotonic() + 30
+        step = 0
+        impl = opt._algo_impl
+        while time.monotonic() < deadline:
+            opt.zero_grad()
+            x, y = batches(hvd.rank(), step)
+            loss_fn(model, (x.to(dtype), y)).backward()
+            opt.step()
+            step += 1
+            if impl is None or (step > 10 and impl.rounds() >= 3):
+                break
+            time.sleep(0.002)
+        if impl is not None:
+            assert impl.rounds() >= 3, f"only {impl.rounds()} averaging rounds in {step} steps"
+        alg.abort()
+        assert all(torch.isfinite(p.float()).all() for p in model.parameters())
+        if impl is not None:
+            assert impl.id is None
+            alg.resume()
+            for _ in range(3):
+                opt.zero_grad()
+                x, y = batches(hvd.rank(), step)
+                loss_fn(model, (x.to(dtype), y)).backward()
+                opt.step()
+            alg.abort()
+        hvd.barrier()
+
+
+def test_validation_messages(monkeypatch):
+    model = make_model(0)
+    with pytest.raises(ValueError, match="peer_selection_mode must be one of"):
+        A.Decentralized(peer_selection_mode="star")
+    with pytest.raises(ValueError, match="communication_interval must be a positive integer"):
+        A.LowPrecisionDecentralized(communication_interval=0)
+    with pytest.raises(ValueError, match="warmup_steps must be a positive integer"):
+        A.QAdamOptimizer(model.parameters(), warmup_steps=0)
+    with pytest.raises(ValueError, match="QAdamAlgorithm goes with QAdamOptimizer"):
+        q = A.QAdamOptimizer(model.parameters())
+        hvd.DistributedOptimizer(sgd(model.parameters()), algorithm=A.QAdamAlgorithm(q))
+    with pytest.raises(ValueError, match="cannot be combined with compression"):
+        hvd.DistributedOptimizer(
+            sgd(model.parameters()), algorithm=A.ByteGrad(), compression=hvd.Compression.fp16
+        )
+    with pytest.raises(ValueError, match="algorithm must be an object"):
+        hvd.DistributedOptimizer(sgd(model.parameters()), algorithm="bytegrad")
+    monkeypatch.setenv("BAGUA_HVD_ALGORITHM", "bytegrid")
+    with pytest.raises(ValueError, match="unknown algorithm 'bytegrid'"):
+        hvd.DistributedOptimizer(sgd(model.parameters()))
+    monkeypatch.setenv("BAGUA_HVD_ALGORITHM", "qadam")
+    with pytest.raises(ValueError, match="QAdam needs its own optimizer"):
+        hvd.DistributedOptimizer(sgd(model.parameters()))
+
+
+def test_launcher_offers_every_named_algorithm():
+    from bagua_hvd.runner.launch import ALGORITHM_NAMES
+
+    assert list(ALGORITHM_NAMES) == list(A.BY_NAME)
+
+
+def test_environment_selects_algorithm(monkeypatch):
+    monkeypatch.setenv("BAGUA_HVD_ALGORITHM", "bytegrad")
+    model = make_model(hvd.rank())
+    opt = hvd.DistributedOptimizer(
+        sgd(model.parameters()), named_parameters=model.named_parameters()
+    )
+    assert isinstance(opt._algorithm, A.ByteGrad)
+    _train(model, opt)
+    _compare(model, _reference("bytegrad").params[hvd.rank()], "bytegrad from the environment")
+
+
+def test_qadam_coordinates_without_gradient_do_not_move():
+    """After warm-up, a coordinate whose second moment is 0 (no gradient during warm-up) keeps
+    its value even when gradients reach it later: divided by eps alone, its momentum would
+    throw the weight far away (docs/algorithms.md)."""
+    torch.manual_seed(7)
+    w = nn.Parameter(torch.randn(64))
+    q = A.QAdamOptimizer([w], lr=0.01, warmup_steps=2)
+    opt = hvd.DistributedOptimizer(q, named_parameters=[("w", w)], algorithm=A.QAdamAlgorithm(q))
+    frozen = w.detach()[1::2].clone()
+    for step in range(6):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(100 * hvd.rank() + step)
+        # The odd coordinates get gradients only after warm-up.
+        used = w[::2] if step < 2 else w
+        (used * torch.randn(used.numel(), generator=g)).sum().backward()
+        opt.step()
+    assert torch.equal(w.detach()[1::2], frozen)
+    assert torch.isfinite(w).all() and w.detach().abs().max() < 10
