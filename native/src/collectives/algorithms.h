@@ -28,6 +28,13 @@ constexpr size_t kChunkBytes = 512 << 10;
 
 // Reusable scratch memory of the calling thread (collectives run on the background thread only).
 unsigned char* scratch(size_t bytes);
+// Several such buffers at once, by slot (BAGUA's primitives need a few bucket-sized ones): they
+// only grow, so a training loop stops allocating (and faulting pages in) after its first step.
+constexpr int kScratchSlots = 8;
+unsigned char* scratch_slot(int slot, size_t bytes);
+// Element-wise float math over typed buffers in cache-sized blocks: f(i0, m, in..., out) gets
+// float32 copies of block [i0, i0 + m) of each input (widened exactly).
+constexpr size_t kFloatBlock = 8192;
 
 // Ring over the set ranks in which every segment r (seg_off[r], seg_len[r] bytes of buf, whole
 // elements) is moved in chunks of ~chunk_bytes, with all pipeline stages of different chunks in

@@ -12,6 +12,13 @@ unsigned char* scratch(size_t bytes) {
   return mem.data();
 }
 
+unsigned char* scratch_slot(int slot, size_t bytes) {
+  thread_local std::vector<unsigned char> mem[kScratchSlots];
+  auto& m = mem[slot];
+  if (m.size() < bytes) m.resize(bytes);
+  return m.data();
+}
+
 void check_reduction(DataType dtype, ReduceOp op, const char* what) {
   if (dtype_size(dtype) == 0) {
     throw std::invalid_argument(std::string(what) + ": unsupported data type " +

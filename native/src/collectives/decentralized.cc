@@ -1,6 +1,8 @@
 // BAGUA's decentralized primitives: the full-precision peer average of weights (all, shift_one,
 // ring) and the low-precision ring step with compressed differences. Math: docs/algorithms.md.
+#include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -30,6 +32,29 @@ void exchange(Comm& comm, const std::vector<int>& to, const void* out, size_t by
   comm.run(xs, what);
 }
 
+// Element-wise f over float32 blocks: out[i] = f(a[i], b[i], ...) for up to four typed inputs of
+// the same dtype, written (rounded once) to out, which may alias an input.
+template <typename F>
+void blockwise(DataType dtype, size_t n, void* out, std::initializer_list<const void*> in, F&& f) {
+  const size_t es = dtype_size(dtype);
+  const size_t k = in.size();
+  float buf[4][kFloatBlock];
+  for (size_t i = 0; i < n; i += kFloatBlock) {
+    const size_t m = std::min(kFloatBlock, n - i);
+    size_t j = 0;
+    for (const void* p : in) to_float(static_cast<const unsigned char*>(p) + i * es, dtype, m,
+                                      buf[j++]);
+    for (size_t e = 0; e < m; ++e) {
+      float v[4] = {buf[0][e], k > 1 ? buf[1][e] : 0.0f, k > 2 ? buf[2][e] : 0.0f,
+                    k > 3 ? buf[3][e] : 0.0f};
+      buf[0][e] = f(v);
+    }
+    from_float(buf[0], dtype, m, static_cast<unsigned char*>(out) + i * es);
+  }
+}
+
+enum Slot { kPeerA = 0, kPeerB = 1, kDiff = 2, kMine = 3, kLeft = 4, kRight = 5, kDecoded = 6 };
+
 }  // namespace
 
 int shift_one_peer(int rank, int n, int64_t step) {
@@ -55,31 +80,27 @@ void decentralized_average(Comm& comm, const void* in, void* out, size_t count, 
     case PeerMode::SHIFT_ONE: {
       const int peer = shift_one_peer(me, n, step);
       if (peer >= n) return;  // the rank left over this round (odd n) keeps its weights
-      std::vector<unsigned char> theirs(bytes);
-      exchange(comm, {peer}, out, bytes, {peer}, {theirs.data()}, "decentralized shift_one");
-      std::vector<float> a(count), b(count);
-      to_float(out, dtype, count, a.data());
-      to_float(theirs.data(), dtype, count, b.data());
-      for (size_t i = 0; i < count; ++i) a[i] = (a[i] + b[i]) / 2.0f;  // symmetric in a, b
-      from_float(a.data(), dtype, count, out);
+      unsigned char* theirs = scratch_slot(kPeerA, bytes);
+      exchange(comm, {peer}, out, bytes, {peer}, {theirs}, "decentralized shift_one");
+      // (a + b) / 2 is symmetric in a and b: both ranks of the pair hold the same bits.
+      blockwise(dtype, count, out, {out, theirs}, [](const float* v) {
+        return (v[0] + v[1]) / 2.0f;
+      });
       return;
     }
     case PeerMode::RING: {
       const int left = (me + n - 1) % n, right = (me + 1) % n;
-      std::vector<unsigned char> l(bytes), r(bytes);
+      unsigned char* l = scratch_slot(kPeerA, bytes);
+      unsigned char* r = l;
       if (left == right) {  // n = 2: the one neighbour counts twice
-        exchange(comm, {right}, out, bytes, {left}, {l.data()}, "decentralized ring");
-        std::memcpy(r.data(), l.data(), bytes);
+        exchange(comm, {right}, out, bytes, {left}, {l}, "decentralized ring");
       } else {
-        exchange(comm, {left, right}, out, bytes, {left, right}, {l.data(), r.data()},
-                 "decentralized ring");
+        r = scratch_slot(kPeerB, bytes);
+        exchange(comm, {left, right}, out, bytes, {left, right}, {l, r}, "decentralized ring");
       }
-      std::vector<float> x(count), a(count), b(count);
-      to_float(out, dtype, count, x.data());
-      to_float(l.data(), dtype, count, a.data());
-      to_float(r.data(), dtype, count, b.data());
-      for (size_t i = 0; i < count; ++i) x[i] = ((a[i] + x[i]) + b[i]) / 3.0f;
-      from_float(x.data(), dtype, count, out);
+      blockwise(dtype, count, out, {out, l, r}, [](const float* v) {
+        return ((v[1] + v[0]) + v[2]) / 3.0f;
+      });
       return;
     }
   }
@@ -98,36 +119,32 @@ void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, 
   if (n <= 1 || count == 0) return;
   const size_t es = dtype_size(dtype), bytes = count * es;
   // d = x + L/3 + R/3 - (5/3) s, in float32, stored as T for the compressor.
-  std::vector<float> fx(count), fl(count), fr(count), fs(count);
-  to_float(x, dtype, count, fx.data());
-  to_float(left, dtype, count, fl.data());
-  to_float(right, dtype, count, fr.data());
-  to_float(self, dtype, count, fs.data());
+  unsigned char* d = scratch_slot(kDiff, bytes);
   const float third = 1.0f / 3.0f, five_thirds = 5.0f / 3.0f;
-  for (size_t i = 0; i < count; ++i)
-    fx[i] = ((fx[i] + fl[i] * third) + fr[i] * third) - fs[i] * five_thirds;
-  std::vector<unsigned char> d(bytes);
-  from_float(fx.data(), dtype, count, d.data());
+  blockwise(dtype, count, d, {x, left, right, self}, [&](const float* v) {
+    return ((v[0] + v[1] * third) + v[2] * third) - v[3] * five_thirds;
+  });
   const size_t cbytes = minmax_uint8_bytes(dtype, count, 1);
-  std::vector<uint8_t> c(cbytes), cl(cbytes), cr(cbytes);
-  minmax_uint8_compress(d.data(), dtype, count, 1, c.data());
+  uint8_t* c = scratch_slot(kMine, cbytes);
+  uint8_t* cl = scratch_slot(kLeft, cbytes);
+  uint8_t* cr = cl;
+  minmax_uint8_compress(d, dtype, count, 1, c);
 
   const int l = (me + n - 1) % n, r = (me + 1) % n;
   if (l == r) {
-    exchange(comm, {r}, c.data(), cbytes, {l}, {cl.data()}, "low-precision decentralized");
-    cr = cl;
+    exchange(comm, {r}, c, cbytes, {l}, {cl}, "low-precision decentralized");
   } else {
-    exchange(comm, {l, r}, c.data(), cbytes, {l, r}, {cl.data(), cr.data()},
-             "low-precision decentralized");
+    cr = scratch_slot(kRight, cbytes);
+    exchange(comm, {l, r}, c, cbytes, {l, r}, {cl, cr}, "low-precision decentralized");
   }
   // Replicas advance by the decoded differences; x becomes exactly what the neighbours hold.
-  std::vector<unsigned char> dec(bytes);
-  minmax_uint8_decompress(cl.data(), dtype, count, 1, dec.data());
-  reduce_into(left, dec.data(), count, dtype, ReduceOp::SUM);
-  minmax_uint8_decompress(cr.data(), dtype, count, 1, dec.data());
-  reduce_into(right, dec.data(), count, dtype, ReduceOp::SUM);
-  minmax_uint8_decompress(c.data(), dtype, count, 1, dec.data());
-  reduce_into(self, dec.data(), count, dtype, ReduceOp::SUM);
+  unsigned char* dec = scratch_slot(kDecoded, bytes);
+  minmax_uint8_decompress(cl, dtype, count, 1, dec);
+  reduce_into(left, dec, count, dtype, ReduceOp::SUM);
+  if (cr != cl) minmax_uint8_decompress(cr, dtype, count, 1, dec);
+  reduce_into(right, dec, count, dtype, ReduceOp::SUM);
+  minmax_uint8_decompress(c, dtype, count, 1, dec);
+  reduce_into(self, dec, count, dtype, ReduceOp::SUM);
   std::memcpy(x, self, bytes);
 }
 
