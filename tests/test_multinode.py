@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "multinode_allreduce.py"
+ALGORITHMS_WORKER = ROOT / "tests" / "workers" / "multinode_algorithms.py"
 
 
 def _free_port() -> int:
@@ -21,26 +22,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_use_shm_within_and_tcp_between():
-    pytest.importorskip("torch")
+def _two_nodes(worker: Path, timeout: float = 120, **extra_env: str) -> str:
+    """Runs ``worker`` as 4 ranks: two launchers, one per node, 2 ranks each."""
     port = _free_port()
-    env = dict(os.environ, BAGUA_HVD_SECRET="5a" * 32, HOROVOD_GLOO_TIMEOUT_SECONDS="30")
+    env = dict(os.environ, BAGUA_HVD_SECRET="5a" * 32, HOROVOD_GLOO_TIMEOUT_SECONDS="30",
+               **extra_env)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     common = [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "4", "--num-nodes", "2",
               "--rendezvous-addr", f"127.0.0.1:{port}"]
-    nodes = [subprocess.Popen(common + ["--node-rank", str(i), sys.executable, str(WORKER)],
+    nodes = [subprocess.Popen(common + ["--node-rank", str(i), sys.executable, str(worker)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = []
     for p in nodes:
         try:
-            outs.append(p.communicate(timeout=120)[0])
+            outs.append(p.communicate(timeout=timeout)[0])
         except subprocess.TimeoutExpired:
             for q in nodes:
                 q.kill()
-            pytest.fail("the two-node job did not finish in 120 s")
+            pytest.fail(f"the two-node job did not finish in {timeout:g} s")
     text = "\n".join(outs)
     assert all(p.returncode == 0 for p in nodes), text
+    return text
+
+
+def test_two_nodes_use_shm_within_and_tcp_between():
+    pytest.importorskip("torch")
+    text = _two_nodes(WORKER)
     seen = {}
     for m in re.finditer(r"rank (\d) node (\d) local (\d) transports (\[.*?\])", text):
         seen[int(m.group(1))] = (int(m.group(2)), ast.literal_eval(m.group(4)))
@@ -51,3 +59,13 @@ def test_two_nodes_use_shm_within_and_tcp_between():
             expected = "self" if peer == r else ("shm" if peer // 2 == r // 2 else "tcp")
             assert kind == expected, f"rank {r} -> {peer}: {kind} != {expected}\n{text}"
     assert len(re.findall(r"rank \d OK", text)) == 4, text
+
+
+def test_hierarchical_algorithms_on_two_nodes():
+    """ByteGrad (with and without error feedback), decentralized (all, ring) and low-precision
+    decentralized with hierarchical=True on 2 nodes x 2 ranks match a reference that averages
+    within each host, runs the algorithm among the hosts' leaders and hands the result back."""
+    pytest.importorskip("torch")
+    text = _two_nodes(ALGORITHMS_WORKER, timeout=300, BAGUA_HVD_BUCKET_MB="0.001")
+    assert len(re.findall(r"rank \d OK", text)) == 4, text
+    assert len(re.findall(r"matches the hierarchical reference", text)) == 4 * 5, text

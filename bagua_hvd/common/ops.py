@@ -199,14 +199,15 @@ def enqueue(
     peer_mode: int = 0,
     step: int = 0,
     aux: Sequence[TensorDesc] | None = None,
+    hierarchical: bool = False,
 ) -> Tuple[int, Any]:
     """Queues one request (grouped when ``len(inputs) > 1``) and returns ``(handle, keepalive)``.
 
     ``name`` is the full core name (``"allreduce.grad0"``) or None for ``"<op>.noname.<handle>"``.
     ``keepalive`` holds C structs that must outlive the call (None when there are none); the
     caller keeps the tensors' memory alive until :func:`release`. ``compression``,
-    ``peer_mode``, ``step`` and ``aux`` (state buffers) describe BAGUA's primitives
-    (docs/algorithms.md).
+    ``peer_mode``, ``step``, ``aux`` (state buffers) and ``hierarchical`` describe BAGUA's
+    primitives (docs/algorithms.md).
     Raises ValueError (invalid argument), NotImplementedError, or HorovodInternalError.
     """
     global _scratch
@@ -241,6 +242,7 @@ def enqueue(
             req.compression = compression
             req.peer_mode = peer_mode
             req.step = step
+            req.hierarchical = 1 if hierarchical else 0
             req.num_aux = 0
             req.aux = n.null
             req.num_tensors = 1
@@ -288,6 +290,7 @@ def enqueue(
     req.compression = compression
     req.peer_mode = peer_mode
     req.step = step
+    req.hierarchical = 1 if hierarchical else 0
     if aux:
         ashapes = newp(n.i64_t, sum(len(d[2]) for d in aux) or 1)
         req.aux = taux = _fill(n, newp(n.tensors_t, len(aux)), aux, ashapes, 0)

@@ -357,6 +357,11 @@ class _Impl:
     def error_feedback(self) -> bool:
         return bool(getattr(self.alg, "error_feedback", False))
 
+    def hierarchical(self) -> bool:
+        """Within each host, then among the hosts (only where the job spans several hosts and
+        some host runs several ranks; the core runs the flat algorithm otherwise)."""
+        return bool(getattr(self.alg, "hierarchical", False))
+
     def before_launch(self, params: List[torch.Tensor]) -> None:
         """A gradient bucket is complete and about to be sent."""
 
@@ -435,6 +440,7 @@ class _DecentralizedImpl(_WeightImpl):
                 peer_mode=_ops.PEER_MODES[self.alg.peer_selection_mode],
                 step=k,
                 output=self.peer[i],
+                hierarchical=self.hierarchical(),
             )
             for i, flat in enumerate(wb.flats)
         ]
@@ -472,19 +478,25 @@ class _LowPrecisionDecentralizedImpl(_WeightImpl):
             self.replicas = self._init_replicas()
 
     def _init_replicas(self) -> List[List[torch.Tensor]]:
+        """self = x, left/right = the ring neighbours' x, exchanged by the core."""
         from bagua_hvd.torch import mpi_ops
 
         opt = self.opt_ref()
-        ps = opt.process_set
-        n, r = ps.size(), ps.rank()
-        left, right = (r - 1) % n, (r + 1) % n
-        out = []
-        for i, flat in enumerate(self.weights().flats):
-            everyone = mpi_ops.allgather(
-                flat.detach().unsqueeze(0), name=self._name("lpdec.init", i), process_set=ps
+        out = [[torch.empty_like(f) for _ in range(3)] for f in self.weights().flats]
+        handles = [
+            mpi_ops._primitive_async(
+                _ops.OP_LP_DECENTRALIZED,
+                flat,
+                self._name("lpdec.init", i),
+                opt.process_set,
+                peer_mode=1,
+                aux=out[i],
+                hierarchical=self.hierarchical(),
             )
-            out.append([flat.detach().clone(), everyone[left].clone(), everyone[right].clone()])
-            del everyone
+            for i, flat in enumerate(self.weights().flats)
+        ]
+        for h in handles:
+            mpi_ops.synchronize(h)
         return out
 
     def after_step(self) -> None:
@@ -499,6 +511,7 @@ class _LowPrecisionDecentralizedImpl(_WeightImpl):
                     self._name("lpdec", i),
                     opt.process_set,
                     aux=self.replicas[i],
+                    hierarchical=self.hierarchical(),
                 )
                 for i, flat in enumerate(self.weights().flats)
             ]

@@ -281,6 +281,7 @@ def _primitive_async(
     output: torch.Tensor | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    hierarchical: bool = False,
 ) -> int:
     """One of BAGUA's primitives on a contiguous CPU bucket (docs/algorithms.md): a compressed
     allreduce, a decentralized average or a low-precision decentralized step. ``output``
@@ -306,6 +307,7 @@ def _primitive_async(
         peer_mode=peer_mode,
         step=step,
         aux=[_desc(a, code) for a in aux] or None,
+        hierarchical=hierarchical,
     )
     return _register(handle, lambda h: out, (keep, tensor, out, tuple(aux)), name)
 

@@ -514,8 +514,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             buf = b.flat
             if self._algo_impl is not None:
                 self._algo_impl.before_launch(b.params)
-                if self._algo_impl.compresses_gradients():
-                    self._handles[b] = (self._launch_compressed(b, buf), None)
+                if self._algo_impl.compresses_gradients() or self._algo_impl.hierarchical():
+                    self._handles[b] = (self._launch_primitive(b, buf), None)
                     return
             if b.comp is not None:
                 b.comp.copy_(buf)
@@ -586,11 +586,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         self._handles[b] = (handle, (tensors, ctxs))
 
-    def _launch_compressed(self, b: _Bucket, buf: torch.Tensor) -> int:
-        """ByteGrad's compressed allreduce of a bucket, in place (docs/algorithms.md)."""
+    def _launch_primitive(self, b: _Bucket, buf: torch.Tensor) -> int:
+        """A bucket's allreduce through BAGUA's primitives, in place: ByteGrad's compressed
+        allreduce and/or the hierarchical form (docs/algorithms.md)."""
+        impl = self._algo_impl
+        compressed = impl.compresses_gradients()
         aux: Tuple[torch.Tensor, ...] = ()
-        if self._algo_impl.error_feedback():
-            n = self.process_set.size()
+        if compressed and impl.error_feedback():
+            n = _ops.native().lib.bhvd_compression_group_size(
+                mpi_ops._ps_id(self.process_set), 1 if impl.hierarchical() else 0
+            )
             chunk = -(-buf.numel() // n)
             if b.residuals is None or b.residuals[1].numel() != chunk:
                 b.residuals = (buf.new_zeros(chunk * n), buf.new_zeros(chunk))
@@ -601,10 +606,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             _ops.op_name("allreduce", b.name),
             self.process_set,
             reduce_op=b.op,
-            compression=_ops.COMPRESSION_MINMAX_UINT8,
+            compression=_ops.COMPRESSION_MINMAX_UINT8 if compressed else _ops.COMPRESSION_NONE,
             aux=aux,
             prescale_factor=b.prescale,
             postscale_factor=b.postscale,
+            hierarchical=impl.hierarchical(),
         )
 
     def _launch_direct(self, b: _Bucket, urgent: bool) -> None:
@@ -634,8 +640,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         buf = t
         if self._algo_impl is not None:
             self._algo_impl.before_launch(b.params)
-            if self._algo_impl.compresses_gradients():
-                self._handles[b] = (self._launch_compressed(b, buf), t)
+            if self._algo_impl.compresses_gradients() or self._algo_impl.hierarchical():
+                self._handles[b] = (self._launch_primitive(b, buf), t)
                 return
         if b.comp is not None:
             b.comp.copy_(t)

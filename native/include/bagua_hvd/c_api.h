@@ -113,8 +113,13 @@ typedef struct bhvd_request {
   int32_t num_splits;
   int32_t urgent;             /* the caller blocks on this handle at once: do not hold it for fusion */
   int32_t compression;        /* enum bhvd_compression */
-  int32_t peer_mode;          /* enum bhvd_peer_mode (BHVD_OP_DECENTRALIZED) */
+  int32_t peer_mode;          /* enum bhvd_peer_mode (BHVD_OP_DECENTRALIZED); for
+                                 BHVD_OP_LP_DECENTRALIZED 0 = a step, 1 = initialise the
+                                 replicas (self = x, left/right = the neighbours' x) */
   int64_t step;               /* communication round k (BHVD_OP_DECENTRALIZED shift_one) */
+  int32_t hierarchical;       /* 1: within each host, then among one leader per host, then
+                                 back within each host (when the set spans several hosts and
+                                 some host has several of its ranks; else flat) */
   int32_t num_aux;
   const bhvd_tensor* aux;     /* this rank's algorithm state buffers, same dtype as the input */
 } bhvd_request;
@@ -210,6 +215,12 @@ int64_t bhvd_stat(const char* key);
 /* HMAC-SHA256(key, msg) into out[32]; exposed so tests can check it against Python's hmac. */
 int bhvd_hmac_sha256(const uint8_t* key, int32_t key_len, const uint8_t* msg, int32_t msg_len,
                      uint8_t* out);
+
+/* Ranks taking part in a compressed allreduce of the set (set size, or with hierarchical = 1 the
+ * number of hosts when the set spans several and one has several ranks): the error-feedback
+ * residuals hold n * ceil(count / n) (worker) and ceil(count / n) (server) elements for this n.
+ * -1 for an unknown set. */
+int bhvd_compression_group_size(int32_t process_set_id, int32_t hierarchical);
 
 /* ---- compression (MinMaxUInt8, docs/algorithms.md) ------------------------------------------- */
 /* Bytes of the compressed form of n elements of dtype (float32, float16, bfloat16) in n_chunks

@@ -70,5 +70,8 @@ void decentralized_average(Comm& comm, const void* in, void* out, size_t count, 
 // left, right of count elements are updated in place.
 void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, size_t count,
                       DataType dtype);
+// Its initialisation: self = x, left and right = the ring neighbours' x (full precision).
+void lp_decentralized_init(Comm& comm, const void* x, void* self, void* left, void* right,
+                           size_t count, DataType dtype);
 
 }  // namespace bagua_hvd

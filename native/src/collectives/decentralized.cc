@@ -148,4 +148,24 @@ void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, 
   std::memcpy(x, self, bytes);
 }
 
+void lp_decentralized_init(Comm& comm, const void* x, void* self, void* left, void* right,
+                           size_t count, DataType dtype) {
+  const int n = comm.size(), me = comm.rank();
+  const size_t bytes = count * dtype_size(dtype);
+  if (self != x) std::memcpy(self, x, bytes);
+  if (n <= 1) {
+    std::memcpy(left, x, bytes);
+    std::memcpy(right, x, bytes);
+    return;
+  }
+  const int l = (me + n - 1) % n, r = (me + 1) % n;
+  if (l == r) {
+    exchange(comm, {r}, x, bytes, {l}, {left}, "low-precision decentralized initialisation");
+    std::memcpy(right, left, bytes);
+  } else {
+    exchange(comm, {l, r}, x, bytes, {l, r}, {left, right},
+             "low-precision decentralized initialisation");
+  }
+}
+
 }  // namespace bagua_hvd

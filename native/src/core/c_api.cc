@@ -203,6 +203,11 @@ int64_t bhvd_stat(const char* key) {
   return -1;
 }
 
+int bhvd_compression_group_size(int32_t process_set_id, int32_t hierarchical) {
+  if (!Runtime::get().initialized()) return -1;
+  return Runtime::get().group_size(process_set_id, hierarchical != 0);
+}
+
 int bhvd_async_start(const char* name, const bhvd_tensor* weights, int32_t num_tensors,
                      int32_t process_set_id, int64_t interval_ms, int64_t* id_out) {
   using bagua_hvd::AsyncAverager;

@@ -169,6 +169,7 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
   resp.compression = a.compression;
   resp.peer_mode = a.peer_mode;
   resp.step = a.step;
+  resp.hierarchical = a.hierarchical;
   resp.shapes = {a.shape};
   resp.per_rank = {{}};
   resp.cache_ids = {-1};
@@ -216,6 +217,8 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
       case BHVD_OP_ALLREDUCE:
         if (a.compression != 0)
           return fail("Compressed allreduce (ByteGrad) is not supported with Join at this time.");
+        if (a.hierarchical != 0)
+          return fail("Hierarchical allreduce is not supported with Join at this time.");
         break;
       default:
         break;
@@ -279,13 +282,16 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
                   std::to_string(static_cast<int>(a.reduce_op)) +
                   ", but another rank sent reduction op " +
                   std::to_string(static_cast<int>(b.reduce_op)) + ".");
-    if (b.compression != a.compression || b.peer_mode != a.peer_mode || b.step != a.step)
+    if (b.compression != a.compression || b.peer_mode != a.peer_mode || b.step != a.step ||
+        b.hierarchical != a.hierarchical)
       return fail(std::string("Mismatched ") + tn +
                   " algorithm parameters: One rank sent (compression " +
                   std::to_string(a.compression) + ", peer mode " + std::to_string(a.peer_mode) +
-                  ", step " + std::to_string(a.step) + "), but another rank sent (compression " +
+                  ", step " + std::to_string(a.step) + ", hierarchical " +
+                  std::to_string(a.hierarchical) + "), but another rank sent (compression " +
                   std::to_string(b.compression) + ", peer mode " + std::to_string(b.peer_mode) +
-                  ", step " + std::to_string(b.step) +
+                  ", step " + std::to_string(b.step) + ", hierarchical " +
+                  std::to_string(b.hierarchical) +
                   "): every rank must use the same algorithm and step.");
     if ((t == kOpAddProcessSet || t == kOpRemoveProcessSet) && b.splits != a.splits)
       return fail("Mismatched process set arguments: every rank must pass the same ranks (or id) "
@@ -345,6 +351,7 @@ void Coordinator::assign_cache_ids(Response& r) {
     tmpl.compression = r.compression;
     tmpl.peer_mode = r.peer_mode;
     tmpl.step = r.step;
+    tmpl.hierarchical = r.hierarchical;
     tmpl.shape = r.shapes[i];
     const Request* req = &tmpl;
     if (it != cache_by_name_.end()) {
@@ -494,13 +501,15 @@ ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_a
       // Compressed allreduces are not fused: their chunking and error-feedback state are per
       // tensor (a bucket of the frontend).
       if (r.kind == Response::OP && r.type == BHVD_OP_ALLREDUCE && r.compression == 0 &&
+          r.hierarchical == 0 &&
           params_.fusion_threshold > 0 && bytes < params_.no_fuse_bytes) {
         for (size_t j = i + 1; j < singles.size(); ++j) {
           Response& c = singles[j];
           if (used[j] || c.kind != Response::OP || c.type != r.type ||
               c.process_set_id != r.process_set_id || c.dtype != r.dtype ||
               c.reduce_op != r.reduce_op || c.prescale != r.prescale ||
-              c.postscale != r.postscale || c.device != r.device || c.compression != 0)
+              c.postscale != r.postscale || c.device != r.device || c.compression != 0 ||
+              c.hierarchical != 0)
             continue;
           int64_t cb = num_elements(c.shapes[0]) * esize;
           if (cb >= params_.no_fuse_bytes || bytes + cb > params_.fusion_threshold) continue;

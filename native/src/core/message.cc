@@ -10,7 +10,8 @@ bool Request::same_params(const Request& o) const {
          process_set_id == o.process_set_id && reduce_op == o.reduce_op &&
          root_rank == o.root_rank && device == o.device && prescale == o.prescale &&
          postscale == o.postscale && shape == o.shape && splits == o.splits &&
-         compression == o.compression && peer_mode == o.peer_mode && step == o.step;
+         compression == o.compression && peer_mode == o.peer_mode && step == o.step &&
+         hierarchical == o.hierarchical;
 }
 
 namespace {
@@ -98,6 +99,7 @@ void put_request(Writer& w, const Request& r) {
   w.put<int32_t>(r.compression);
   w.put<int32_t>(r.peer_mode);
   w.put<int64_t>(r.step);
+  w.put<int32_t>(r.hierarchical);
 }
 
 Request get_request(Reader& rd) {
@@ -120,6 +122,7 @@ Request get_request(Reader& rd) {
   r.compression = rd.get<int32_t>();
   r.peer_mode = rd.get<int32_t>();
   r.step = rd.get<int64_t>();
+  r.hierarchical = rd.get<int32_t>();
   return r;
 }
 
@@ -175,6 +178,7 @@ std::string encode(const ResponseList& m) {
     w.put<int32_t>(r.compression);
     w.put<int32_t>(r.peer_mode);
     w.put<int64_t>(r.step);
+    w.put<int32_t>(r.hierarchical);
     w.put_str(r.error);
     w.put<uint32_t>(static_cast<uint32_t>(r.names.size()));
     for (size_t i = 0; i < r.names.size(); ++i) {
@@ -215,6 +219,7 @@ ResponseList decode_response_list(const std::string& bytes) {
     r.compression = rd.get<int32_t>();
     r.peer_mode = rd.get<int32_t>();
     r.step = rd.get<int64_t>();
+    r.hierarchical = rd.get<int32_t>();
     r.error = rd.get_str();
     uint32_t k = rd.get<uint32_t>();
     for (uint32_t j = 0; j < k; ++j) {

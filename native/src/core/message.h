@@ -29,10 +29,11 @@ struct Request {
   std::vector<int32_t> splits;  // alltoall: per set rank; add/remove process set: the ranks / id
   bool urgent = false;
   // BAGUA's primitives (docs/algorithms.md): allreduce compression, decentralized peer mode and
-  // communication round.
+  // communication round, hierarchical execution.
   int32_t compression = 0;
   int32_t peer_mode = 0;
   int64_t step = 0;
+  int32_t hierarchical = 0;
 
   // True when two requests carry the same parameters (everything but rank and urgency).
   bool same_params(const Request& o) const;
@@ -52,6 +53,7 @@ struct Response {
   int32_t compression = 0;
   int32_t peer_mode = 0;
   int64_t step = 0;
+  int32_t hierarchical = 0;
   std::string error;
   std::vector<std::string> names;
   std::vector<std::vector<int64_t>> shapes;  // per tensor (joined ranks need them for zeros)

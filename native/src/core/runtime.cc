@@ -189,6 +189,7 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
     std::lock_guard<std::mutex> lock(mu_);
     sets_.clear();
     comms_.clear();
+    hierarchies_.clear();
     for (auto& kv : sets) {
       sets_[kv.first] = kv.second;
       comms_[kv.first] = std::make_unique<Comm>(*transport_, kv.second);
@@ -236,6 +237,7 @@ Status Runtime::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     comms_.clear();
+    hierarchies_.clear();
     table_.clear();
     queue_.clear();
     urgent_queue_.clear();
@@ -269,6 +271,13 @@ bool compressible(int32_t dtype) {
 // Arguments of BAGUA's primitives: compression, peer mode and state buffers.
 Status Runtime::check_algorithm_request(const bhvd_request& req, const std::string& title) {
   const int32_t t = req.op_type;
+  if (req.hierarchical != 0 && req.hierarchical != 1)
+    return Status::InvalidArgument(title + ": hierarchical must be 0 or 1");
+  if (req.hierarchical && t != BHVD_OP_ALLREDUCE && t != BHVD_OP_DECENTRALIZED &&
+      t != BHVD_OP_LP_DECENTRALIZED)
+    return Status::InvalidArgument(title + ": has no hierarchical form");
+  if (t == BHVD_OP_LP_DECENTRALIZED && req.peer_mode != 0 && req.peer_mode != 1)
+    return Status::InvalidArgument(title + ": peer_mode must be 0 (a step) or 1 (initialise)");
   if (req.compression != BHVD_COMPRESSION_NONE) {
     if (req.compression != BHVD_COMPRESSION_MINMAX_UINT8)
       return Status::InvalidArgument(title + ": unknown compression " +
@@ -305,8 +314,7 @@ Status Runtime::check_algorithm_request(const bhvd_request& req, const std::stri
     if (req.step < 0) return Status::InvalidArgument(title + ": negative step");
   }
   const int64_t n = tensor_elements(in);
-  auto set = sets_.find(req.process_set_id);
-  const int64_t size = set == sets_.end() ? 1 : static_cast<int64_t>(set->second.size());
+  const int64_t size = std::max(1, group_size_locked(req.process_set_id, req.hierarchical != 0));
   const int64_t chunk = (n + size - 1) / size;
   std::vector<int64_t> want;  // required element counts of the aux buffers
   if (req.compression != BHVD_COMPRESSION_NONE) {
@@ -408,6 +416,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
     r.compression = req.compression;
     r.peer_mode = req.peer_mode;
     r.step = req.step;
+    r.hierarchical = req.hierarchical;
     if (tensor_op) {
       const bhvd_tensor& in = req.inputs[i];
       if (!dtype_valid(in.dtype))
@@ -828,6 +837,7 @@ void Runtime::execute(const Response& r) {
         std::lock_guard<std::mutex> lock(mu_);
         sets_.erase(r.new_set_id);
         comms_.erase(r.new_set_id);
+        hierarchies_.erase(r.new_set_id);
       }
       set_result(keys[0], r.new_set_id);
       finish(keys[0], Status::OK());
@@ -881,10 +891,34 @@ void Runtime::execute_allreduce(const Response& r, Comm& comm, std::vector<Entry
     const size_t count = static_cast<size_t>(num_elements(r.shapes[0]));
     if (e->input != e->output && count) std::memcpy(e->output, e->input, count * esize);
     if (r.prescale != 1.0) scale_buffer(e->output, count, r.dtype, r.prescale);
-    allreduce_minmax_uint8(comm, e->output, count, r.dtype, r.reduce_op == ReduceOp::AVERAGE,
-                           e->aux.size() > 0 ? e->aux[0] : nullptr,
-                           e->aux.size() > 1 ? e->aux[1] : nullptr);
+    const bool average = r.reduce_op == ReduceOp::AVERAGE;
+    void* ef_w = e->aux.size() > 0 ? e->aux[0] : nullptr;
+    void* ef_s = e->aux.size() > 1 ? e->aux[1] : nullptr;
+    if (Hierarchy* h = hierarchy_for(r, comm)) {
+      // BAGUA's hierarchy: full precision within the host, compressed among the hosts.
+      allreduce(*h->intra, e->output, count, r.dtype, ReduceOp::SUM);
+      if (average) scale_buffer(e->output, count, r.dtype, 1.0 / h->intra->size());
+      if (h->leader) allreduce_minmax_uint8(*h->leaders, e->output, count, r.dtype, average,
+                                            ef_w, ef_s);
+      broadcast(*h->intra, e->output, count * esize, 0);
+    } else {
+      allreduce_minmax_uint8(comm, e->output, count, r.dtype, average, ef_w, ef_s);
+    }
     if (r.postscale != 1.0) scale_buffer(e->output, count, r.dtype, r.postscale);
+    return;
+  }
+  if (Hierarchy* h = hierarchy_for(r, comm); h && entries.size() == 1 && entries[0]) {
+    // Never fused (coordinator): within the host, among the hosts' leaders, back.
+    Entry* e = entries[0];
+    const size_t count = static_cast<size_t>(num_elements(r.shapes[0]));
+    if (e->input != e->output && count) std::memcpy(e->output, e->input, count * esize);
+    if (r.prescale != 1.0) scale_buffer(e->output, count, r.dtype, r.prescale);
+    allreduce(*h->intra, e->output, count, r.dtype, r.reduce_op);
+    if (h->leader) allreduce(*h->leaders, e->output, count, r.dtype, r.reduce_op);
+    broadcast(*h->intra, e->output, count * esize, 0);
+    double post = r.postscale;
+    if (r.reduce_op == ReduceOp::AVERAGE) post /= comm.size();
+    if (post != 1.0) scale_buffer(e->output, count, r.dtype, post);
     return;
   }
   std::vector<size_t> counts(r.names.size());
@@ -1030,12 +1064,83 @@ void Runtime::execute_decentralized(const Response& r, Comm& comm,
   Entry* e = entries[0];
   if (!e) return;
   const size_t count = static_cast<size_t>(num_elements(r.shapes[0]));
-  if (r.type == BHVD_OP_DECENTRALIZED) {
+  const size_t bytes = count * dtype_size(r.dtype);
+  Hierarchy* h = hierarchy_for(r, comm);
+  const bool lp = r.type == BHVD_OP_LP_DECENTRALIZED;
+  if (lp && r.peer_mode == 1) {  // replicas: among the hosts' leaders when hierarchical
+    if (!h || h->leader) {
+      lp_decentralized_init(h ? *h->leaders : comm, e->output, e->aux[0], e->aux[1], e->aux[2],
+                            count, r.dtype);
+    } else {  // only the leaders' replicas are used; the others keep plain copies
+      for (void* a : e->aux) std::memcpy(a, e->output, bytes);
+    }
+    return;
+  }
+  if (h) {
+    // The host's average, the algorithm among the hosts' leaders, the result back to the host.
+    if (e->input != e->output && bytes) std::memcpy(e->output, e->input, bytes);
+    allreduce(*h->intra, e->output, count, r.dtype, ReduceOp::SUM);
+    scale_buffer(e->output, count, r.dtype, 1.0 / h->intra->size());
+    if (h->leader) {
+      if (lp)
+        lp_decentralized(*h->leaders, e->output, e->aux[0], e->aux[1], e->aux[2], count, r.dtype);
+      else
+        decentralized_average(*h->leaders, e->output, e->output, count, r.dtype,
+                              static_cast<PeerMode>(r.peer_mode), r.step);
+    }
+    broadcast(*h->intra, e->output, bytes, 0);
+    return;
+  }
+  if (lp) {
+    lp_decentralized(comm, e->output, e->aux[0], e->aux[1], e->aux[2], count, r.dtype);
+  } else {
     decentralized_average(comm, e->input, e->output, count, r.dtype,
                           static_cast<PeerMode>(r.peer_mode), r.step);
-  } else {
-    lp_decentralized(comm, e->output, e->aux[0], e->aux[1], e->aux[2], count, r.dtype);
   }
+}
+
+int Runtime::group_size(int32_t set_id, bool hierarchical) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return group_size_locked(set_id, hierarchical);
+}
+
+int Runtime::group_size_locked(int32_t set_id, bool hierarchical) {
+  auto it = sets_.find(set_id);
+  if (it == sets_.end() || !transport_) return -1;
+  const int n = static_cast<int>(it->second.size());
+  if (!hierarchical) return n;
+  std::map<std::string, int> per_host;
+  for (int g : it->second) ++per_host[transport_->host_of(g)];
+  bool crowded = false;
+  for (const auto& kv : per_host) crowded = crowded || kv.second > 1;
+  return per_host.size() > 1 && crowded ? static_cast<int>(per_host.size()) : n;
+}
+
+Runtime::Hierarchy* Runtime::hierarchy_for(const Response& r, Comm& comm) {
+  if (!r.hierarchical) return nullptr;
+  auto it = hierarchies_.find(r.process_set_id);
+  if (it == hierarchies_.end()) {
+    Hierarchy h;
+    std::map<std::string, std::vector<int>> by_host;  // host -> sorted global ranks
+    for (int g : comm.global_ranks()) by_host[transport_->host_of(g)].push_back(g);
+    std::vector<int> leaders, mine;
+    bool crowded = false;
+    const std::string my_host = transport_->host_of(cfg_.rank);
+    for (const auto& kv : by_host) {
+      leaders.push_back(kv.second.front());
+      crowded = crowded || kv.second.size() > 1;
+      if (kv.first == my_host) mine = kv.second;
+    }
+    h.active = by_host.size() > 1 && crowded;
+    if (h.active) {
+      std::sort(leaders.begin(), leaders.end());
+      h.leader = !mine.empty() && mine.front() == cfg_.rank;
+      h.intra = std::make_unique<Comm>(*transport_, mine);
+      h.leaders = std::make_unique<Comm>(*transport_, leaders);
+    }
+    it = hierarchies_.emplace(r.process_set_id, std::move(h)).first;
+  }
+  return it->second.active ? &it->second : nullptr;
 }
 
 void Runtime::finish(const std::string& name, const Status& s) {

@@ -91,6 +91,23 @@ class Runtime {
   void execute_broadcast(const Response& r, Comm& comm, std::vector<Entry*>& entries);
   void execute_alltoall(const Response& r, Comm& comm, std::vector<Entry*>& entries);
   void execute_reducescatter(const Response& r, Comm& comm, std::vector<Entry*>& entries);
+  // The two levels of a process set for hierarchical algorithms (docs/algorithms.md): its ranks
+  // on this host, and one leader (the lowest rank) per host. Built on first use (background
+  // thread only).
+  struct Hierarchy {
+    bool active = false;  // several hosts, and some host with several ranks of the set
+    bool leader = false;
+    std::unique_ptr<Comm> intra, leaders;
+  };
+  Hierarchy* hierarchy_for(const Response& r, Comm& comm);
+ public:
+  // Ranks that take part in a (compressed) collective of the set: the set's size, or with
+  // hierarchical=1 on several hosts with a crowded host, its number of hosts. Sizes the
+  // error-feedback residuals. -1 for an unknown set. Caller must not hold mu_.
+  int group_size(int32_t set_id, bool hierarchical);
+
+ private:
+  int group_size_locked(int32_t set_id, bool hierarchical);
   Status check_algorithm_request(const bhvd_request& req, const std::string& title);
   void execute_decentralized(const Response& r, Comm& comm, std::vector<Entry*>& entries);
   void finish(const std::string& name, const Status& s);
@@ -119,6 +136,7 @@ class Runtime {
   std::vector<std::string> urgent_queue_;         // sent names whose caller now blocks
   std::map<int32_t, std::vector<int32_t>> sets_;
   std::map<int32_t, std::unique_ptr<Comm>> comms_;
+  std::map<int32_t, Hierarchy> hierarchies_;  // background thread only
   bool shutdown_requested_ = false;
   bool stopped_ = false;  // background thread finished: no more work is accepted
   Status stop_status_;

@@ -161,6 +161,7 @@ class SelfTransport : public Transport {
   Pair& data(int r) override { return no_pair(r); }
   Pair& ctrl(int r) override { return no_pair(r); }
   const char* kind_to(int r) const override { return r == 0 ? "self" : "none"; }
+  std::string host_of(int r) const override { return r == 0 ? "self" : ""; }
   void notify() override { ring_doorbell(&bell_, false); }
   void wait(std::chrono::microseconds timeout) override {
     wait_doorbell(&bell_, &seen_, timeout, false);
@@ -183,6 +184,9 @@ class NetTransport : public Transport {
   int size() const override { return size_; }
   Pair& data(int r) override { return *pair(data_, r); }
   Pair& ctrl(int r) override { return *pair(ctrl_, r); }
+  std::string host_of(int r) const override {
+    return r >= 0 && r < size_ ? hosts_[r] : std::string();
+  }
   const char* kind_to(int r) const override {
     return r >= 0 && r < size_ ? kinds_[r] : "none";
   }
@@ -205,6 +209,7 @@ class NetTransport : public Transport {
   std::unique_ptr<ShmSegment> shm_;
   std::vector<std::unique_ptr<Pair>> data_, ctrl_;
   std::vector<const char*> kinds_;
+  std::vector<std::string> hosts_;
   Doorbell* bell_ = nullptr;  // ours, in the segment (shm peers only)
   uint32_t seen_ = 0;
   bool any_tcp_ = false;
@@ -277,6 +282,9 @@ NetTransport::NetTransport(const BootstrapConfig& cfg, Store& store)
                                   " (published when that rank starts; did it start?)"),
                       r, key);
   }
+
+  hosts_.resize(size_);
+  for (int r = 0; r < size_; ++r) hosts_[r] = infos[r].host;
 
   // Shared memory with the ranks of this host that allow it (all of them agree on this list).
   std::vector<int> locals;

@@ -82,6 +82,9 @@ class Transport {
   virtual Pair& ctrl(int global_rank) = 0;
   // "self", "shm" or "tcp"
   virtual const char* kind_to(int global_rank) const = 0;
+  // The host a rank runs on (HOROVOD_HOSTNAME), whatever transport reaches it: hierarchical
+  // algorithms group ranks by it.
+  virtual std::string host_of(int global_rank) const = 0;
   // Wake wait() from any thread.
   virtual void notify() = 0;
   // Block until a pair may have made progress, notify() was called, or timeout passed.
