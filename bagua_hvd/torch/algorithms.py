@@ -504,20 +504,78 @@ class _LowPrecisionDecentralizedImpl(_WeightImpl):
 
         if self.replicas is not None and self.step % self.alg.communication_interval == 0:
             opt = self.opt_ref()
-            handles = [
-                mpi_ops._primitive_async(
-                    _ops.OP_LP_DECENTRALIZED,
-                    flat,
-                    self._name("lpdec", i),
-                    opt.process_set,
-                    aux=self.replicas[i],
-                    hierarchical=self.hierarchical(),
-                )
-                for i, flat in enumerate(self.weights().flats)
-            ]
-            for h in handles:
-                mpi_ops.synchronize(h)
+            if self._split():
+                self._split_step(opt)
+            else:  # hierarchical: the host average needs communication first, one blocking op
+                handles = [
+                    mpi_ops._primitive_async(
+                        _ops.OP_LP_DECENTRALIZED,
+                        flat,
+                        self._name("lpdec", i),
+                        opt.process_set,
+                        aux=self.replicas[i],
+                        hierarchical=True,
+                    )
+                    for i, flat in enumerate(self.weights().flats)
+                ]
+                for h in handles:
+                    mpi_ops.synchronize(h)
         super().after_step()
+
+    def _split(self) -> bool:
+        """Flat ring (no host hierarchy in play): the step's local half runs here, its exchange
+        in the background, overlapping the next forward and backward (BAGUA blocks)."""
+        split = getattr(self, "_split_cached", None)
+        if split is None:
+            ps = self.opt_ref().process_set
+            group = _lib().bhvd_compression_group_size(ps.process_set_id, 1)
+            split = self._split_cached = not self.hierarchical() or group == ps.size()
+        return split
+
+    def _split_step(self, opt: Any) -> None:
+        from bagua_hvd.torch import mpi_ops
+
+        self.flush()  # the replicas must have the previous round's differences
+        flats = self.weights().flats
+        if not hasattr(self, "_diffs"):
+            self._diffs = [
+                torch.empty(
+                    _lib().bhvd_minmax_uint8_size(_torch_dtype_code(f), f.numel(), 1),
+                    dtype=torch.uint8,
+                )
+                for f in flats
+            ]
+        for flat, (own, left, right), c in zip(flats, self.replicas, self._diffs):
+            status = _lib().bhvd_lp_decentralized_local(
+                _ffi.cast("void *", flat.data_ptr()),
+                _ffi.cast("void *", own.data_ptr()),
+                _ffi.cast("void *", left.data_ptr()),
+                _ffi.cast("void *", right.data_ptr()),
+                _torch_dtype_code(flat),
+                flat.numel(),
+                _ffi.cast("uint8_t *", c.data_ptr()),
+            )
+            if status != _ops.OK:
+                raise _ops.exception_for_status(status, _last_error())
+        self.pending = [
+            mpi_ops._primitive_async(
+                _ops.OP_LP_DECENTRALIZED,
+                c,
+                self._name("lpdec.x", i),
+                opt.process_set,
+                peer_mode=2,
+                aux=self.replicas[i][1:],
+            )
+            for i, c in enumerate(self._diffs)
+        ]
+
+    def flush(self) -> None:
+        """Waits for the last exchange: afterwards the replicas are final."""
+        from bagua_hvd.torch import mpi_ops
+
+        pending, self.pending = getattr(self, "pending", []), []
+        for h in pending:
+            mpi_ops.synchronize(h)
 
 
 class _QAdamImpl(_Impl):

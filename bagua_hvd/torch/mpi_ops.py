@@ -306,7 +306,7 @@ def _primitive_async(
         compression=compression,
         peer_mode=peer_mode,
         step=step,
-        aux=[_desc(a, code) for a in aux] or None,
+        aux=[_desc(a, _check(a, _ALLREDUCE_DTYPES)) for a in aux] or None,
         hierarchical=hierarchical,
     )
     return _register(handle, lambda h: out, (keep, tensor, out, tuple(aux)), name)

@@ -79,20 +79,26 @@ def reference(kind: str, hosts, n: int, **kw):
                 outs = ra.bytegrad([avg[h] for h in order], "float32", True, res)
                 for h, out in zip(order, outs):
                     for r in hosts[h]:
-                        ra.unflatten_into(ra.from_numpy(out, torch.float32),
-                                          [params[r][i].grad for i in idx])
+                        ra.unflatten_into(
+                            ra.from_numpy(out, torch.float32), [params[r][i].grad for i in idx]
+                        )
         elif kind == "decentralized":
             xs = [ra.to_numpy(ra.flatten(params[r])) for r in range(n)]
             avg = host_average(xs, hosts)
             mixed = ra.decentralized_average(
-                [torch.from_numpy(avg[h]) for h in order], kw["peer_selection_mode"], t)
+                [torch.from_numpy(avg[h]) for h in order], kw["peer_selection_mode"], t
+            )
             for h, x in zip(order, mixed):
                 for r in hosts[h]:
                     ra.unflatten_into(x, params[r])
         if kind == "low_precision_decentralized" and t == 0:
-            rings = [ra.LowPrecisionRing.initial(
-                [ra.to_numpy(ra.flatten([params[hosts[h][0]][i] for i in idx])) for h in order],
-                "float32") for idx in layout]
+            rings = [
+                ra.LowPrecisionRing.initial(
+                    [ra.to_numpy(ra.flatten([params[hosts[h][0]][i] for i in idx])) for h in order],
+                    "float32",
+                )
+                for idx in layout
+            ]
         for o in opts:
             o.step()
         if kind == "low_precision_decentralized":
@@ -102,8 +108,9 @@ def reference(kind: str, hosts, n: int, **kw):
                 outs = ring.communicate([avg[h] for h in order])
                 for h, out in zip(order, outs):
                     for r in hosts[h]:
-                        ra.unflatten_into(ra.from_numpy(out, torch.float32),
-                                          [params[r][i] for i in idx])
+                        ra.unflatten_into(
+                            ra.from_numpy(out, torch.float32), [params[r][i] for i in idx]
+                        )
     return params
 
 
@@ -117,20 +124,28 @@ def main() -> int:
     assert len(hosts) == 2 and all(len(v) == 2 for v in hosts.values()), hosts
     cases = [
         ("bytegrad", lambda: A.ByteGrad(hierarchical=True), {}),
-        ("bytegrad", lambda: A.ByteGrad(hierarchical=True, error_feedback=True),
-         {"error_feedback": True}),
-        ("decentralized", lambda: A.Decentralized(hierarchical=True, peer_selection_mode="all"),
-         {"peer_selection_mode": "all"}),
-        ("decentralized", lambda: A.Decentralized(hierarchical=True, peer_selection_mode="ring"),
-         {"peer_selection_mode": "ring"}),
-        ("low_precision_decentralized", lambda: A.LowPrecisionDecentralized(hierarchical=True),
-         {}),
+        (
+            "bytegrad",
+            lambda: A.ByteGrad(hierarchical=True, error_feedback=True),
+            {"error_feedback": True},
+        ),
+        (
+            "decentralized",
+            lambda: A.Decentralized(hierarchical=True, peer_selection_mode="all"),
+            {"peer_selection_mode": "all"},
+        ),
+        (
+            "decentralized",
+            lambda: A.Decentralized(hierarchical=True, peer_selection_mode="ring"),
+            {"peer_selection_mode": "ring"},
+        ),
+        ("low_precision_decentralized", lambda: A.LowPrecisionDecentralized(hierarchical=True), {}),
     ]
     for kind, make_alg, kw in cases:
         model = make_model()
-        opt = hvd.DistributedOptimizer(sgd(model.parameters()),
-                                       named_parameters=model.named_parameters(),
-                                       algorithm=make_alg())
+        opt = hvd.DistributedOptimizer(
+            sgd(model.parameters()), named_parameters=model.named_parameters(), algorithm=make_alg()
+        )
         for t in range(STEPS):
             opt.zero_grad()
             loss_of(model, batch(rank, t)).backward()

@@ -115,7 +115,10 @@ typedef struct bhvd_request {
   int32_t compression;        /* enum bhvd_compression */
   int32_t peer_mode;          /* enum bhvd_peer_mode (BHVD_OP_DECENTRALIZED); for
                                  BHVD_OP_LP_DECENTRALIZED 0 = a step, 1 = initialise the
-                                 replicas (self = x, left/right = the neighbours' x) */
+                                 replicas (self = x, left/right = the neighbours' x), 2 = the
+                                 exchange half of a step: the input is this rank's compressed
+                                 difference (uint8, from bhvd_lp_decentralized_local), aux =
+                                 left, right replicas (not hierarchical) */
   int64_t step;               /* communication round k (BHVD_OP_DECENTRALIZED shift_one) */
   int32_t hierarchical;       /* 1: within each host, then among one leader per host, then
                                  back within each host (when the set spans several hosts and
@@ -221,6 +224,13 @@ int bhvd_hmac_sha256(const uint8_t* key, int32_t key_len, const uint8_t* msg, in
  * residuals hold n * ceil(count / n) (worker) and ceil(count / n) (server) elements for this n.
  * -1 for an unknown set. */
 int bhvd_compression_group_size(int32_t process_set_id, int32_t hierarchical);
+
+/* The local half of a low-precision decentralized step, on the caller's thread (no
+ * communication): d = x + left/3 + right/3 - 5/3 self, c_out = MinMaxUInt8(d) (1 chunk,
+ * bhvd_minmax_uint8_size(dtype, count, 1) bytes), self += decompress(c_out), x = self. Its
+ * exchange half is BHVD_OP_LP_DECENTRALIZED with peer_mode 2. */
+int bhvd_lp_decentralized_local(void* x, void* self, const void* left, const void* right,
+                                int32_t dtype, int64_t count, uint8_t* c_out);
 
 /* ---- compression (MinMaxUInt8, docs/algorithms.md) ------------------------------------------- */
 /* Bytes of the compressed form of n elements of dtype (float32, float16, bfloat16) in n_chunks

@@ -108,28 +108,37 @@ void decentralized_average(Comm& comm, const void* in, void* out, size_t count, 
                               std::to_string(static_cast<int>(mode)));
 }
 
-void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, size_t count,
-                      DataType dtype) {
+void lp_decentralized_local(void* x, void* self, const void* left, const void* right,
+                            size_t count, DataType dtype, uint8_t* c) {
   if (dtype != DataType::FLOAT32 && dtype != DataType::FLOAT16 && dtype != DataType::BFLOAT16) {
     throw std::invalid_argument(std::string("low-precision decentralized: MinMaxUInt8 needs "
                                             "float32, float16 or bfloat16 weights, got ") +
                                 dtype_name(dtype));
   }
-  const int n = comm.size(), me = comm.rank();
-  if (n <= 1 || count == 0) return;
-  const size_t es = dtype_size(dtype), bytes = count * es;
+  if (count == 0) return;
+  const size_t bytes = count * dtype_size(dtype);
   // d = x + L/3 + R/3 - (5/3) s, in float32, stored as T for the compressor.
+  // (Scratch of the calling thread: the training thread's own when called through the C API.)
   unsigned char* d = scratch_slot(kDiff, bytes);
   const float third = 1.0f / 3.0f, five_thirds = 5.0f / 3.0f;
   blockwise(dtype, count, d, {x, left, right, self}, [&](const float* v) {
     return ((v[0] + v[1] * third) + v[2] * third) - v[3] * five_thirds;
   });
+  minmax_uint8_compress(d, dtype, count, 1, c);
+  // x becomes exactly what the neighbours will hold: s + D(c).
+  minmax_uint8_decompress(c, dtype, count, 1, d);
+  reduce_into(self, d, count, dtype, ReduceOp::SUM);
+  std::memcpy(x, self, bytes);
+}
+
+void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* right,
+                               size_t count, DataType dtype) {
+  const int n = comm.size(), me = comm.rank();
+  if (n <= 1 || count == 0) return;
+  const size_t bytes = count * dtype_size(dtype);
   const size_t cbytes = minmax_uint8_bytes(dtype, count, 1);
-  uint8_t* c = scratch_slot(kMine, cbytes);
   uint8_t* cl = scratch_slot(kLeft, cbytes);
   uint8_t* cr = cl;
-  minmax_uint8_compress(d, dtype, count, 1, c);
-
   const int l = (me + n - 1) % n, r = (me + 1) % n;
   if (l == r) {
     exchange(comm, {r}, c, cbytes, {l}, {cl}, "low-precision decentralized");
@@ -137,15 +146,20 @@ void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, 
     cr = scratch_slot(kRight, cbytes);
     exchange(comm, {l, r}, c, cbytes, {l, r}, {cl, cr}, "low-precision decentralized");
   }
-  // Replicas advance by the decoded differences; x becomes exactly what the neighbours hold.
+  // The neighbours' replicas advance by their decoded differences.
   unsigned char* dec = scratch_slot(kDecoded, bytes);
   minmax_uint8_decompress(cl, dtype, count, 1, dec);
   reduce_into(left, dec, count, dtype, ReduceOp::SUM);
   if (cr != cl) minmax_uint8_decompress(cr, dtype, count, 1, dec);
   reduce_into(right, dec, count, dtype, ReduceOp::SUM);
-  minmax_uint8_decompress(c, dtype, count, 1, dec);
-  reduce_into(self, dec, count, dtype, ReduceOp::SUM);
-  std::memcpy(x, self, bytes);
+}
+
+void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, size_t count,
+                      DataType dtype) {
+  if (comm.size() <= 1 || count == 0) return;
+  uint8_t* c = scratch_slot(kMine, minmax_uint8_bytes(dtype, count, 1));
+  lp_decentralized_local(x, self, left, right, count, dtype, c);
+  lp_decentralized_exchange(comm, c, left, right, count, dtype);
 }
 
 void lp_decentralized_init(Comm& comm, const void* x, void* self, void* left, void* right,

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 
+#include "collectives/collectives.h"
 #include "core/async_average.h"
 #include "core/c_api_report.h"
 #include "core/runtime.h"
@@ -201,6 +202,20 @@ int64_t bhvd_stat(const char* key) {
   if (k == "exec_ns") return s.exec_ns;
   if (k == "bytes_sent") return bagua_hvd::Comm::bytes_sent();
   return -1;
+}
+
+int bhvd_lp_decentralized_local(void* x, void* self, const void* left, const void* right,
+                                int32_t dtype, int64_t count, uint8_t* c_out) {
+  if (!bagua_hvd::dtype_valid(dtype) || count < 0 || (count > 0 && (!x || !self || !left ||
+                                                                     !right || !c_out)))
+    return report(Status::InvalidArgument("low-precision decentralized: invalid buffers"));
+  try {
+    bagua_hvd::lp_decentralized_local(x, self, left, right, static_cast<size_t>(count),
+                                      static_cast<bagua_hvd::DataType>(dtype), c_out);
+  } catch (const std::exception& e) {
+    return report(Status::InvalidArgument(e.what()));
+  }
+  return BHVD_OK;
 }
 
 int bhvd_compression_group_size(int32_t process_set_id, int32_t hierarchical) {

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "collectives/collectives.h"
+#include "compression/minmax_uint8.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -276,8 +277,29 @@ Status Runtime::check_algorithm_request(const bhvd_request& req, const std::stri
   if (req.hierarchical && t != BHVD_OP_ALLREDUCE && t != BHVD_OP_DECENTRALIZED &&
       t != BHVD_OP_LP_DECENTRALIZED)
     return Status::InvalidArgument(title + ": has no hierarchical form");
-  if (t == BHVD_OP_LP_DECENTRALIZED && req.peer_mode != 0 && req.peer_mode != 1)
-    return Status::InvalidArgument(title + ": peer_mode must be 0 (a step) or 1 (initialise)");
+  if (t == BHVD_OP_LP_DECENTRALIZED && (req.peer_mode < 0 || req.peer_mode > 2))
+    return Status::InvalidArgument(title + ": peer_mode must be 0 (a step), 1 (initialise) or 2 "
+                                           "(the exchange half of a step)");
+  if (t == BHVD_OP_LP_DECENTRALIZED && req.peer_mode == 2) {
+    // The exchange half: a uint8 buffer (the compressed difference) and the two replicas.
+    if (req.hierarchical)
+      return Status::InvalidArgument(title + ": the split step has no hierarchical form");
+    if (req.num_tensors != 1 || !req.inputs || req.inputs[0].dtype != BHVD_UINT8 ||
+        req.num_aux != 2 || !req.aux)
+      return Status::InvalidArgument(title + ": the exchange takes the compressed difference "
+                                             "(uint8) and 2 replica buffers (left, right)");
+    const bhvd_tensor& l = req.aux[0];
+    const bhvd_tensor& r = req.aux[1];
+    const int64_t count = tensor_elements(l);
+    if (!compressible(l.dtype) || r.dtype != l.dtype || tensor_elements(r) != count ||
+        (count > 0 && (!l.data || !r.data)) ||
+        tensor_elements(req.inputs[0]) !=
+            static_cast<int64_t>(minmax_uint8_bytes(static_cast<DataType>(l.dtype),
+                                                    static_cast<size_t>(count), 1)))
+      return Status::InvalidArgument(title + ": the replicas and the compressed difference do "
+                                             "not match in size or type");
+    return Status::OK();
+  }
   if (req.compression != BHVD_COMPRESSION_NONE) {
     if (req.compression != BHVD_COMPRESSION_MINMAX_UINT8)
       return Status::InvalidArgument(title + ": unknown compression " +
@@ -485,6 +507,10 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
       e.input = req.inputs[i].data;
       e.output = req.outputs ? req.outputs[i].data : nullptr;
       for (int a = 0; a < req.num_aux; ++a) e.aux.push_back(req.aux[a].data);
+      if (req.num_aux > 0) {
+        e.aux_count = static_cast<size_t>(tensor_elements(req.aux[0]));
+        e.aux_dtype = static_cast<DataType>(req.aux[0].dtype);
+      }
     }
     const std::string key = tensor_key(reqs[i].process_set_id, reqs[i].name);
     h->names.push_back(key);
@@ -1067,6 +1093,11 @@ void Runtime::execute_decentralized(const Response& r, Comm& comm,
   const size_t bytes = count * dtype_size(r.dtype);
   Hierarchy* h = hierarchy_for(r, comm);
   const bool lp = r.type == BHVD_OP_LP_DECENTRALIZED;
+  if (lp && r.peer_mode == 2) {  // the exchange half of a split step (never hierarchical)
+    lp_decentralized_exchange(comm, static_cast<const uint8_t*>(e->input), e->aux[0], e->aux[1],
+                              e->aux_count, e->aux_dtype);
+    return;
+  }
   if (lp && r.peer_mode == 1) {  // replicas: among the hosts' leaders when hierarchical
     if (!h || h->leader) {
       lp_decentralized_init(h ? *h->leaders : comm, e->output, e->aux[0], e->aux[1], e->aux[2],

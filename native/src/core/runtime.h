@@ -44,6 +44,8 @@ struct Entry {
   const void* input = nullptr;
   void* output = nullptr;
   std::vector<void*> aux;  // algorithm state buffers (residuals, replicas)
+  size_t aux_count = 0;    // elements of aux[0]
+  DataType aux_dtype = DataType::FLOAT32;
 };
 
 struct RuntimeStats {
