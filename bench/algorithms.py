@@ -91,6 +91,7 @@ from train import (  # noqa: E402  (the previous issue's model and settings)
     LR,
     MOMENTUM,
     STEADY_MALLOC,
+    make_model,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -741,13 +742,7 @@ class Worker:
         self.ddp: dict[str, tuple] = {}
 
     def make_model(self):
-        nn = self.torch.nn
-        self.torch.manual_seed(0)  # the same initial weights in every mode and on every rank
-        dims = [IN_FEATURES] + [HIDDEN] * HIDDEN_LAYERS
-        layers: list = []
-        for a, b in zip(dims, dims[1:]):
-            layers += [nn.Linear(a, b), nn.ReLU()]
-        return nn.Sequential(*layers, nn.Linear(dims[-1], CLASSES))
+        return make_model(self.torch)
 
     def all_ok(self, ok: bool) -> bool:
         t = self.torch.tensor([1.0 if ok else 0.0])

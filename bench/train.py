@@ -418,6 +418,17 @@ def print_report(meta: dict, runs: list[dict]) -> None:
 # ---- worker side ----------------------------------------------------------------------------
 
 
+def make_model(torch):
+    """The benchmark's MLP, the same initial weights in every mode and on every rank."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    dims = [IN_FEATURES] + [HIDDEN] * HIDDEN_LAYERS
+    layers: list = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(dims[-1], CLASSES))
+
+
 def minor_faults() -> int:
     """This process's minor page faults so far: a step that faults its fresh gradients in anew
     (glibc returned them to the system) shows thousands."""
@@ -478,13 +489,7 @@ class Worker:
         self.marks.append((what, read_status_kib("VmHWM"), read_status_kib("VmRSS")))
 
     def make_model(self):
-        nn = self.torch.nn
-        self.torch.manual_seed(0)  # the same initial weights in every mode and on every rank
-        dims = [IN_FEATURES] + [HIDDEN] * HIDDEN_LAYERS
-        layers: list = []
-        for a, b in zip(dims, dims[1:]):
-            layers += [nn.Linear(a, b), nn.ReLU()]
-        return nn.Sequential(*layers, nn.Linear(dims[-1], CLASSES))
+        return make_model(self.torch)
 
     def build(self, mode: str) -> None:
         torch = self.torch

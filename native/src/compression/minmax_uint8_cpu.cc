@@ -28,6 +28,7 @@ using mmu8::BF16;
 using mmu8::F16;
 using mmu8::F32;
 using mmu8::Params;
+using mmu8::dispatch;
 
 struct Scan {
   float mn, mx;
@@ -291,19 +292,6 @@ void decompress_add_chunk(const uint8_t* in, size_t c, float* acc) {
   if (have_avx2()) return dequantize_add_avx2<Ty>(q, c, prm, acc);
 #endif
   dequantize_add_scalar<Ty>(q, c, prm, acc);
-}
-
-// Calls f(Ty{}) for the element type of dtype (checked by minmax_uint8_check_args).
-template <typename F>
-void dispatch(DataType dtype, F&& f) {
-  switch (dtype) {
-    case DataType::FLOAT32:
-      return f(F32{});
-    case DataType::FLOAT16:
-      return f(F16{});
-    default:
-      return f(BF16{});
-  }
 }
 
 }  // namespace

@@ -26,6 +26,7 @@ using mmu8::BF16;
 using mmu8::F16;
 using mmu8::F32;
 using mmu8::Params;
+using mmu8::dispatch;
 
 constexpr int kThreads = 256;
 constexpr size_t kSegment = 4096;  // elements per block: 16 per thread
@@ -200,18 +201,6 @@ unsigned grid(size_t n_chunks, size_t segs) {
 }
 
 size_t segments(size_t elems) { return (elems + kSegment - 1) / kSegment; }
-
-template <typename F>
-void dispatch(DataType dtype, F&& f) {
-  switch (dtype) {
-    case DataType::FLOAT32:
-      return f(F32{});
-    case DataType::FLOAT16:
-      return f(F16{});
-    default:
-      return f(BF16{});
-  }
-}
 
 }  // namespace
 

@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common.h"
 #include "float_bits.h"
 
 namespace bagua_hvd {
@@ -115,6 +116,19 @@ BHVD_HD Header make_header(float mn, float mx, bool finite) {
     return {nan, nan};
   }
   return {canonical_zero(mn), canonical_zero(mx)};
+}
+
+// Host side: calls f(Ty{}) for the element type of dtype (checked by minmax_uint8_check_args).
+template <typename F>
+void dispatch(DataType dtype, F&& f) {
+  switch (dtype) {
+    case DataType::FLOAT32:
+      return f(F32{});
+    case DataType::FLOAT16:
+      return f(F16{});
+    default:
+      return f(BF16{});
+  }
 }
 
 }  // namespace mmu8

@@ -1,0 +1,42 @@
+"""AsyncModelAverage stops cleanly without a manual abort(): at hvd.shutdown() and at
+interpreter exit, with ranks that stop at different times, float32 and float16 weights."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "workers" / "async_exit.py"
+
+pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("how", ["shutdown", "exit"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_async_stops_without_abort(how: str, dtype: str):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), BAGUA_HVD_OP_TIMEOUT_SECONDS="60")
+    for key in [k for k in env if k.startswith("HOROVOD_")]:
+        del env[key]
+    args = [how] + (["fp16"] if dtype == "float16" else [])
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "2", sys.executable,
+         str(WORKER), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    rounds = [int(r) for r in re.findall(r"rank \d rounds (\d+)", text)]
+    assert len(rounds) == 2 and min(rounds) >= 3, text  # background averaging did run
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end\n{text}"
+    if how == "shutdown":
+        took = [float(t) for t in re.findall(r"shutdown took ([\d.]+) s", text)]
+        assert len(took) == 2 and max(took) < 10, text
