@@ -1,0 +1,343 @@
+"""``import bagua_hvd.tensorflow as hvd``: Horovod's TensorFlow API over the bagua_hvd core.
+
+This release exports the collectives, the in-graph queries, process sets, basics, Compression
+and the object/variable helpers of ``horovod.tensorflow``. DistributedOptimizer,
+DistributedGradientTape, Keras and SyncBatchNormalization come in a later release.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, Callable, List, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from bagua_hvd.common.exceptions import HorovodInternalError  # noqa: F401
+from bagua_hvd.common.util import check_extension  # noqa: F401
+from bagua_hvd.tensorflow import mpi_ops  # noqa: F401
+from bagua_hvd.tensorflow.compression import Compression, NoneCompressor
+from bagua_hvd.tensorflow.mpi_ops import (  # noqa: F401
+    Adasum,
+    Average,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    _as_tensor,
+    _executing_eagerly,
+    add_process_set,
+    allgather,
+    allreduce_dense,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_,
+    ccl_built,
+    check_num_rank_power_of_2,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    grouped_allgather,
+    grouped_allreduce_dense,
+    grouped_reducescatter_dense,
+    handle_average_backwards_compatibility,
+    init,
+    is_homogeneous,
+    is_initialized,
+    join,
+    local_rank,
+    local_rank_op,
+    local_size,
+    local_size_op,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    process_set_included_op,
+    rank,
+    rank_op,
+    reducescatter_dense,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    size_op,
+    start_timeline,
+    stop_timeline,
+)
+
+try:
+    import cloudpickle as _pickle  # Horovod pickles objects with cloudpickle
+except ImportError:  # pragma: no cover - cloudpickle is optional
+    _pickle = pickle  # type: ignore[assignment]
+
+
+def _op_or_average(op: int | None, average: bool | None) -> int:
+    return handle_average_backwards_compatibility(op, average)
+
+
+def allreduce(
+    tensor: Any,
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+) -> Any:
+    """Allreduces a tensor across the process set (Horovod's ``hvd.allreduce``).
+
+    op: Average (default), Sum, Min, Max, Product or Adasum; ``average`` is the deprecated
+    spelling. Dense result: ``postscale * reduce(prescale * tensor)``; the gradient is the same
+    allreduce of the upstream gradient. A ``tf.IndexedSlices`` is reduced by two allgathers
+    (values and indices); only Sum and Average apply to it.
+    ``device_dense``/``device_sparse`` are accepted for compatibility (tensors are staged
+    through host memory).
+    """
+    op = _op_or_average(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        if op == Adasum:
+            raise NotImplementedError(
+                "The Adasum reduction does not currently support sparse tensors. As a "
+                "workaround please pass sparse_as_dense=True to DistributedOptimizer"
+            )
+        if op not in (Average, Sum):
+            raise NotImplementedError(
+                f"Only Sum and Average reductions are supported for tf.IndexedSlices, got op {op}"
+            )
+        values = tensor.values
+        if prescale_factor != 1.0:
+            values = values * tf.cast(prescale_factor, values.dtype)
+        values = allgather(values, process_set=process_set, ignore_name_scope=ignore_name_scope)
+        indices = allgather(
+            tensor.indices, process_set=process_set, ignore_name_scope=ignore_name_scope
+        )
+        scale = postscale_factor
+        if op == Average:
+            scale /= process_set.size() if process_set.process_set_id != 0 else size()
+        if scale != 1.0:
+            values = values * tf.cast(scale, values.dtype)
+        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+    tensor = _as_tensor(tensor)
+    if compression is NoneCompressor:
+        return allreduce_dense(
+            tensor, op, prescale_factor, postscale_factor, name, process_set, ignore_name_scope
+        )
+    compressed, ctx = compression.compress(tensor)
+    reduced = allreduce_dense(
+        compressed, op, prescale_factor, postscale_factor, name, process_set, ignore_name_scope
+    )
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    name: str | None = None,
+) -> List[Any]:
+    """Allreduces several dense tensors in one fused core request; returns a list.
+
+    tf.IndexedSlices entries are reduced one by one like :func:`allreduce` does.
+    """
+    op = _op_or_average(op, average)
+    if not isinstance(tensors, (list, tuple)):
+        raise ValueError(
+            f"grouped_allreduce expects a list or tuple of tensors, got {type(tensors).__name__}"
+        )
+    if not tensors:
+        return []
+    results: List[Any] = [None] * len(tensors)
+    dense_idx = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            results[i] = allreduce(
+                t, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                process_set=process_set, ignore_name_scope=ignore_name_scope,
+            )  # fmt: skip
+        else:
+            dense_idx.append(i)
+    if dense_idx:
+        compressed, ctxs = zip(*[compression.compress(_as_tensor(tensors[i])) for i in dense_idx])
+        reduced = grouped_allreduce_dense(
+            list(compressed), op, prescale_factor, postscale_factor, name, process_set,
+            ignore_name_scope,
+        )  # fmt: skip
+        for i, r, c in zip(dense_idx, reduced, ctxs):
+            results[i] = compression.decompress(r, c)
+    return results
+
+
+def reducescatter(
+    tensor: Any,
+    device_dense: str = "",
+    compression: Any = Compression.none,
+    op: int = Average,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
+    """Reduces the tensor across the set and returns this rank's slice of dim 0; ranks
+    ``0 .. dim0 % size - 1`` get one extra row. op: Average or Sum."""
+    compressed, ctx = compression.compress(_as_tensor(tensor))
+    out = reducescatter_dense(
+        compressed, op, name, process_set, ignore_name_scope, prescale_factor, postscale_factor
+    )
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter(
+    tensors: Sequence[Any],
+    device_dense: str = "",
+    compression: Any = Compression.none,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> List[tf.Tensor]:
+    """Reducescatter of several tensors in one fused request; returns a list."""
+    if not isinstance(tensors, (list, tuple)):
+        raise ValueError(
+            "grouped_reducescatter expects a list or tuple of tensors, got "
+            f"{type(tensors).__name__}"
+        )
+    if not tensors:
+        return []
+    compressed, ctxs = zip(*[compression.compress(_as_tensor(t)) for t in tensors])
+    outs = grouped_reducescatter_dense(
+        list(compressed), op, None, process_set, False, prescale_factor, postscale_factor
+    )
+    return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
+
+
+def vars_to_refs(vars: Sequence[Any]) -> List[Any]:
+    """Hashable references to variables (Keras 3 variables have no ``ref()``: used as is)."""
+    return [v.ref() if hasattr(v, "ref") else v for v in vars]
+
+
+def refs_to_vars(refs: Sequence[Any]) -> List[Any]:
+    """The variables behind :func:`vars_to_refs`'s references."""
+    return [r.deref() if hasattr(r, "deref") else r for r in refs]
+
+
+def _make_subgraph(f: Callable[..., Any]) -> Callable[..., Any]:
+    return tf.function(f)
+
+
+def _cache(f: Callable[..., Any]) -> Callable[..., Any]:
+    cache: dict = {}
+
+    def wrapped(*args: Any) -> Any:
+        key = (args, tf.executing_eagerly())
+        if key not in cache:
+            cache[key] = f(*args)
+        return cache[key]
+
+    return wrapped
+
+
+# ---- helpers (horovod/tensorflow/functions.py) ------------------------------------------------
+def broadcast_variables(
+    variables: Sequence[tf.Variable],
+    root_rank: int,
+    process_set: ProcessSet = global_process_set,
+    inplace: bool = False,
+) -> Any:
+    """Assigns ``root_rank``'s values to the variables on every rank of the set."""
+    variables = list(variables)
+    if inplace:
+        broadcast_(variables, root_rank, process_set=process_set)
+        return None
+    assigns = [v.assign(broadcast(v, root_rank, process_set=process_set)) for v in variables]
+    return None if tf.executing_eagerly() else tf.group(*assigns)
+
+
+def _to_bytes(obj: Any) -> np.ndarray:
+    buf = io.BytesIO()
+    _pickle.dump(obj, buf)
+    return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+
+
+def broadcast_object(
+    obj: Any,
+    root_rank: int = 0,
+    session: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Serializes ``obj`` on ``root_rank`` and returns a copy of it on every rank of the set.
+
+    Eager only (``session`` is accepted for compatibility and must be None in TF2)."""
+    if not tf.executing_eagerly():
+        raise NotImplementedError(
+            "broadcast_object runs eagerly in bagua_hvd; call it outside tf.function"
+        )
+    name = name or type(obj).__name__
+    is_root = rank() == root_rank
+    payload = _to_bytes(obj) if is_root else np.zeros(0, dtype=np.uint8)
+    length = broadcast(
+        tf.constant([payload.size], dtype=tf.int64), root_rank, name=f"{name}.sz",
+        process_set=process_set,
+    )  # fmt: skip
+    data = payload if is_root else np.zeros(int(length.numpy()[0]), dtype=np.uint8)
+    data = broadcast(tf.constant(data), root_rank, name=f"{name}.t", process_set=process_set)
+    return _pickle.loads(data.numpy().tobytes())
+
+
+def broadcast_object_fn(
+    root_rank: int = 0,
+    session: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Callable[[Any], Any]:
+    """Returns ``fn(obj)`` that broadcasts ``obj`` from ``root_rank`` (see broadcast_object)."""
+
+    def fn(obj: Any) -> Any:
+        return broadcast_object(obj, root_rank, session, name, process_set)
+
+    return fn
+
+
+def allgather_object(
+    obj: Any,
+    session: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> List[Any]:
+    """Serializes ``obj`` on every rank and returns the list of all ranks' objects (in
+    process-set rank order). Eager only."""
+    if not tf.executing_eagerly():
+        raise NotImplementedError(
+            "allgather_object runs eagerly in bagua_hvd; call it outside tf.function"
+        )
+    name = name or type(obj).__name__
+    payload = _to_bytes(obj)
+    sizes = allgather(
+        tf.constant([payload.size], dtype=tf.int64), name=f"{name}.sz", process_set=process_set
+    ).numpy()
+    gathered = allgather(tf.constant(payload), name=f"{name}.t", process_set=process_set).numpy()
+    out, off = [], 0
+    for s in sizes:
+        out.append(_pickle.loads(gathered[off : off + int(s)].tobytes()))
+        off += int(s)
+    return out

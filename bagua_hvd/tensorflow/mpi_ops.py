@@ -1,0 +1,799 @@
+"""Collective operations on TensorFlow tensors (``horovod.tensorflow.mpi_ops``).
+
+TensorFlow tensors reach the framework-free core through numpy: eagerly, the tensor's host
+buffer (``np.asarray``) is handed to the core and the result is wrapped into a new tensor;
+inside ``tf.function`` the same code runs in a ``tf.numpy_function`` (stateful, so
+``tf.function``'s automatic control dependencies keep collectives in program order on every
+rank). Every op is synchronous: it returns when the collective has completed.
+
+Names: an op given ``name=`` is ``"<op>.<name>"`` in the core (inside a graph the name is
+made unique and prefixed by the name scope unless ``ignore_name_scope``). Unnamed eager ops use
+the core's ``"<op>.noname.<handle>"`` numbering; unnamed graph ops are named at trace time
+``HorovodAllreduce``, ``HorovodAllreduce_1``, ... (unique in the graph, in trace order), so
+every rank that traced the same function uses the same names. (Horovod appends the input
+tensor's name, but tensors that a tf.function captures have process-dependent names.)
+
+Supported dtypes (CPU tensors): allreduce/reducescatter: uint8, int8, int16, int32, int64,
+float16, bfloat16, float32, float64; allgather/broadcast/alltoall: also bool and uint16.
+
+Errors: invalid arguments raise ``tf.errors.InvalidArgumentError``; mismatches between ranks
+(shape, dtype, op, root) raise ``tf.errors.FailedPreconditionError`` on every rank, with
+Horovod's message. Inside ``tf.function`` TensorFlow converts exceptions raised by Python
+callbacks itself: invalid arguments still surface as InvalidArgumentError, but cross-rank
+errors surface as ``tf.errors.UnknownError`` whose message contains
+``FailedPreconditionError: <Horovod's message>`` (see docs/tensorflow.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import record as _record
+
+from bagua_hvd.common import _native
+from bagua_hvd.common import ops as _ops
+from bagua_hvd.common.basics import HorovodBasics as _HorovodBasics
+from bagua_hvd.common.exceptions import HorovodInternalError
+from bagua_hvd.common.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from bagua_hvd.common.util import get_average_backwards_compatibility_fun, num_rank_is_power_2
+
+__all__ = [
+    "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "HorovodInternalError", "ProcessSet", "global_process_set", "add_process_set",
+    "remove_process_set", "init", "shutdown", "is_initialized", "start_timeline",
+    "stop_timeline", "size", "local_size", "cross_size", "rank", "local_rank", "cross_rank",
+    "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
+    "size_op", "local_size_op", "rank_op", "local_rank_op", "process_set_included_op",
+    "allreduce_dense", "grouped_allreduce_dense", "allgather", "grouped_allgather",
+    "broadcast", "broadcast_", "alltoall", "reducescatter_dense", "grouped_reducescatter_dense",
+    "join", "barrier",
+]  # fmt: skip
+
+_basics = _HorovodBasics(__file__, "mpi_lib")
+
+init = _basics.init
+shutdown = _basics.shutdown
+is_initialized = _basics.is_initialized
+start_timeline = _basics.start_timeline
+stop_timeline = _basics.stop_timeline
+size = _basics.size
+local_size = _basics.local_size
+cross_size = _basics.cross_size
+rank = _basics.rank
+local_rank = _basics.local_rank
+cross_rank = _basics.cross_rank
+is_homogeneous = _basics.is_homogeneous
+mpi_threads_supported = _basics.mpi_threads_supported
+mpi_enabled = _basics.mpi_enabled
+mpi_built = _basics.mpi_built
+gloo_enabled = _basics.gloo_enabled
+gloo_built = _basics.gloo_built
+nccl_built = _basics.nccl_built
+ddl_built = _basics.ddl_built
+ccl_built = _basics.ccl_built
+cuda_built = _basics.cuda_built
+rocm_built = _basics.rocm_built
+
+Average = _ops.Average
+Sum = _ops.Sum
+Adasum = _ops.Adasum
+Min = _ops.Min
+Max = _ops.Max
+Product = _ops.Product
+
+
+class _ReduceOps:
+    Average = Average
+    Sum = Sum
+
+
+handle_average_backwards_compatibility = get_average_backwards_compatibility_fun(_ReduceOps)
+check_num_rank_power_of_2 = num_rank_is_power_2
+
+# ---- dtypes ------------------------------------------------------------------------------------
+_TF_CODES: Dict[tf.DType, int] = {
+    tf.uint8: _ops.UINT8,
+    tf.int8: _ops.INT8,
+    tf.uint16: _ops.UINT16,
+    tf.int16: _ops.INT16,
+    tf.int32: _ops.INT32,
+    tf.int64: _ops.INT64,
+    tf.float16: _ops.FLOAT16,
+    tf.bfloat16: _ops.BFLOAT16,
+    tf.float32: _ops.FLOAT32,
+    tf.float64: _ops.FLOAT64,
+    tf.bool: _ops.BOOL,
+}
+_NP_CODES: Dict[np.dtype, int] = {np.dtype(d.as_numpy_dtype): c for d, c in _TF_CODES.items()}
+_REDUCE_CODES = frozenset(c for c in _TF_CODES.values() if c not in (_ops.BOOL, _ops.UINT16))
+_MOVE_CODES = frozenset(_TF_CODES.values())
+
+# Core status -> TensorFlow error class (Horovod's ToTFStatus).
+_STATUS_ERRORS = {
+    _ops.INVALID_ARGUMENT: tf.errors.InvalidArgumentError,
+    _ops.PRECONDITION_ERROR: tf.errors.FailedPreconditionError,
+    _ops.ABORTED: tf.errors.AbortedError,
+    _ops.NOT_IMPLEMENTED: tf.errors.UnimplementedError,
+    _ops.TIMED_OUT: tf.errors.DeadlineExceededError,
+}
+
+# Arrays the core may still touch after an interrupted wait: never freed.
+_abandoned: List[Any] = []
+
+
+def _executing_eagerly() -> bool:
+    """Horovod's helper: whether TensorFlow runs eagerly here."""
+    return tf.executing_eagerly()
+
+
+def _tf_error(status: int, message: str) -> tf.errors.OpError:
+    return _STATUS_ERRORS.get(status, tf.errors.UnknownError)(None, None, message)
+
+
+def _check_dtype(dtype: tf.DType, allowed: frozenset) -> None:
+    code = _TF_CODES.get(dtype)
+    if code is None or code not in allowed:
+        raise tf.errors.InvalidArgumentError(
+            None, None, f"Tensor type {dtype.name} is not supported."
+        )
+
+
+def _ps_id(process_set: ProcessSet) -> int:
+    ps_id = process_set.process_set_id
+    return -1 if ps_id is None else ps_id  # the core answers "does not exist"
+
+
+# ---- the numpy-level collective ----------------------------------------------------------------
+def _enqueue(op_type: int, descs: list, outs: list | None, **kw: Any) -> Tuple[int, Any]:
+    try:
+        return _ops.enqueue(op_type, descs, outs, **kw)
+    except ValueError as e:
+        if str(e) == _ops.NOT_INITIALIZED_ERROR:
+            raise tf.errors.FailedPreconditionError(None, None, str(e)) from None
+        raise tf.errors.InvalidArgumentError(None, None, str(e)) from None
+    except NotImplementedError as e:
+        raise tf.errors.UnimplementedError(None, None, str(e)) from None
+    except HorovodInternalError as e:
+        raise tf.errors.FailedPreconditionError(None, None, str(e)) from None
+
+
+def _wait(handle: int, what: str) -> None:
+    n = _ops.native()
+    status = n.lib.bhvd_wait(handle, 100)
+    if status == _ops.TIMED_OUT:
+        try:
+            status = _ops._wait_long(n, handle, what)
+        except HorovodInternalError as e:  # BAGUA_HVD_OP_TIMEOUT_SECONDS ran out
+            raise tf.errors.DeadlineExceededError(None, None, str(e)) from None
+    if status != _ops.OK:
+        message = _ops.handle_error(handle) or _native.last_error() or f"{what} failed"
+        raise _tf_error(status, message)
+
+
+def _collective(
+    op_type: int,
+    arrays: Sequence[np.ndarray],
+    *,
+    what: str,
+    name: str | None,
+    ps_id: int,
+    reduce_op: int = Sum,
+    root_rank: int = 0,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    splits: List[int] | None = None,
+) -> Tuple[List[np.ndarray], List[int] | None]:
+    """Runs one (possibly grouped) collective on host arrays; returns (outputs, rsplits)."""
+    # (np.ascontiguousarray would turn 0-d arrays into 1-d ones)
+    ins = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
+    codes = []
+    for a in ins:
+        code = _NP_CODES.get(a.dtype)
+        if code is None:
+            raise tf.errors.InvalidArgumentError(
+                None, None, f"Tensor type {a.dtype} is not supported."
+            )
+        codes.append(code)
+    outs: List[np.ndarray] | None
+    if op_type in (_ops.OP_ALLREDUCE, _ops.OP_BROADCAST):
+        outs = [np.empty_like(a) for a in ins]
+    elif op_type == _ops.OP_REDUCESCATTER:
+        set_size = _ops.process_set_size(ps_id)
+        set_rank = _ops.process_set_rank(ps_id)
+        outs = []
+        for a in ins:
+            if a.ndim == 0:
+                outs.append(np.empty((), a.dtype))
+                continue
+            ok = set_size > 0 and set_rank >= 0
+            rows = _ops.reducescatter_rows(a.shape[0], set_size, set_rank) if ok else 0
+            outs.append(np.empty((rows, *a.shape[1:]), a.dtype))
+    else:
+        outs = None
+    descs = [(a.ctypes.data if a.size else 0, c, a.shape) for a, c in zip(ins, codes)]
+    odescs = (
+        None
+        if outs is None
+        else [(o.ctypes.data if o.size else 0, c, o.shape) for o, c in zip(outs, codes)]
+    )
+    handle, keep = _enqueue(
+        op_type,
+        descs,
+        odescs,
+        name=name,
+        process_set_id=ps_id,
+        reduce_op=reduce_op,
+        root_rank=root_rank,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        splits=splits,
+        urgent=True,
+    )
+    rsplits = None
+    try:
+        _wait(handle, name or what)
+        if outs is None:
+            outs = []
+            for i, a in enumerate(ins):
+                out = np.empty(_ops.output_shape(handle, i), a.dtype)
+                if out.size:
+                    _ops.output_copy(handle, i, out.ctypes.data)
+                outs.append(out)
+        if op_type == _ops.OP_ALLTOALL:
+            rsplits = _ops.received_splits(handle)
+    except KeyboardInterrupt:
+        _abandoned.append((keep, ins, outs))  # still in flight: keep its memory alive
+        raise
+    _ops.release(handle)
+    return outs, rsplits
+
+
+# ---- eager / graph dispatch --------------------------------------------------------------------
+def _graph_callback(fn: Callable[..., List[np.ndarray]]) -> Callable[..., List[np.ndarray]]:
+    """Wraps ``fn`` for tf.numpy_function. TensorFlow maps a Python ValueError raised by the
+    callback to InvalidArgumentError and NotImplementedError to UnimplementedError; other
+    errors become UnknownError carrying the original class name and message."""
+
+    @tf.autograph.experimental.do_not_convert
+    def run(*arrays: np.ndarray) -> List[np.ndarray]:
+        try:
+            return fn(*arrays)
+        except tf.errors.InvalidArgumentError as e:
+            raise ValueError(e.message) from None
+        except tf.errors.UnimplementedError as e:
+            raise NotImplementedError(e.message) from None
+
+    return run
+
+
+def _execute(
+    fn: Callable[..., List[np.ndarray]],
+    inputs: Sequence[tf.Tensor],
+    out_dtypes: Sequence[tf.DType],
+    out_shapes: Sequence[Any],
+) -> List[tf.Tensor]:
+    """Runs ``fn`` on the inputs' numpy values eagerly, or as a numpy_function in a graph."""
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(o) for o in fn(*[np.asarray(t) for t in inputs])]
+    outs = tf.numpy_function(_graph_callback(fn), list(inputs), list(out_dtypes), stateful=True)
+    if not isinstance(outs, (list, tuple)):
+        outs = [outs]
+    outs = list(outs)
+    for o, shape in zip(outs, out_shapes):
+        if shape is not None:
+            o.set_shape(shape)
+    return outs
+
+
+def _core_name(
+    prefix: str, name: str | None, tensor: Any, op_label: str, ignore_name_scope: bool
+) -> str | None:
+    """The core's name for an op (see the module docstring)."""
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"name must be a str, got {type(name).__name__}")
+    if tf.executing_eagerly():
+        return None if name is None else f"{prefix}.{name}"
+    # Not Horovod's "<label>_<tensor name>": names of tensors captured by a tf.function
+    # differ between processes; the trace order, and so graph.unique_name, does not.
+    base = name if name is not None else op_label
+    graph = tf.compat.v1.get_default_graph()
+    if ignore_name_scope:
+        with graph.name_scope(None):
+            unique = graph.unique_name(base)
+    else:
+        unique = graph.unique_name(base)
+    return f"{prefix}.{unique}"
+
+
+def _needs_tape(tensors: Sequence[tf.Tensor]) -> bool:
+    """Whether a gradient must be recorded (always inside a graph: tracing is a one-off)."""
+    if not tf.executing_eagerly():
+        return True
+    return any(t.dtype.is_floating for t in tensors) and _record.should_record_backprop(tensors)
+
+
+def _as_tensor(t: Any) -> tf.Tensor:
+    if isinstance(t, tf.Variable):
+        return t.read_value() if tf.executing_eagerly() else tf.identity(t)
+    return tf.convert_to_tensor(t)
+
+
+def _as_list(tensors: Any, what: str) -> List[tf.Tensor]:
+    if not isinstance(tensors, (list, tuple)):
+        raise ValueError(f"{what} expects a list or tuple of tensors, got {type(tensors).__name__}")
+    if not tensors:
+        raise ValueError(f"{what} expects at least one tensor, got an empty list")
+    return [_as_tensor(t) for t in tensors]
+
+
+def _differentiable(
+    forward: Callable[[List[tf.Tensor]], Tuple[List[tf.Tensor], Callable[..., Any]]],
+    tensors: List[tf.Tensor],
+) -> List[tf.Tensor]:
+    """Runs ``forward(tensors) -> (outputs, grad_fn)`` under tf.custom_gradient when a
+    gradient may be needed; ``grad_fn(*upstream) -> list of input gradients``."""
+    if not _needs_tape(tensors):
+        return forward(tensors)[0]
+
+    @tf.custom_gradient
+    def op(*xs: tf.Tensor) -> Any:
+        outs, grad_fn = forward(list(xs))
+        return outs, grad_fn
+
+    result = op(*tensors)
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def _zeros_if_none(dys: Sequence[Any], like: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+    return [tf.zeros_like(y) if dy is None else dy for dy, y in zip(dys, like)]
+
+
+# ---- allreduce ---------------------------------------------------------------------------------
+def _adasum_checks(process_set: ProcessSet) -> None:
+    if _ps_id(process_set) != 0:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    if not num_rank_is_power_2(size()):
+        raise NotImplementedError("Running Adasum with non-power of 2 ranks is not supported yet.")
+
+
+def grouped_allreduce_dense(
+    tensors: Sequence[tf.Tensor],
+    op: int = Sum,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    prefix: str = "grouped_allreduce",
+) -> List[tf.Tensor]:
+    """Allreduce of dense tensors in one core request; the gradient is the same allreduce of
+    the upstream gradients (Horovod's _allreduce_grad)."""
+    tensors = [_as_tensor(t) for t in tensors]
+    for t in tensors:
+        _check_dtype(t.dtype, _REDUCE_CODES)
+    if op == Adasum:
+        _adasum_checks(process_set)
+    label = "HorovodAllreduce" if prefix == "allreduce" else "HorovodGroupedAllreduce"
+
+    def forward(xs: List[tf.Tensor]) -> Tuple[List[tf.Tensor], Callable[..., Any]]:
+        core_name = _core_name(prefix, name, xs[0], label, ignore_name_scope)
+        ps_id = _ps_id(process_set)
+
+        def fn(*arrays: np.ndarray) -> List[np.ndarray]:
+            return _collective(
+                _ops.OP_ALLREDUCE,
+                arrays,
+                what=prefix,
+                name=core_name,
+                ps_id=ps_id,
+                reduce_op=op,
+                prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor,
+            )[0]
+
+        outs = _execute(fn, xs, [x.dtype for x in xs], [x.shape for x in xs])
+
+        def grad(*dys: Any) -> List[tf.Tensor]:
+            return grouped_allreduce_dense(
+                _zeros_if_none(dys, outs),
+                op=op,
+                prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor,
+                process_set=process_set,
+                ignore_name_scope=ignore_name_scope,
+                prefix=prefix,
+            )
+
+        return outs, grad
+
+    return _differentiable(forward, tensors)
+
+
+def allreduce_dense(
+    tensor: tf.Tensor,
+    op: int = Sum,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+) -> tf.Tensor:
+    """Allreduce of one dense tensor (Horovod's ``_allreduce``; default op Sum)."""
+    return grouped_allreduce_dense(
+        [tensor], op, prescale_factor, postscale_factor, name, process_set, ignore_name_scope,
+        prefix="allreduce",
+    )[0]  # fmt: skip
+
+
+# ---- allgather ---------------------------------------------------------------------------------
+def _set_rank(process_set: ProcessSet) -> int:
+    return rank() if _ps_id(process_set) == 0 else process_set.rank()
+
+
+def grouped_allgather(
+    tensors: Sequence[tf.Tensor],
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+    _prefix: str = "grouped_allgather",
+) -> List[tf.Tensor]:
+    """Concatenates every rank's tensors along dim 0 (one core request; differentiable: the
+    gradient is this rank's rows of the Sum-allreduced upstream gradient)."""
+    tensors = _as_list(tensors, "grouped_allgather") if _prefix != "allgather" else tensors
+    for t in tensors:
+        _check_dtype(t.dtype, _MOVE_CODES)
+    label = "HorovodAllgather" if _prefix == "allgather" else "HorovodGroupedAllgather"
+
+    def forward(xs: List[tf.Tensor]) -> Tuple[List[tf.Tensor], Callable[..., Any]]:
+        core_name = _core_name(_prefix, name, xs[0], label, ignore_name_scope)
+        ps_id = _ps_id(process_set)
+
+        def fn(*arrays: np.ndarray) -> List[np.ndarray]:
+            return _collective(
+                _ops.OP_ALLGATHER, arrays, what=_prefix, name=core_name, ps_id=ps_id
+            )[0]
+
+        shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None
+                  for x in xs]  # fmt: skip
+        outs = _execute(fn, xs, [x.dtype for x in xs], shapes)
+
+        def grad(*dys: Any) -> List[tf.Tensor]:
+            dys = _zeros_if_none(dys, outs)
+            summed = grouped_allreduce_dense(
+                dys, op=Sum, process_set=process_set, ignore_name_scope=ignore_name_scope,
+                prefix="allreduce" if len(dys) == 1 else "grouped_allreduce",
+            )  # fmt: skip
+            # Every rank's dim-0 sizes, to find this rank's rows.
+            dims = tf.stack([tf.shape(x, out_type=tf.int64)[0] for x in xs])[tf.newaxis]
+            gathered = allgather(dims, process_set=process_set, ignore_name_scope=True)
+            r = _set_rank(process_set)
+            offsets = tf.reduce_sum(gathered[:r], axis=0)
+            return [g[offsets[i] : offsets[i] + dims[0, i]] for i, g in enumerate(summed)]
+
+        return outs, grad
+
+    return _differentiable(forward, list(tensors))
+
+
+def allgather(
+    tensor: tf.Tensor,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tf.Tensor:
+    """Concatenates every rank's tensor along dim 0 (other dims must match)."""
+    return grouped_allgather(
+        [_as_tensor(tensor)], name, ignore_name_scope, process_set, _prefix="allgather"
+    )[0]
+
+
+# ---- broadcast ---------------------------------------------------------------------------------
+def _broadcast_tensor(
+    tensor: tf.Tensor,
+    root_rank: int,
+    name: str | None,
+    ignore_name_scope: bool,
+    process_set: ProcessSet,
+) -> tf.Tensor:
+    _check_dtype(tensor.dtype, _MOVE_CODES)
+    root_rank = int(root_rank)
+
+    def forward(xs: List[tf.Tensor]) -> Tuple[List[tf.Tensor], Callable[..., Any]]:
+        core_name = _core_name("broadcast", name, xs[0], "HorovodBroadcast", ignore_name_scope)
+        ps_id = _ps_id(process_set)
+
+        def fn(a: np.ndarray) -> List[np.ndarray]:
+            return _collective(
+                _ops.OP_BROADCAST,
+                [a],
+                what="broadcast",
+                name=core_name,
+                ps_id=ps_id,
+                root_rank=root_rank,
+            )[0]
+
+        outs = _execute(fn, xs, [xs[0].dtype], [xs[0].shape])
+
+        def grad(dy: Any) -> List[tf.Tensor]:
+            # Horovod's _broadcast_grad: Sum-allreduce, zero on every rank but the root.
+            dy = tf.zeros_like(outs[0]) if dy is None else dy
+            reduced = allreduce_dense(
+                dy, op=Sum, process_set=process_set, ignore_name_scope=ignore_name_scope
+            )
+            return [reduced if rank() == root_rank else reduced * 0]
+
+        return outs, grad
+
+    return _differentiable(forward, [tensor])[0]
+
+
+def broadcast(
+    tensor: tf.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tf.Tensor:
+    """Returns the global rank ``root_rank``'s tensor on every rank of the set."""
+    return _broadcast_tensor(_as_tensor(tensor), root_rank, name, ignore_name_scope, process_set)
+
+
+def broadcast_(
+    variables: Any,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Broadcasts ``root_rank``'s values into the variables in place (a tf.Variable or a list
+    of them); returns the variables."""
+    single = isinstance(variables, tf.Variable)
+    var_list = [variables] if single else list(variables)
+    for i, v in enumerate(var_list):
+        if not isinstance(v, tf.Variable):
+            raise ValueError(f"broadcast_ expects tf.Variable objects, got {type(v).__name__}")
+        vname = None if name is None else (name if single else f"{name}.{i}")
+        v.assign(_broadcast_tensor(_as_tensor(v), root_rank, vname, False, process_set))
+    return variables if single else var_list
+
+
+# ---- alltoall ----------------------------------------------------------------------------------
+def _splits_values(splits: Any) -> List[int]:
+    if isinstance(splits, (tf.Tensor, tf.Variable, np.ndarray)):
+        if splits.dtype not in (tf.int32, np.int32):
+            raise tf.errors.InvalidArgumentError(
+                None, None, "alltoall expects splits to contain 32-bit integer elements."
+            )
+        if len(splits.shape) != 1:
+            raise tf.errors.InvalidArgumentError(None, None, "alltoall expects a 1D splits tensor")
+        return [int(v) for v in np.asarray(splits)]
+    try:
+        values = np.asarray(list(splits))
+    except TypeError:
+        raise tf.errors.InvalidArgumentError(
+            None, None, "alltoall splits must be a list of integers or a 1D int32 tensor"
+        ) from None
+    if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
+        raise tf.errors.InvalidArgumentError(None, None, "alltoall expects a 1D splits tensor")
+    return [int(v) for v in values]
+
+
+def alltoall(
+    tensor: tf.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Sends rows of dim 0 to every rank of the set and gathers theirs.
+
+    ``splits`` (a list or 1-D int32 tensor) gives the rows sent to each rank; None splits evenly.
+    Returns ``(output, received_splits)`` when ``splits`` is given, else ``output``. The gradient
+    is an alltoall of the upstream gradient with the received splits.
+    """
+    tensor = _as_tensor(tensor)
+    _check_dtype(tensor.dtype, _MOVE_CODES)
+    splits_t = None
+    if splits is not None:
+        if tf.executing_eagerly() or not isinstance(splits, (tf.Tensor, tf.Variable)):
+            splits_t = tf.constant(_splits_values(splits), dtype=tf.int32)
+        else:
+            if splits.dtype != tf.int32:
+                raise tf.errors.InvalidArgumentError(
+                    None, None, "alltoall expects splits to contain 32-bit integer elements."
+                )
+            if splits.shape.rank is not None and splits.shape.rank != 1:
+                raise tf.errors.InvalidArgumentError(
+                    None, None, "alltoall expects a 1D splits tensor"
+                )
+            splits_t = tf.convert_to_tensor(splits)
+
+    def forward(xs: List[tf.Tensor]) -> Tuple[List[tf.Tensor], Callable[..., Any]]:
+        core_name = _core_name("alltoall", name, xs[0], "HorovodAlltoall", ignore_name_scope)
+        ps_id = _ps_id(process_set)
+
+        def fn(a: np.ndarray, *sp: np.ndarray) -> List[np.ndarray]:
+            split_list = [int(v) for v in sp[0]] if sp else None
+            outs, rsplits = _collective(
+                _ops.OP_ALLTOALL, [a], what="alltoall", name=core_name, ps_id=ps_id,
+                splits=split_list,
+            )  # fmt: skip
+            return [outs[0], np.asarray(rsplits, dtype=np.int32)]
+
+        x = xs[0]
+        inputs = [x] if splits_t is None else [x, splits_t]
+        out_shape = tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None
+        out, rsplits = _execute(fn, inputs, [x.dtype, tf.int32], [out_shape, [None]])
+
+        def grad(dy: Any, *_: Any) -> List[tf.Tensor]:
+            dy = tf.zeros_like(out) if dy is None else dy
+            g, _unused = alltoall(
+                dy, splits=rsplits, process_set=process_set, ignore_name_scope=ignore_name_scope
+            )
+            return [g]
+
+        return [out, rsplits], grad
+
+    out, rsplits = _differentiable(forward, [tensor])
+    return out if splits is None else (out, rsplits)
+
+
+# ---- reducescatter -----------------------------------------------------------------------------
+def grouped_reducescatter_dense(
+    tensors: Sequence[tf.Tensor],
+    op: int = Average,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    _prefix: str = "grouped_reducescatter",
+) -> List[tf.Tensor]:
+    """Reducescatter in one core request. Gradient (Horovod's rule, as in the torch frontend):
+    allgather of the upstream gradient, x set size for Sum, x prescale x postscale."""
+    tensors = [_as_tensor(t) for t in tensors]
+    for t in tensors:
+        _check_dtype(t.dtype, _REDUCE_CODES)
+    if op not in (Average, Sum):
+        raise tf.errors.InvalidArgumentError(
+            None, None, "Reducescatter currently only supports AVERAGE and SUM."
+        )
+    label = "HorovodReducescatter" if _prefix == "reducescatter" else "HorovodGroupedReducescatter"
+
+    def forward(xs: List[tf.Tensor]) -> Tuple[List[tf.Tensor], Callable[..., Any]]:
+        core_name = _core_name(_prefix, name, xs[0], label, ignore_name_scope)
+        ps_id = _ps_id(process_set)
+
+        def fn(*arrays: np.ndarray) -> List[np.ndarray]:
+            return _collective(
+                _ops.OP_REDUCESCATTER, arrays, what=_prefix, name=core_name, ps_id=ps_id,
+                reduce_op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+            )[0]  # fmt: skip
+
+        shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else x.shape
+                  for x in xs]  # fmt: skip
+        outs = _execute(fn, xs, [x.dtype for x in xs], shapes)
+
+        def grad(*dys: Any) -> List[tf.Tensor]:
+            dys = _zeros_if_none(dys, outs)
+            if len(dys) == 1:
+                gathered = [allgather(dys[0], process_set=process_set)]
+            else:
+                gathered = grouped_allgather(dys, process_set=process_set)
+            scale = prescale_factor * postscale_factor
+            if op == Sum:
+                scale *= process_set.size() if _ps_id(process_set) != 0 else size()
+            return [g if scale == 1.0 else g * tf.cast(scale, g.dtype) for g in gathered]
+
+        return outs, grad
+
+    return _differentiable(forward, tensors)
+
+
+def reducescatter_dense(
+    tensor: tf.Tensor,
+    op: int = Average,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
+    """Reducescatter of one tensor: this rank's slice of dim 0 of the reduction."""
+    return grouped_reducescatter_dense(
+        [tensor], op, name, process_set, ignore_name_scope, prescale_factor, postscale_factor,
+        _prefix="reducescatter",
+    )[0]  # fmt: skip
+
+
+# ---- join, barrier, in-graph queries -----------------------------------------------------------
+def _scalar_op(fn: Callable[[], int], dtype: tf.DType = tf.int32) -> tf.Tensor:
+    if tf.executing_eagerly():
+        return tf.constant(fn(), dtype=dtype)
+
+    @tf.autograph.experimental.do_not_convert
+    def run() -> np.ndarray:
+        try:
+            return np.asarray(fn(), dtype=dtype.as_numpy_dtype)
+        except tf.errors.OpError as e:
+            raise ValueError(e.message) from None
+
+    out = tf.numpy_function(run, [], dtype, stateful=True)
+    out.set_shape([])
+    return out
+
+
+def join() -> tf.Tensor:
+    """Signals that this rank has no more data and waits for every rank; returns (as a tensor)
+    the global rank that joined last."""
+
+    def run() -> int:
+        handle, keep = _enqueue(_ops.OP_JOIN, [], None, urgent=True)
+        _wait(handle, "join")
+        result = _ops.join_result(handle)
+        _ops.release(handle)
+        return result
+
+    return _scalar_op(run)
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Blocks until every rank of the set reaches the barrier (not exported by Horovod's TF
+    frontend; provided for parity with bagua_hvd.torch)."""
+    handle, keep = _enqueue(_ops.OP_BARRIER, [], None, process_set_id=_ps_id(process_set),
+                            urgent=True)  # fmt: skip
+    _wait(handle, "barrier")
+    _ops.release(handle)
+
+
+def _ps_value(process_set_id: int, what: str) -> Callable[[], int]:
+    def run() -> int:
+        if not is_initialized():
+            raise tf.errors.FailedPreconditionError(None, None, _ops.NOT_INITIALIZED_ERROR)
+        if what == "size":
+            value = _ops.process_set_size(process_set_id)
+        else:
+            value = _ops.process_set_rank(process_set_id)
+            if value == -1:
+                return 0
+            value = 1 if value >= 0 else value
+        if value < 0:
+            raise tf.errors.InvalidArgumentError(
+                None, None, f"Process set with id {process_set_id} does not exist."
+            )
+        return value
+
+    return run
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """An int32 scalar tensor: the number of ranks in the process set (read when it runs)."""
+    return _scalar_op(_ps_value(process_set_id, "size"))
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """An int32 scalar tensor: 1 if this rank belongs to the process set, else 0."""
+    return _scalar_op(_ps_value(process_set_id, "included"))
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    """An int32 scalar tensor: the number of ranks on this host."""
+    return _scalar_op(local_size)
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    """An int32 scalar tensor: this process's global rank."""
+    return _scalar_op(rank)
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    """An int32 scalar tensor: this process's rank on its host."""
+    return _scalar_op(local_rank)

@@ -1,0 +1,457 @@
+"""bagua_hvd.tensorflow collectives against numpy references, eagerly and inside tf.function.
+
+Runs inside a launched job (tests/test_tf_ops.py starts it at 1, 2 and 3 ranks). Every rank
+builds every rank's input from a shared seed, so each rank can compute the expected answer with
+numpy (tests/reference.py) and check its own result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+import reference as ref  # noqa: E402  (tests/ is on sys.path via tests/mp/conftest.py)
+
+import bagua_hvd.tensorflow as hvd  # noqa: E402
+
+DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
+TF_DTYPES = {
+    "float32": tf.float32,
+    "float64": tf.float64,
+    "int32": tf.int32,
+    "int64": tf.int64,
+    "float16": tf.float16,
+    "bfloat16": tf.bfloat16,
+    "int8": tf.int8,
+    "uint8": tf.uint8,
+    "bool": tf.bool,
+}
+MODES = ["eager", "graph"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tf_init():
+    """The TF frontend shares the core with bagua_hvd.torch (initialized by the conftest):
+    its init is a no-op then."""
+    hvd.init()
+    assert hvd.is_initialized()
+    yield
+
+
+def size():
+    return hvd.size()
+
+
+def rank():
+    return hvd.rank()
+
+
+def run(mode, fn):
+    """Calls ``fn`` eagerly or as a freshly traced tf.function."""
+    return fn() if mode == "eager" else tf.function(fn)()
+
+
+def to_tf(a, dtype):
+    return tf.constant(a.astype(np.float32) if dtype == "bfloat16" else a, dtype=TF_DTYPES[dtype])
+
+
+def check(got, expected, dtype, tol=0.0, what=""):
+    assert got.dtype == TF_DTYPES[dtype], f"{what}: dtype {got.dtype} != {dtype}"
+    assert tuple(got.shape) == tuple(expected.shape), f"{what}: {got.shape} != {expected.shape}"
+    g = got.numpy()
+    if dtype in ref.FLOAT_TYPES:
+        np.testing.assert_allclose(
+            g.astype(np.float64), expected.astype(np.float64), rtol=0, atol=tol, err_msg=what
+        )
+    else:
+        np.testing.assert_array_equal(g, expected.astype(g.dtype), err_msg=what)
+
+
+def inputs(case, dtype, shape_of, low=-4, high=4):
+    seed = ref.seed_for(*case, dtype)
+    return [ref.make_input(seed, r, shape_of(r), dtype, low, high) for r in range(size())]
+
+
+# ---- basics ------------------------------------------------------------------------------------
+def test_exports_and_queries():
+    for name in (
+        "allreduce grouped_allreduce allgather grouped_allgather broadcast broadcast_ alltoall "
+        "reducescatter grouped_reducescatter join init shutdown is_initialized start_timeline "
+        "stop_timeline size local_size cross_size rank local_rank cross_rank is_homogeneous "
+        "rank_op local_rank_op size_op local_size_op process_set_included_op "
+        "mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built "
+        "ddl_built ccl_built cuda_built rocm_built ProcessSet global_process_set "
+        "add_process_set remove_process_set Average Sum Adasum Min Max Product "
+        "handle_average_backwards_compatibility check_num_rank_power_of_2 Compression "
+        "allgather_object broadcast_object broadcast_object_fn broadcast_variables"
+    ).split():
+        assert hasattr(hvd, name), name
+    assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
+    for mode in MODES:
+        got = run(
+            mode,
+            lambda: (
+                hvd.size_op(), hvd.rank_op(), hvd.local_size_op(), hvd.local_rank_op(),
+                hvd.process_set_included_op(),
+            ),
+        )  # fmt: skip
+        assert [int(v) for v in got] == [size(), rank(), hvd.local_size(), hvd.local_rank(), 1]
+        assert all(v.dtype == tf.int32 for v in got)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="does not exist"):
+        hvd.size_op(process_set_id=4242)
+
+
+# ---- allreduce ---------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:Parameter `average`:DeprecationWarning")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce(mode, dtype):
+    n = size()
+    ins = inputs(("allreduce",), dtype, lambda r: (3, 5), low=1 if dtype in ref.INT_TYPES else -4)
+    mine = to_tf(ins[rank()], dtype)
+    ops = [hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product]
+    got = run(mode, lambda: [hvd.allreduce(mine, op=op) for op in ops])
+    for op, g in zip(ops, got):
+        expected = ref.allreduce(ins, op, dtype)
+        check(g, expected, dtype, ref.tolerance(dtype, op, n), f"op {op}")
+    # scale factors, average=, name=
+    got = run(
+        mode,
+        lambda: (
+            hvd.allreduce(mine, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5, name="s"),
+            hvd.allreduce(mine, average=False),
+            hvd.allreduce(mine),
+        ),
+    )
+    check(got[0], ref.allreduce(ins, ref.SUM, dtype, 2.0, 0.5), dtype, 0, "scaled")
+    check(got[1], ref.allreduce(ins, ref.SUM, dtype), dtype, 0, "average=False")
+    check(got[2], ref.allreduce(ins, ref.AVERAGE, dtype), dtype, ref.tolerance(dtype, 0, n))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_allreduce_and_compression(mode):
+    n = size()
+    a = inputs(("ga", 0), "float32", lambda r: (4,))
+    b = inputs(("ga", 1), "int64", lambda r: (2, 3))
+    ta, tb = to_tf(a[rank()], "float32"), to_tf(b[rank()], "int64")
+    got = run(mode, lambda: hvd.grouped_allreduce([ta, tb], op=hvd.Sum))
+    check(got[0], ref.allreduce(a, ref.SUM, "float32"), "float32", 0, "grouped[0]")
+    check(got[1], ref.allreduce(b, ref.SUM, "int64"), "int64", 0, "grouped[1]")
+    for comp, wire in ((hvd.Compression.fp16, "float16"), (hvd.Compression.bf16, "bfloat16")):
+        got = run(mode, lambda comp=comp: hvd.allreduce(ta, op=hvd.Sum, compression=comp))
+        check(got, ref.allreduce(a, ref.SUM, "float32"), "float32", 0, f"compressed {wire}")
+        got = run(mode, lambda comp=comp: hvd.grouped_allreduce([ta], compression=comp))[0]
+        check(got, ref.allreduce(a, ref.AVERAGE, "float32"), "float32", 5e-2, "grouped comp")
+    assert n >= 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allreduce_indexed_slices(mode):
+    n, r = size(), rank()
+    vals = inputs(("is",), "float32", lambda q: (q + 1, 3))
+    idx = [np.arange(q + 1, dtype=np.int64) + q for q in range(n)]
+    sl = tf.IndexedSlices(to_tf(vals[r], "float32"), tf.constant(idx[r]), tf.constant([9, 3]))
+    for op in (hvd.Sum, hvd.Average):
+        out = run(mode, lambda op=op: hvd.allreduce(sl, op=op))
+        assert isinstance(out, tf.IndexedSlices)
+        factor = 1.0 if op == hvd.Sum else 1.0 / n
+        np.testing.assert_allclose(out.values.numpy(), np.concatenate(vals) * factor, rtol=1e-6)
+        np.testing.assert_array_equal(out.indices.numpy(), np.concatenate(idx))
+    with pytest.raises(NotImplementedError, match="Adasum reduction does not currently support"):
+        hvd.allreduce(sl, op=hvd.Adasum)
+
+
+# ---- allgather / broadcast / alltoall / reducescatter ------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES + ["int8", "uint8", "bool"])
+def test_allgather(mode, dtype):
+    ins = inputs(("allgather",), dtype, lambda q: (q + 1, 2))
+    mine = to_tf(ins[rank()], dtype)
+    other = to_tf(ins[rank()][:, :1], dtype)
+    got = run(mode, lambda: (hvd.allgather(mine), hvd.grouped_allgather([mine, other])))
+    check(got[0], ref.allgather(ins), dtype, 0, "allgather")
+    check(got[1][0], ref.allgather(ins), dtype, 0, "grouped[0]")
+    check(got[1][1], ref.allgather([a[:, :1] for a in ins]), dtype, 0, "grouped[1]")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES + ["bool"])
+def test_broadcast(mode, dtype):
+    ins = inputs(("bcast",), dtype, lambda q: (2, 3))
+    mine = to_tf(ins[rank()], dtype)
+    got = run(mode, lambda: [hvd.broadcast(mine, root) for root in range(size())])
+    for root, g in enumerate(got):
+        check(g, ref.broadcast(ins, root), dtype, 0, f"root {root}")
+
+
+def test_broadcast_inplace_and_variables():
+    n, r = size(), rank()
+    root = n - 1
+    v = tf.Variable(np.full((3,), float(r), np.float32))
+    assert hvd.broadcast_(v, root) is v
+    np.testing.assert_array_equal(v.numpy(), np.full((3,), float(root)))
+    vs = [tf.Variable([r, r + 1], dtype=tf.int32), tf.Variable(float(r) * 2)]
+    hvd.broadcast_(vs, 0, name="bvars")
+    assert vs[0].numpy().tolist() == [0, 1] and vs[1].numpy() == 0.0
+    ws = [tf.Variable(np.full((2, 2), r, np.float64)), tf.Variable([r], dtype=tf.int64)]
+    hvd.broadcast_variables(ws, root_rank=root)
+    np.testing.assert_array_equal(ws[0].numpy(), np.full((2, 2), root))
+    assert ws[1].numpy().tolist() == [root]
+    ws[1].assign([r + 10])
+    hvd.broadcast_variables(ws, root_rank=0, inplace=True)
+    assert ws[1].numpy().tolist() == [10]
+
+    @tf.function
+    def graph_bcast():
+        hvd.broadcast_variables(ws, root_rank=root)
+
+    ws[0].assign(np.full((2, 2), 7.0 + r))
+    graph_bcast()
+    np.testing.assert_array_equal(ws[0].numpy(), np.full((2, 2), 7.0 + root))
+
+
+def _splits(n):
+    """Rank s sends (s + q) % 3 rows to rank q."""
+    return [[(s + q) % 3 for q in range(n)] for s in range(n)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES + ["bool"])
+def test_alltoall(mode, dtype):
+    n, r = size(), rank()
+    splits = _splits(n)
+    ins = inputs(("a2a",), dtype, lambda s: (sum(splits[s]), 2))
+    mine = to_tf(ins[r], dtype)
+    even = inputs(("a2a-even",), dtype, lambda s: (2 * n, 3))
+    got = run(
+        mode,
+        lambda: (
+            hvd.alltoall(mine, splits=splits[r]),
+            hvd.alltoall(mine, splits=tf.constant(splits[r], tf.int32)),
+            hvd.alltoall(to_tf(even[r], dtype)),
+        ),
+    )
+    expected, received = ref.alltoall(ins, splits, r)
+    for out, rsplits in got[:2]:
+        check(out, expected, dtype, 0, "alltoall")
+        assert rsplits.dtype == tf.int32 and rsplits.numpy().tolist() == received
+    exp_even, _ = ref.alltoall(even, [[2] * n] * n, r)
+    check(got[2], exp_even, dtype, 0, "alltoall even")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reducescatter(mode, dtype):
+    n, r = size(), rank()
+    dim0 = 2 * n + 1  # uneven: rank 0 gets an extra row
+    ins = inputs(("rs",), dtype, lambda q: (dim0, 3))
+    ins2 = inputs(("rs2",), dtype, lambda q: (n + 2,))
+    mine, mine2 = to_tf(ins[r], dtype), to_tf(ins2[r], dtype)
+    got = run(
+        mode,
+        lambda: (
+            hvd.reducescatter(mine, op=hvd.Sum),
+            hvd.reducescatter(mine),
+            hvd.grouped_reducescatter([mine, mine2], op=hvd.Sum),
+            hvd.reducescatter(mine, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5),
+        ),
+    )
+    check(got[0], ref.reducescatter(ins, ref.SUM, dtype, r), dtype, 0, "sum")
+    tol = ref.tolerance(dtype, ref.AVERAGE, n)
+    check(got[1], ref.reducescatter(ins, ref.AVERAGE, dtype, r), dtype, tol, "average")
+    check(got[2][0], ref.reducescatter(ins, ref.SUM, dtype, r), dtype, 0, "grouped[0]")
+    check(got[2][1], ref.reducescatter(ins2, ref.SUM, dtype, r), dtype, 0, "grouped[1]")
+    check(got[3], ref.reducescatter(ins, ref.SUM, dtype, r, 2.0, 0.5), dtype, 0, "scaled")
+
+
+# ---- gradients ---------------------------------------------------------------------------------
+def _grad(mode, x, f, upstream):
+    """d/dx sum(f(x) * upstream), eagerly or inside tf.function."""
+
+    def body():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = f(x)
+        return tape.gradient(y, x, output_gradients=upstream)
+
+    return run(mode, body).numpy()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients(mode):
+    n, r = size(), rank()
+    # Each rank's upstream gradient differs, so cross-rank reduction of it is visible.
+    x = tf.constant(np.arange(6, dtype=np.float64).reshape(3, 2))
+    ups = [np.full((3, 2), q + 1.0) for q in range(n)]
+    up = tf.constant(ups[r])
+    total = sum(ups)
+    # allreduce: the same allreduce of the upstream gradient
+    for op, expect in ((hvd.Sum, total), (hvd.Average, total / n)):
+        g = _grad(mode, x, lambda t, op=op: hvd.allreduce(t, op=op), up)
+        np.testing.assert_allclose(g, expect, err_msg=f"allreduce op {op}")
+    g = _grad(mode, x, lambda t: hvd.allreduce(t, op=hvd.Sum, prescale_factor=3.0), up)
+    np.testing.assert_allclose(g, 3.0 * total)
+    g = _grad(mode, x, lambda t: hvd.grouped_allreduce([t, t * 2], op=hvd.Sum)[1], up)
+    np.testing.assert_allclose(g, 2.0 * total)
+    # allgather: rank r's rows (r + 1 of them) of the Sum-allreduced upstream gradient
+    xr = tf.constant(np.ones((r + 1, 2)))
+    rows = sum(q + 1 for q in range(n))
+    gups = [np.arange(rows * 2, dtype=np.float64).reshape(rows, 2) * (q + 1) for q in range(n)]
+    offset = sum(q + 1 for q in range(r))
+    expect = sum(gups)[offset : offset + r + 1]
+    g = _grad(mode, xr, hvd.allgather, tf.constant(gups[r]))
+    np.testing.assert_allclose(g, expect, err_msg="allgather")
+    g = _grad(mode, xr, lambda t: hvd.grouped_allgather([t])[0], tf.constant(gups[r]))
+    np.testing.assert_allclose(g, expect, err_msg="grouped_allgather")
+    # broadcast: Sum-allreduce of the upstream gradient on the root, zeros elsewhere
+    for root in range(n):
+        g = _grad(mode, x, lambda t, root=root: hvd.broadcast(t, root), up)
+        np.testing.assert_allclose(g, total if r == root else np.zeros((3, 2)))
+    # alltoall: rows come back along the received splits
+    splits = _splits(n)
+    xa = tf.constant(np.zeros((sum(splits[r]), 2)))
+    recv_rows = sum(splits[s][r] for s in range(n))
+    aups = [np.arange(sum(splits[s][q] for s in range(n)) * 2.0).reshape(-1, 2) + 100 * q
+            for q in range(n)]  # fmt: skip
+    assert aups[r].shape[0] == recv_rows
+    # d/dx_r: the rows rank r sent to q are the rows q received from r, upstream of q
+    expect = np.concatenate(
+        [aups[q][sum(splits[s][q] for s in range(r)) :][: splits[r][q]] for q in range(n)]
+    )
+    g = _grad(mode, xa, lambda t: hvd.alltoall(t, splits=splits[r])[0], tf.constant(aups[r]))
+    np.testing.assert_allclose(g, expect, err_msg="alltoall")
+    # reducescatter: allgather of upstream, x size for Sum (Horovod's rule), x scale factors
+    dim0 = 2 * n + 1
+    xs = tf.constant(np.zeros((dim0, 2)))
+    rs_rows = ref.reducescatter_rows(dim0, n)
+    rups = [np.full((rs_rows[q], 2), q + 1.0) for q in range(n)]
+    gathered = np.concatenate(rups)
+    g = _grad(mode, xs, lambda t: hvd.reducescatter(t, op=hvd.Average), tf.constant(rups[r]))
+    np.testing.assert_allclose(g, gathered, err_msg="reducescatter average")
+    g = _grad(
+        mode, xs, lambda t: hvd.reducescatter(t, op=hvd.Sum, postscale_factor=0.5),
+        tf.constant(rups[r]),
+    )  # fmt: skip
+    np.testing.assert_allclose(g, gathered * n * 0.5, err_msg="reducescatter sum")
+
+
+# ---- errors ------------------------------------------------------------------------------------
+def test_argument_errors():
+    n = size()
+    t = tf.constant([1.0, 2.0])
+    for mode in MODES:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="Tensor type bool is not"):
+            run(mode, lambda: hvd.allreduce(tf.constant([True])))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="Reducescatter currently only"):
+            run(mode, lambda: hvd.reducescatter(t, op=hvd.Min))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="Number of entries in splits"):
+            run(mode, lambda: hvd.alltoall(tf.ones([4]), splits=[1] * (n + 1)))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="Sum of splits entries is gre"):
+            run(mode, lambda: hvd.alltoall(tf.ones([1]), splits=[2] * n))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="32-bit integer elements"):
+            run(mode, lambda: hvd.alltoall(t, splits=tf.constant([2] * n, tf.int64)))
+    if n > 1:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="splits not provided, but"):
+            hvd.alltoall(tf.ones([n + 1]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="invalid root rank"):
+        hvd.broadcast(t, n + 5)
+    with pytest.raises(ValueError, match="The op parameter supersedes average"):
+        hvd.allreduce(t, average=True, op=hvd.Sum)
+    if n == 3:
+        with pytest.raises(NotImplementedError, match="non-power of 2 ranks"):
+            hvd.allreduce(t, op=hvd.Adasum)
+    # the job still works
+    np.testing.assert_allclose(hvd.allreduce(t, op=hvd.Sum).numpy(), [n, 2.0 * n])
+
+
+@pytest.mark.skipif("hvd.size() < 2")
+def test_mismatch_errors():
+    r = rank()
+    shape_text = r"Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape \["
+    with pytest.raises(tf.errors.FailedPreconditionError, match=shape_text):
+        hvd.allreduce(tf.ones([3 + r]), name="mm.shape")
+    with pytest.raises(tf.errors.FailedPreconditionError, match="Mismatched data types"):
+        hvd.allreduce(tf.ones([2], dtype=tf.float32 if r else tf.int32), name="mm.dtype")
+    with pytest.raises(tf.errors.FailedPreconditionError, match="Mismatched reduction operation"):
+        hvd.allreduce(tf.ones([2]), op=hvd.Sum if r else hvd.Max, name="mm.op")
+    with pytest.raises(
+        tf.errors.FailedPreconditionError,
+        match="Mismatched BROADCAST root ranks: One rank specified root rank",
+    ):
+        hvd.broadcast(tf.ones([2]), r, name="mm.root")
+    # Inside tf.function TensorFlow reports callback errors other than ValueError as
+    # UnknownError; the class name and Horovod's message are kept (docs/tensorflow.md).
+    f = tf.function(lambda: hvd.allreduce(tf.ones([3 + r]), name="mm.graph"))
+    with pytest.raises(tf.errors.UnknownError, match="FailedPreconditionError: " + shape_text):
+        f()
+    np.testing.assert_allclose(hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy(), [size()] * 2)
+
+
+# ---- join, barrier, objects, process sets ------------------------------------------------------
+def test_join_barrier_objects():
+    n, r = size(), rank()
+    last = hvd.join()
+    assert last.dtype == tf.int32 and 0 <= int(last) < n
+    assert int(tf.function(hvd.join)()) in range(n)
+    hvd.mpi_ops.barrier()
+    obj = {"rank": r, "data": [1, 2, r]}
+    assert hvd.broadcast_object(obj, root_rank=n - 1) == {"rank": n - 1, "data": [1, 2, n - 1]}
+    assert hvd.broadcast_object_fn(root_rank=0)(obj)["rank"] == 0
+    assert hvd.allgather_object(("x", r)) == [("x", q) for q in range(n)]
+
+
+@pytest.mark.handles_may_diverge
+def test_process_sets():
+    n, r = size(), rank()
+    import os
+
+    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+    hvd.mpi_ops.barrier()
+    hvd.shutdown()
+    hvd.init()
+    try:
+        if n == 1:
+            with pytest.raises(ValueError, match="Attempted to add a duplicate process set"):
+                hvd.add_process_set([0])
+            return
+        evens = hvd.add_process_set(list(range(0, n, 2)))
+        members = evens.ranks
+        assert int(hvd.process_set_included_op(evens.process_set_id)) == int(r in members)
+        if r in members:
+            k, idx = len(members), members.index(r)
+            assert int(hvd.size_op(evens.process_set_id)) == k
+            ins = inputs(("ps",), "float32", lambda q: (2, 3))
+            mine = to_tf(ins[members[idx]], "float32")
+            sub = [ins[m] for m in members]
+            for mode in MODES:
+                got = run(
+                    mode,
+                    lambda: (
+                        hvd.allreduce(mine, op=hvd.Sum, process_set=evens, name="ps.ar"),
+                        hvd.allgather(mine, process_set=evens, name="ps.ag"),
+                        hvd.broadcast(mine, members[-1], process_set=evens, name="ps.bc"),
+                        hvd.reducescatter(mine, op=hvd.Sum, process_set=evens, name="ps.rs"),
+                    ),
+                )
+                check(got[0], ref.allreduce(sub, ref.SUM, "float32"), "float32", 0, "ps ar")
+                check(got[1], ref.allgather(sub), "float32", 0, "ps ag")
+                check(got[2], sub[-1], "float32", 0, "ps bc")
+                check(got[3], ref.reducescatter(sub, ref.SUM, "float32", idx), "float32")
+            if n > 2:  # Adasum needs the global set
+                with pytest.raises(NotImplementedError, match="non-global process sets"):
+                    hvd.allreduce(mine, op=hvd.Adasum, process_set=evens)
+        else:
+            with pytest.raises(
+                tf.errors.InvalidArgumentError,
+                match=f"Allreduce: Rank {r} is not a member of the provided process set.",
+            ):
+                hvd.allreduce(tf.ones([2]), process_set=evens, name="ps.nm")
+        hvd.mpi_ops.barrier()
+        assert hvd.remove_process_set(evens)
+    finally:
+        os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)
+        hvd.mpi_ops.barrier()
+        hvd.shutdown()
+        hvd.init()
