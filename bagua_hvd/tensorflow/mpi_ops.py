@@ -34,7 +34,6 @@ from tensorflow.python.eager import record as _record
 
 from bagua_hvd.common import _native
 from bagua_hvd.common import ops as _ops
-from bagua_hvd.common.basics import HorovodBasics as _HorovodBasics
 from bagua_hvd.common.exceptions import HorovodInternalError
 from bagua_hvd.common.process_sets import (
     ProcessSet,
@@ -42,7 +41,7 @@ from bagua_hvd.common.process_sets import (
     global_process_set,
     remove_process_set,
 )
-from bagua_hvd.common.util import get_average_backwards_compatibility_fun, num_rank_is_power_2
+from bagua_hvd.common.util import num_rank_is_power_2
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -58,46 +57,38 @@ __all__ = [
     "join", "barrier",
 ]  # fmt: skip
 
-_basics = _HorovodBasics(__file__, "mpi_lib")
-
-init = _basics.init
-shutdown = _basics.shutdown
-is_initialized = _basics.is_initialized
-start_timeline = _basics.start_timeline
-stop_timeline = _basics.stop_timeline
-size = _basics.size
-local_size = _basics.local_size
-cross_size = _basics.cross_size
-rank = _basics.rank
-local_rank = _basics.local_rank
-cross_rank = _basics.cross_rank
-is_homogeneous = _basics.is_homogeneous
-mpi_threads_supported = _basics.mpi_threads_supported
-mpi_enabled = _basics.mpi_enabled
-mpi_built = _basics.mpi_built
-gloo_enabled = _basics.gloo_enabled
-gloo_built = _basics.gloo_built
-nccl_built = _basics.nccl_built
-ddl_built = _basics.ddl_built
-ccl_built = _basics.ccl_built
-cuda_built = _basics.cuda_built
-rocm_built = _basics.rocm_built
-
-Average = _ops.Average
-Sum = _ops.Sum
-Adasum = _ops.Adasum
-Min = _ops.Min
-Max = _ops.Max
-Product = _ops.Product
-
-
-class _ReduceOps:
-    Average = Average
-    Sum = Sum
-
-
-handle_average_backwards_compatibility = get_average_backwards_compatibility_fun(_ReduceOps)
-check_num_rank_power_of_2 = num_rank_is_power_2
+from bagua_hvd.common.frontend import (  # noqa: F401  (Horovod's mpi_ops exports)
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    ccl_built,
+    check_num_rank_power_of_2,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    handle_average_backwards_compatibility,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
 
 # ---- dtypes ------------------------------------------------------------------------------------
 _TF_CODES: Dict[tf.DType, int] = {
