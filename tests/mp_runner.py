@@ -40,7 +40,9 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd: list, what: str) -> str:
+def run_command(cmd: list, what: str) -> str:
+    """Runs cmd from the repository root (rank variables of an outer launcher removed); fails
+    the test on a non-zero exit or after TIMEOUT_S. Returns stdout and stderr together."""
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -67,10 +69,10 @@ def run_inner(inner: str, np: int) -> str:
         sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"tests/mp/{inner}",
     ]  # fmt: skip
     if np == 1:
-        text = _run(pytest_cmd, f"{inner} at size 1")
+        text = run_command(pytest_cmd, f"{inner} at size 1")
     else:
         launch = [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", str(np)]
-        text = _run(launch + pytest_cmd, f"{inner} at {np} ranks")
+        text = run_command(launch + pytest_cmd, f"{inner} at {np} ranks")
     passed = re.findall(r"(\d+) passed", text)
     assert len(passed) == np, f"expected a pytest summary from each of {np} ranks:\n{text}"
     assert all(int(p) > 0 for p in passed), text

@@ -7,7 +7,7 @@ import re
 import sys
 
 import pytest
-from test_torch_ops import _run
+from mp_runner import run_command
 
 TUNING = {
     "HOROVOD_CYCLE_TIME": "100",
@@ -26,6 +26,6 @@ def test_core_negotiation(np: int, monkeypatch) -> None:
     # must work too.
     for k, v in TUNING.items():
         monkeypatch.setenv(k.replace("HOROVOD_", "BAGUA_HVD_"), v)
-    text = _run(launch + cmd if np > 1 else cmd, f"core negotiation at {np} ranks")
+    text = run_command(launch + cmd if np > 1 else cmd, f"core negotiation at {np} ranks")
     passed = re.findall(r"(\d+) passed", text)
     assert len(passed) == np and all(int(p) > 0 for p in passed), text

@@ -1,8 +1,8 @@
 """``import bagua_hvd.tensorflow as hvd``: Horovod's TensorFlow API over the bagua_hvd core.
 
-This release exports the collectives, the in-graph queries, process sets, basics, Compression
-and the object/variable helpers of ``horovod.tensorflow``. DistributedOptimizer,
-DistributedGradientTape, Keras and SyncBatchNormalization come in a later release.
+This release exports the collectives, the in-graph queries, process sets, basics, Compression,
+the object/variable helpers, DistributedGradientTape and PartialDistributedGradientTape of
+``horovod.tensorflow``. DistributedOptimizer, Keras and SyncBatchNormalization come later.
 """
 
 from __future__ import annotations
@@ -71,6 +71,11 @@ from bagua_hvd.tensorflow.mpi_ops import (  # noqa: F401
     size_op,
     start_timeline,
     stop_timeline,
+)
+from bagua_hvd.tensorflow.tape import (  # noqa: F401
+    DistributedGradientTape,
+    PartialDistributedGradientTape,
+    broadcast_global_variables,
 )
 
 try:

@@ -1,0 +1,282 @@
+"""``DistributedGradientTape`` and ``PartialDistributedGradientTape`` (Horovod's TF2 tapes).
+
+``tape.gradient(target, sources)`` computes the local gradients with the wrapped
+``tf.GradientTape`` and reduces them across the process set: dense gradients in one grouped
+allreduce (or one per group with ``groups``), ``tf.IndexedSlices`` through the allgather path
+unless ``sparse_as_dense``. ``None`` gradients stay ``None``. Works eagerly and inside
+``tf.function`` (the collectives are stateful ops that run in program order on every rank).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, List, Sequence
+
+import tensorflow as tf
+
+from bagua_hvd.common.process_sets import ProcessSet, global_process_set
+from bagua_hvd.tensorflow.compression import Compression
+from bagua_hvd.tensorflow.mpi_ops import Average, rocm_built, size
+
+
+def _grouped_allreduce() -> Callable[..., List[Any]]:
+    # The package's grouped_allreduce (dense fused, IndexedSlices via allgather); imported when
+    # first used because bagua_hvd/tensorflow/__init__.py imports this module.
+    from bagua_hvd.tensorflow import grouped_allreduce
+
+    return grouped_allreduce
+
+
+def _set_size(process_set: ProcessSet) -> int:
+    return size() if process_set.process_set_id == 0 else int(process_set.size() or 0)
+
+
+def _ref(v: Any) -> Any:
+    return v.ref() if hasattr(v, "ref") else v
+
+
+def _split_list(items: List[Any], n: int) -> List[List[Any]]:
+    """Horovod's split_list: ``n`` contiguous chunks of nearly equal length."""
+    d, r = divmod(len(items), n)
+    return [items[i * d + min(i, r) : (i + 1) * d + min(i + 1, r)] for i in range(n)]
+
+
+def _make_allreduce_grads_fn(
+    name: str,
+    compression: Any,
+    sparse_as_dense: bool,
+    op: int,
+    gradient_predivide_factor: float,
+    groups: Any,
+    process_set: ProcessSet,
+) -> Callable[..., List[Any]]:
+    """Returns ``allreduce_grads(grads, vars, use_generic_names)`` (Horovod's helper of the
+    same name): reduces a flat list of gradients, keeping ``None`` entries."""
+    if op == Average:
+        # Horovod splits the averaging around the sum: x (1/f) before, x (f / size) after.
+        prescale_factor = 1.0 / gradient_predivide_factor
+        postscale_factor = gradient_predivide_factor
+    else:
+        prescale_factor = postscale_factor = 1.0
+    group_refs = [[_ref(v) for v in g] for g in groups] if isinstance(groups, list) else None
+
+    def allreduce_grads(
+        grads: List[Any], vars: Sequence[Any] | None = None, use_generic_names: bool = False
+    ) -> List[Any]:
+        grads = list(grads)
+        if sparse_as_dense:
+            grads = [
+                tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
+            ]
+        present = [(i, g) for i, g in enumerate(grads) if g is not None]
+        if not present or _set_size(process_set) <= 1:
+            return grads  # Horovod's _allreduce_cond: identity on a set of one rank
+        if group_refs is not None:
+            if vars is None:
+                raise ValueError("groups given as lists of variables need the gradients' sources")
+            where = {_ref(vars[i]): (i, g) for i, g in present}
+            split = []
+            for group in group_refs:
+                chunk = [where.pop(r) for r in group if r in where]
+                if chunk:
+                    split.append(chunk)
+            # Gradients of variables in no group are reduced one by one (as Horovod).
+            split.extend([[ig] for ig in sorted(where.values(), key=lambda x: x[0])])
+        elif groups is not None and groups > 0:
+            split = [c for c in _split_list(present, int(groups)) if c]
+        else:
+            split = [present]
+        out = list(grads)
+        reduce = _grouped_allreduce()
+        with tf.name_scope(name + "_Allreduce"):
+            for chunk in split:
+                idx = [i for i, _ in chunk]
+                reduced = reduce(
+                    [g for _, g in chunk], compression=compression, op=op,
+                    prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                    process_set=process_set, ignore_name_scope=use_generic_names,
+                )  # fmt: skip
+                for i, r in zip(idx, reduced):
+                    out[i] = r
+        return out
+
+    return allreduce_grads
+
+
+class _DistributedGradientTape(tf.GradientTape):
+    """Methods copied into a subclass of the wrapped tape's class (as Horovod does)."""
+
+    def __init__(
+        self,
+        tape: Any,
+        compression: Any,
+        sparse_as_dense: bool,
+        op: int,
+        gradient_predivide_factor: float,
+        groups: Any,
+        persistent: bool = False,
+        watch_accessed_variables: bool = True,
+        process_set: ProcessSet = global_process_set,
+        scale_local_gradients: bool = True,
+    ) -> None:
+        tf.GradientTape.__init__(self, persistent, watch_accessed_variables)
+        self._tape = tape  # the wrapped tape's recording: gradient() reads it
+        self._allreduce_grads = _make_allreduce_grads_fn(
+            "DistributedGradientTape", compression, sparse_as_dense, op,
+            gradient_predivide_factor, groups, process_set,
+        )  # fmt: skip
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self._local_sources: set = set()
+
+    def register_local_source(self, source: Any) -> None:
+        """Marks a variable as worker-local: its gradient is not reduced across ranks (it is
+        divided by the set size when ``scale_local_gradients``)."""
+        self._local_sources.add(_ref(source))
+
+    def gradient(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        use_generic_names: bool = False,
+        unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
+    ) -> Any:
+        """The wrapped tape's gradients, reduced (``op``) across the process set."""
+        grads = tf.GradientTape.gradient(
+            self, target, sources, output_gradients, unconnected_gradients
+        )
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads, expand_composites=False)
+        if not self.process_set.included():
+            return grads
+        is_local = [_ref(s) in self._local_sources for s in flat_sources]
+        glob = [i for i, loc in enumerate(is_local) if not loc]
+        reduced = self._allreduce_grads(
+            [flat_grads[i] for i in glob], [flat_sources[i] for i in glob], use_generic_names
+        )
+        out = list(flat_grads)
+        for i, r in zip(glob, reduced):
+            out[i] = r
+        if self.scale_local_gradients and self._local_sources:
+            n = _set_size(self.process_set)
+            for i, loc in enumerate(is_local):
+                if loc and out[i] is not None and n > 1:
+                    g = out[i]
+                    if isinstance(g, tf.IndexedSlices):
+                        out[i] = tf.IndexedSlices(
+                            g.values / tf.cast(n, g.values.dtype), g.indices, g.dense_shape
+                        )
+                    else:
+                        out[i] = g / tf.cast(n, g.dtype)
+        return tf.nest.pack_sequence_as(sources, out)
+
+
+def _check_args(op: int, gradient_predivide_factor: float, num_groups: int, groups: Any) -> Any:
+    if gradient_predivide_factor != 1.0:
+        if rocm_built():
+            raise ValueError("gradient_predivide_factor not supported yet with ROCm")
+        if op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if groups is None:
+            groups = num_groups
+    if groups is not None:
+        if not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+            raise ValueError(
+                "groups should be a non-negative integer or a list of list of tf.Variable."
+            )
+    return groups
+
+
+def DistributedGradientTape(
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+) -> tf.GradientTape:
+    """Wraps a ``tf.GradientTape`` so that ``gradient()`` returns gradients reduced across the
+    process set (Horovod's ``hvd.DistributedGradientTape``).
+
+    compression: ``Compression.none``/``fp16``/``bf16`` for dense gradients. sparse_as_dense:
+    densify ``tf.IndexedSlices`` before the allreduce (else values and indices are allgathered).
+    op: Average (default), Sum or Adasum. gradient_predivide_factor (Average only): gradients
+    are scaled by ``1/f`` before the sum and ``f/size`` after. groups: an int (split the
+    gradients into that many fused requests) or a list of lists of variables (one request per
+    list; other gradients one by one); default: one fused request for all gradients.
+    ``device_dense``/``device_sparse`` are accepted for compatibility.
+    """
+    groups = _check_args(op, gradient_predivide_factor, num_groups, groups)
+    cls = type(
+        gradtape.__class__.__name__,
+        (gradtape.__class__,),
+        {k: v for k, v in _DistributedGradientTape.__dict__.items() if k not in ("__dict__",)},
+    )
+    return cls(
+        gradtape._tape, compression, sparse_as_dense, op, gradient_predivide_factor, groups,
+        gradtape._persistent, getattr(gradtape, "_watch_accessed_variables", True),
+        process_set=process_set, scale_local_gradients=scale_local_gradients,
+    )  # fmt: skip
+
+
+def _layer_variables(layer: Any) -> List[Any]:
+    for attr in ("trainable_weights", "trainable_variables"):
+        if hasattr(layer, attr):
+            return list(getattr(layer, attr))
+    raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+
+
+def PartialDistributedGradientTape(
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> tf.GradientTape:
+    """A :func:`DistributedGradientTape` whose ``local_layers`` (a layer or a list of layers:
+    Keras layers or ``tf.Module`` objects) keep their gradients local (not reduced; divided
+    by the set size when ``scale_local_gradients``)."""
+    if local_layers is None:
+        local_layers = []
+    elif not isinstance(local_layers, (list, tuple)):
+        local_layers = [local_layers]
+    local_vars = [v for layer in local_layers for v in _layer_variables(layer)]
+    tape = DistributedGradientTape(
+        gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+        gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients,
+    )  # fmt: skip
+    for v in local_vars:
+        tape.register_local_source(v)
+    return tape
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Horovod's TF1 helper: broadcasts ``tf.compat.v1.global_variables()``. In eager mode it
+    raises RuntimeError, as Horovod does (use ``broadcast_variables``)."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "hvd.broadcast_global_variables() does not support eager execution. "
+            "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead."
+        )
+    from bagua_hvd.tensorflow import broadcast_variables
+
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
