@@ -15,6 +15,7 @@ from typing import Any, Callable, List, Sequence
 import tensorflow as tf
 
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
+from bagua_hvd.common.util import split_list
 from bagua_hvd.tensorflow.compression import Compression
 from bagua_hvd.tensorflow.mpi_ops import Average, rocm_built, size
 
@@ -33,12 +34,6 @@ def _set_size(process_set: ProcessSet) -> int:
 
 def _ref(v: Any) -> Any:
     return v.ref() if hasattr(v, "ref") else v
-
-
-def _split_list(items: List[Any], n: int) -> List[List[Any]]:
-    """Horovod's split_list: ``n`` contiguous chunks of nearly equal length."""
-    d, r = divmod(len(items), n)
-    return [items[i * d + min(i, r) : (i + 1) * d + min(i + 1, r)] for i in range(n)]
 
 
 def _make_allreduce_grads_fn(
@@ -83,7 +78,7 @@ def _make_allreduce_grads_fn(
             # Gradients of variables in no group are reduced one by one (as Horovod).
             split.extend([[ig] for ig in sorted(where.values(), key=lambda x: x[0])])
         elif groups is not None and groups > 0:
-            split = [c for c in _split_list(present, int(groups)) if c]
+            split = [c for c in split_list(present, int(groups)) if c]
         else:
             split = [present]
         out = list(grads)
