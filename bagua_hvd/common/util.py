@@ -139,3 +139,28 @@ def env(**kwargs: Any) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def check_predivide_and_groups(
+    op: int, gradient_predivide_factor: float, num_groups: int, groups: Any, rocm: bool,
+    stacklevel: int = 3,
+) -> Any:
+    """Horovod's shared argument checks of DistributedOptimizer and DistributedGradientTape:
+    gradient_predivide_factor only with Average (and not on ROCm), and the deprecated
+    ``num_groups`` folded into ``groups`` with Horovod's warning. Returns ``groups``."""
+    from bagua_hvd.common.ops import Average
+
+    if gradient_predivide_factor != 1.0:
+        if rocm:
+            raise ValueError("gradient_predivide_factor not supported yet with ROCm")
+        if op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+        if groups is None:
+            groups = num_groups
+    return groups

@@ -6,31 +6,7 @@ from typing import Any, Tuple
 
 import tensorflow as tf
 
-
-class Compressor:
-    """Interface for compressing and decompressing a tensor around a collective."""
-
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> Tuple[tf.Tensor, Any]:
-        """Compresses a tensor and returns it with the context needed to decompress it."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
-        """Decompresses the tensor with the given context."""
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Default: no compression."""
-
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> Tuple[tf.Tensor, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
-        return tensor
+from bagua_hvd.common.compression import Compressor, NoneCompressor
 
 
 class _CastCompressor(Compressor):

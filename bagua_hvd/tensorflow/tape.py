@@ -9,13 +9,12 @@ unless ``sparse_as_dense``. ``None`` gradients stay ``None``. Works eagerly and 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, List, Sequence
 
 import tensorflow as tf
 
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
-from bagua_hvd.common.util import split_list
+from bagua_hvd.common.util import check_predivide_and_groups, split_list
 from bagua_hvd.tensorflow.compression import Compression
 from bagua_hvd.tensorflow.mpi_ops import Average, rocm_built, size
 
@@ -168,19 +167,9 @@ class _DistributedGradientTape(tf.GradientTape):
 
 
 def _check_args(op: int, gradient_predivide_factor: float, num_groups: int, groups: Any) -> Any:
-    if gradient_predivide_factor != 1.0:
-        if rocm_built():
-            raise ValueError("gradient_predivide_factor not supported yet with ROCm")
-        if op != Average:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if num_groups != 0:
-        warnings.warn(
-            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if groups is None:
-            groups = num_groups
+    groups = check_predivide_and_groups(
+        op, gradient_predivide_factor, num_groups, groups, rocm_built(), stacklevel=4
+    )
     if groups is not None:
         if not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
             raise ValueError(

@@ -6,31 +6,7 @@ from typing import Any, Tuple
 
 import torch
 
-
-class Compressor:
-    """Interface for compressing and decompressing a tensor around a collective."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        """Compresses a tensor and returns it with the context needed to decompress it."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Decompresses the tensor with the given context."""
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Default: no compression."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor
+from bagua_hvd.common.compression import Compressor, NoneCompressor
 
 
 class _CastCompressor(Compressor):

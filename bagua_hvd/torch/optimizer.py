@@ -41,7 +41,7 @@ import torch
 
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
-from bagua_hvd.common.util import split_list
+from bagua_hvd.common.util import check_predivide_and_groups, split_list
 from bagua_hvd.torch import mpi_ops
 from bagua_hvd.torch.compression import (
     BF16Compressor,
@@ -945,20 +945,9 @@ def DistributedOptimizer(
     """
     # We dynamically create a new class that inherits from the optimizer that was passed in.
     # The goal is to override the `step()` method with an allreduce implementation.
-    if gradient_predivide_factor != 1.0:
-        if rocm_built():
-            raise ValueError("gradient_predivide_factor not supported yet with ROCm")
-        if op != Average:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
-
-    if num_groups != 0:
-        warnings.warn(
-            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        if groups is None:
-            groups = num_groups
+    groups = check_predivide_and_groups(
+        op, gradient_predivide_factor, num_groups, groups, rocm_built(), stacklevel=3
+    )
 
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
