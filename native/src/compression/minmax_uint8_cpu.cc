@@ -59,7 +59,9 @@ void dequantize_scalar(const uint8_t* q, size_t c, const Params& prm, typename T
 
 template <typename Ty>
 void dequantize_add_scalar(const uint8_t* q, size_t c, const Params& prm, float* acc) {
-  for (size_t i = 0; i < c; ++i) acc[i] += Ty::widen(Ty::narrow(mmu8::dequantize(q[i], prm)));
+  for (size_t i = 0; i < c; ++i) {
+    acc[i] = mmu8::accumulate(acc[i], Ty::widen(Ty::narrow(mmu8::dequantize(q[i], prm))));
+  }
 }
 
 // ---- AVX2 + F16C ----------------------------------------------------------------------------
@@ -216,7 +218,8 @@ BHVD_AVX2 void dequantize_add_avx2(const uint8_t* q, size_t c, const Params& prm
   size_t i = 0;
   for (; i + 8 <= c; i += 8) {
     const __m256 v = Vec<Ty>::round_trip(dequantize8(q + i, lb, scale, nan));
-    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), v));
+    const __m256 sum = _mm256_add_ps(_mm256_loadu_ps(acc + i), v);
+    _mm256_storeu_ps(acc + i, _mm256_blendv_ps(sum, nan, _mm256_cmp_ps(sum, sum, _CMP_UNORD_Q)));
   }
   dequantize_add_scalar<Ty>(q + i, c - i, prm, acc + i);
 }

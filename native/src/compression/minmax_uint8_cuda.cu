@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kThreads)
       const size_t j = chunk * c + i + k;
       if constexpr (kAdd) {
         float* acc = static_cast<float*>(out);
-        acc[j] = fbits::add_rn(acc[j], Ty::widen(t));
+        acc[j] = mmu8::accumulate(acc[j], Ty::widen(t));
       } else {
         static_cast<typename Ty::Storage*>(out)[j] = t;
       }

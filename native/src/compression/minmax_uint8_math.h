@@ -18,7 +18,9 @@
 //  - A zero min or max is stored as +0 (the sign of a zero min/max changes no decoded value, and
 //    SIMD min/max may return either zero).
 //  - Decompressed NaN is the canonical quiet NaN (0x7fc00000, float16 0x7e00, bfloat16 0x7fc0),
-//    whatever NaN the hardware produced.
+//    whatever NaN the hardware produced. Decompress-accumulate makes a NaN sum canonical too:
+//    x86 returns a NaN operand's bits, a GPU its own NaN (0x7fffffff), so without it a CPU rank
+//    and a GPU rank would disagree (seen on an H200: native/tests/minmax_uint8_cuda_check.cu).
 #pragma once
 
 #include <cmath>
@@ -76,6 +78,12 @@ BHVD_HD uint8_t quantize(float x, const Params& p) {
 // x' = (q + lb) / scale in float32, NaN made canonical.
 BHVD_HD float dequantize(uint8_t q, const Params& p) {
   const float v = div_rn(add_rn(static_cast<float>(q), p.lb), p.scale);
+  return v != v ? fbits::bits_f32(kCanonicalNanBits) : v;
+}
+
+// acc + x rounded to nearest even, a NaN sum made canonical (see above).
+BHVD_HD float accumulate(float acc, float x) {
+  const float v = add_rn(acc, x);
   return v != v ? fbits::bits_f32(kCanonicalNanBits) : v;
 }
 
