@@ -3,6 +3,8 @@
     python bench/train.py                 # 2 ranks: bagua_hvd vs DDP, same invocation
     python bench/train.py --repeat 3      # three runs, per-run figures and their medians
     python bench/train.py --np 1          # 1 rank: DistributedOptimizer vs the plain optimizer
+    python bench/train.py --framework tf  # TensorFlow: bagua_hvd vs MultiWorkerMirroredStrategy
+                                          # (bench/_tf_train.py describes that mode)
 
 The model is the peers' reference (/work/shared/reference/peers-on-this-machine.md, section 4):
 an MLP 1024 -> 2048 x6 -> 1000 with ReLU (25.13M float32 parameters, 100.5 MB of gradients),
@@ -88,6 +90,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Training benchmark: bagua_hvd DistributedOptimizer vs torch DDP (gloo)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    parser.add_argument(
+        "--framework",
+        choices=("torch", "tf"),
+        default="torch",
+        help="torch: DistributedOptimizer vs DDP(gloo); tf: bagua_hvd.tensorflow's "
+        "DistributedGradientTape vs tf.distribute.MultiWorkerMirroredStrategy "
+        "(bench/_tf_train.py; no memory runs)",
+    )
     parser.add_argument("--np", type=int, default=2, help="number of ranks on this host")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank")
     parser.add_argument(
@@ -125,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--timeout", type=float, default=900.0, help="seconds before one invocation is killed"
     )
     parser.add_argument("--json", metavar="FILE", help="also write all results to FILE (JSON)")
+    from _tf_train import add_args as add_tf_args
+
+    add_tf_args(parser)
     parser.add_argument(WORKER_FLAG, choices=("throughput", "memory"), help=argparse.SUPPRESS)
     parser.add_argument("--_mode", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -134,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps = 20 if args.np > 1 else 40
     if args.rounds is None:
         args.rounds = 1 if args.np > 1 else 2
-    for name in ("batch_size", "steps", "repeat", "rounds"):
+    for name in ("batch_size", "steps", "repeat", "rounds", "reduce_reps", "tf_inter_threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
@@ -703,6 +716,10 @@ def main(argv: list[str] | None = None) -> int:
         return worker_throughput(args)
     if args._worker == "memory":
         return worker_memory(args)
+    if args.framework == "tf":
+        from _tf_train import main_launcher as tf_main_launcher
+
+        return tf_main_launcher(args)
     return main_launcher(args)
 
 

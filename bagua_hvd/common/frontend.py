@@ -12,6 +12,17 @@ from bagua_hvd.common.util import get_average_backwards_compatibility_fun, num_r
 
 basics = HorovodBasics(__file__, "mpi_lib")
 
+# The basics that every frontend module re-exports as they are (``horovod.torch``,
+# ``horovod.tensorflow``, ``horovod.tensorflow.keras``, ``horovod.keras``): those modules bind
+# them with ``from bagua_hvd.common.frontend import *`` and import ``init``/``shutdown`` (wrapped
+# by the torch frontend), the op constants and the rest of their exports explicitly.
+__all__ = [
+    "is_initialized", "start_timeline", "stop_timeline", "size", "local_size", "cross_size",
+    "rank", "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+    "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
+    "rocm_built",
+]  # fmt: skip
+
 init = basics.init
 shutdown = basics.shutdown
 is_initialized = basics.is_initialized

@@ -142,7 +142,11 @@ def env(**kwargs: Any) -> Iterator[None]:
 
 
 def check_predivide_and_groups(
-    op: int, gradient_predivide_factor: float, num_groups: int, groups: Any, rocm: bool,
+    op: int,
+    gradient_predivide_factor: float,
+    num_groups: int,
+    groups: Any,
+    rocm: bool,
     stacklevel: int = 3,
 ) -> Any:
     """Horovod's shared argument checks of DistributedOptimizer and DistributedGradientTape:

@@ -1,8 +1,10 @@
 """``import bagua_hvd.tensorflow as hvd``: Horovod's TensorFlow API over the bagua_hvd core.
 
-This release exports the collectives, the in-graph queries, process sets, basics, Compression,
-the object/variable helpers, DistributedGradientTape and PartialDistributedGradientTape of
-``horovod.tensorflow``. DistributedOptimizer, Keras and SyncBatchNormalization come later.
+Exports the collectives, the in-graph queries, process sets, basics, Compression, the
+object/variable helpers, DistributedGradientTape, PartialDistributedGradientTape,
+DistributedOptimizer, LocalGradientAggregationHelper and SyncBatchNormalization of
+``horovod.tensorflow``. Keras: ``bagua_hvd.tensorflow.keras`` (and ``bagua_hvd.keras``); BAGUA's
+algorithms: ``bagua_hvd.tensorflow.algorithms`` (docs/tensorflow.md, docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from bagua_hvd.common.exceptions import HorovodInternalError  # noqa: F401
+from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics)
 from bagua_hvd.common.util import check_extension  # noqa: F401
 from bagua_hvd.tensorflow import mpi_ops  # noqa: F401
 from bagua_hvd.tensorflow.compression import Compression, NoneCompressor
@@ -35,43 +38,31 @@ from bagua_hvd.tensorflow.mpi_ops import (  # noqa: F401
     barrier,
     broadcast,
     broadcast_,
-    ccl_built,
     check_num_rank_power_of_2,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
     global_process_set,
-    gloo_built,
-    gloo_enabled,
     grouped_allgather,
     grouped_allreduce_dense,
     grouped_reducescatter_dense,
     handle_average_backwards_compatibility,
     init,
     is_homogeneous,
-    is_initialized,
     join,
-    local_rank,
     local_rank_op,
-    local_size,
     local_size_op,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
     process_set_included_op,
     rank,
     rank_op,
     reducescatter_dense,
     remove_process_set,
-    rocm_built,
     shutdown,
     size,
     size_op,
-    start_timeline,
-    stop_timeline,
 )
+from bagua_hvd.tensorflow.optimizer import (  # noqa: F401
+    DistributedOptimizer,
+    LocalGradientAggregationHelper,
+)
+from bagua_hvd.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 from bagua_hvd.tensorflow.tape import (  # noqa: F401
     DistributedGradientTape,
     PartialDistributedGradientTape,

@@ -26,6 +26,7 @@ errors surface as ``tf.errors.UnknownError`` whose message contains
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -144,6 +145,67 @@ def _ps_id(process_set: ProcessSet) -> int:
 
 
 # ---- the numpy-level collective ----------------------------------------------------------------
+# TensorFlow wraps a numpy array returned by a numpy_function (and converts one eagerly) without
+# a copy only when its data is aligned to Eigen's maximum alignment (at most 64 bytes); numpy's
+# own allocations are 16-byte aligned, which cost a full copy of every output (8 ms per 100 MB
+# here). Outputs are therefore carved out of a slightly larger buffer at a 64-byte boundary.
+_ALIGN = 64
+# Inside tf.function the callback runs on TensorFlow's inter-op threads, whose glibc arenas give
+# large freed blocks back to the system: every step's fresh outputs were page-faulted and zeroed
+# anew (~2,000-3,000 faults and tens of ms per 100 MB step on 2 cores). Outputs of at least
+# _POOL_MIN_BYTES therefore come from a pool of buffers that return to it, by exact size, when
+# the last array or TF tensor using them is gone; at most _POOL_MAX_BYTES stay idle there.
+_POOL_MIN_BYTES = 64 << 10
+_POOL_MAX_BYTES = 1 << 30
+_pool: Dict[int, List[np.ndarray]] = {}
+_pool_bytes = [0]  # idle bytes in _pool
+
+
+class _PooledBlock:
+    """The owner (numpy ``base``) of a pooled output: an ``__array_interface__`` over part of a
+    pooled buffer; when it is collected the buffer goes back to the pool."""
+
+    __slots__ = ("__array_interface__", "raw", "__weakref__")
+
+    def __init__(self, raw: np.ndarray, offset: int, shape: Tuple[int, ...], dtype: np.dtype):
+        self.raw = raw
+        self.__array_interface__ = {
+            "shape": shape,
+            "typestr": dtype.str,
+            "descr": dtype.descr,
+            "data": (raw.ctypes.data + offset, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+def _give_back(raw: np.ndarray) -> None:
+    if _pool_bytes[0] + raw.nbytes > _POOL_MAX_BYTES:
+        return  # freed
+    _pool.setdefault(raw.nbytes, []).append(raw)
+    _pool_bytes[0] += raw.nbytes
+
+
+def _empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data is _ALIGN-byte aligned (pooled if large)."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(d) for d in shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < _POOL_MIN_BYTES or dtype.hasobject:
+        buf = np.empty(nbytes + _ALIGN, np.uint8)
+        offset = -buf.ctypes.data % _ALIGN
+        return buf[offset : offset + nbytes].view(dtype).reshape(shape)
+    free = _pool.get(nbytes + _ALIGN)
+    try:
+        raw = free.pop()  # type: ignore[union-attr]
+        _pool_bytes[0] -= raw.nbytes
+    except (AttributeError, IndexError):  # no list, or an empty one
+        raw = np.empty(nbytes + _ALIGN, np.uint8)
+    block = _PooledBlock(raw, -raw.ctypes.data % _ALIGN, shape, dtype)
+    weakref.finalize(block, _give_back, raw).atexit = False  # nothing to pool at exit
+    return np.asarray(block)
+
+
 def _enqueue(op_type: int, descs: list, outs: list | None, **kw: Any) -> Tuple[int, Any]:
     try:
         return _ops.enqueue(op_type, descs, outs, **kw)
@@ -184,8 +246,10 @@ def _collective(
     splits: List[int] | None = None,
 ) -> Tuple[List[np.ndarray], List[int] | None]:
     """Runs one (possibly grouped) collective on host arrays; returns (outputs, rsplits)."""
-    # (np.ascontiguousarray would turn 0-d arrays into 1-d ones)
-    ins = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
+    # (np.ascontiguousarray would turn 0-d arrays into 1-d ones; a numpy_function hands 0-d
+    # tensors over as numpy scalars, which np.asarray makes 0-d arrays again)
+    ins = [np.asarray(a) for a in arrays]
+    ins = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in ins]
     codes = []
     for a in ins:
         code = _NP_CODES.get(a.dtype)
@@ -196,18 +260,18 @@ def _collective(
         codes.append(code)
     outs: List[np.ndarray] | None
     if op_type in (_ops.OP_ALLREDUCE, _ops.OP_BROADCAST):
-        outs = [np.empty_like(a) for a in ins]
+        outs = [_empty(a.shape, a.dtype) for a in ins]
     elif op_type == _ops.OP_REDUCESCATTER:
         set_size = _ops.process_set_size(ps_id)
         set_rank = _ops.process_set_rank(ps_id)
         outs = []
         for a in ins:
             if a.ndim == 0:
-                outs.append(np.empty((), a.dtype))
+                outs.append(_empty((), a.dtype))
                 continue
             ok = set_size > 0 and set_rank >= 0
             rows = _ops.reducescatter_rows(a.shape[0], set_size, set_rank) if ok else 0
-            outs.append(np.empty((rows, *a.shape[1:]), a.dtype))
+            outs.append(_empty((rows, *a.shape[1:]), a.dtype))
     else:
         outs = None
     descs = [(a.ctypes.data if a.size else 0, c, a.shape) for a, c in zip(ins, codes)]
@@ -235,7 +299,7 @@ def _collective(
         if outs is None:
             outs = []
             for i, a in enumerate(ins):
-                out = np.empty(_ops.output_shape(handle, i), a.dtype)
+                out = _empty(_ops.output_shape(handle, i), a.dtype)
                 if out.size:
                     _ops.output_copy(handle, i, out.ctypes.data)
                 outs.append(out)

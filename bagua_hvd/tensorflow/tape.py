@@ -5,18 +5,21 @@
 allreduce (or one per group with ``groups``), ``tf.IndexedSlices`` through the allgather path
 unless ``sparse_as_dense``. ``None`` gradients stay ``None``. Works eagerly and inside
 ``tf.function`` (the collectives are stateful ops that run in program order on every rank).
+
+``algorithm=`` (BAGUA's algorithms, ``bagua_hvd.tensorflow.algorithms``) replaces the gradient
+allreduce by the algorithm's ``reduce_gradients``; see :func:`DistributedGradientTape`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Sequence, Tuple
 
 import tensorflow as tf
 
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.common.util import check_predivide_and_groups, split_list
 from bagua_hvd.tensorflow.compression import Compression
-from bagua_hvd.tensorflow.mpi_ops import Average, rocm_built, size
+from bagua_hvd.tensorflow.mpi_ops import Average, Sum, rocm_built, size
 
 
 def _grouped_allreduce() -> Callable[..., List[Any]]:
@@ -32,7 +35,14 @@ def _set_size(process_set: ProcessSet) -> int:
 
 
 def _ref(v: Any) -> Any:
-    return v.ref() if hasattr(v, "ref") else v
+    """A hashable key for a variable: ``tf.Variable.ref()``; a Keras 3 variable (no ``ref``,
+    not hashable) is keyed by the tf.Variable it wraps."""
+    if hasattr(v, "ref"):
+        return v.ref()
+    inner = getattr(v, "_value", None)
+    if isinstance(inner, tf.Variable):
+        return inner.ref()
+    return v
 
 
 def _make_allreduce_grads_fn(
@@ -112,6 +122,7 @@ class _DistributedGradientTape(tf.GradientTape):
         watch_accessed_variables: bool = True,
         process_set: ProcessSet = global_process_set,
         scale_local_gradients: bool = True,
+        algorithm: Any = None,
     ) -> None:
         tf.GradientTape.__init__(self, persistent, watch_accessed_variables)
         self._tape = tape  # the wrapped tape's recording: gradient() reads it
@@ -122,6 +133,15 @@ class _DistributedGradientTape(tf.GradientTape):
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
         self._local_sources: set = set()
+        self.algorithm = algorithm
+        # The algorithm's implementation: one per algorithm object and process set (tapes are
+        # built every step; its state must outlive them).
+        self._algo_impl: Any = None
+        if algorithm is not None:
+            from bagua_hvd.tensorflow import algorithms as _alg
+
+            self._algo_impl = _alg.tape_impl(algorithm, process_set)
+        self._last_sources: List[Any] = []
 
     def register_local_source(self, source: Any) -> None:
         """Marks a variable as worker-local: its gradient is not reduced across ranks (it is
@@ -136,19 +156,55 @@ class _DistributedGradientTape(tf.GradientTape):
         use_generic_names: bool = False,
         unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
     ) -> Any:
-        """The wrapped tape's gradients, reduced (``op``) across the process set."""
+        """The wrapped tape's gradients, reduced (``op``) across the process set, or, with an
+        ``algorithm``, as the algorithm hands them to the optimizer."""
         grads = tf.GradientTape.gradient(
             self, target, sources, output_gradients, unconnected_gradients
         )
+        return self._reduce(grads, sources, use_generic_names)
+
+    def get_local_and_global_gradients(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        use_generic_names: bool = False,
+    ) -> Tuple[Any, Any]:
+        """Horovod's helper: ``(local, global)``, both structured like ``sources``: the wrapped
+        tape's gradients as computed on this rank (not reduced), and what :meth:`gradient`
+        returns for them (reduced across the process set). The gradients are computed once."""
+        grads = tf.GradientTape.gradient(self, target, sources, output_gradients)
+        return grads, self._reduce(grads, sources, use_generic_names)
+
+    def step_done(self, variables: Any = None) -> None:
+        """Call after ``optimizer.apply_gradients(...)`` when the tape has an ``algorithm`` that
+        acts after the update (``LowPrecisionDecentralized``, ``AsyncModelAverage``; a no-op for
+        the others and without an algorithm). ``variables`` default to the (global) sources of
+        this tape's last :meth:`gradient` call."""
+        impl = self._algo_impl
+        if impl is None or not self.process_set.included():
+            return
+        flat = tf.nest.flatten(variables) if variables is not None else self._last_sources
+        impl.after_apply(list(flat))
+
+    def _reduce(self, grads: Any, sources: Any, use_generic_names: bool) -> Any:
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         if not self.process_set.included():
             return grads
         is_local = [_ref(s) in self._local_sources for s in flat_sources]
         glob = [i for i, loc in enumerate(is_local) if not loc]
-        reduced = self._allreduce_grads(
-            [flat_grads[i] for i in glob], [flat_sources[i] for i in glob], use_generic_names
-        )
+        glob_sources = [flat_sources[i] for i in glob]
+        if self._algo_impl is not None:
+            self._last_sources = glob_sources
+            with tf.name_scope("DistributedGradientTape_" + type(self.algorithm).__name__):
+                reduced = self._algo_impl.reduce_gradients(
+                    [flat_grads[i] for i in glob], glob_sources
+                )
+        else:
+            reduced = self._allreduce_grads(
+                [flat_grads[i] for i in glob], glob_sources, use_generic_names
+            )
         out = list(flat_grads)
         for i, r in zip(glob, reduced):
             out[i] = r
@@ -178,6 +234,30 @@ def _check_args(op: int, gradient_predivide_factor: float, num_groups: int, grou
     return groups
 
 
+def _resolve_algorithm(algorithm: Any, op: int, compression: Any, groups: Any) -> Tuple[Any, int]:
+    """(algorithm or None, op): the environment's default, validation (the torch frontend's
+    messages), and GradientAllReduce without hierarchy mapped to Horovod's path."""
+    from bagua_hvd.tensorflow import algorithms as _alg
+
+    if algorithm is None:
+        algorithm = _alg.environment_algorithm()
+    if algorithm is None:
+        return None, op
+    _alg.check_algorithm(algorithm)
+    if isinstance(algorithm, (_alg.GradientAllReduce, _alg.ByteGrad)):
+        op = Average if algorithm.average else Sum
+    if not isinstance(algorithm, _alg.GradientAllReduce) and (
+        compression is not Compression.none or groups is not None
+    ):
+        raise ValueError(
+            f"algorithm={type(algorithm).__name__}(...) decides how data is communicated: it "
+            "cannot be combined with compression= or groups="
+        )
+    if isinstance(algorithm, _alg.GradientAllReduce) and not algorithm.hierarchical:
+        return None, op  # Horovod's allreduce (compression=, groups= apply)
+    return algorithm, op
+
+
 def DistributedGradientTape(
     gradtape: tf.GradientTape,
     device_dense: str = "",
@@ -190,6 +270,7 @@ def DistributedGradientTape(
     groups: Any = None,
     process_set: ProcessSet = global_process_set,
     scale_local_gradients: bool = True,
+    algorithm: Any = None,
 ) -> tf.GradientTape:
     """Wraps a ``tf.GradientTape`` so that ``gradient()`` returns gradients reduced across the
     process set (Horovod's ``hvd.DistributedGradientTape``).
@@ -201,8 +282,38 @@ def DistributedGradientTape(
     gradients into that many fused requests) or a list of lists of variables (one request per
     list; other gradients one by one); default: one fused request for all gradients.
     ``device_dense``/``device_sparse`` are accepted for compatibility.
+
+    algorithm: one of BAGUA's algorithms (``bagua_hvd.tensorflow.algorithms``:
+    ``GradientAllReduce``, ``ByteGrad``, ``Decentralized``, ``LowPrecisionDecentralized``,
+    ``QAdamAlgorithm``, ``AsyncModelAverage``; docs/algorithms.md). Default None: the
+    ``BAGUA_HVD_ALGORITHM`` environment variable (``bagua-run --algorithm``) if set, else
+    Horovod's allreduce configured by the arguments above. ``gradient()`` then returns what the
+    optimizer must apply (ByteGrad: the compressed average; Decentralized: the local gradients,
+    after averaging the sources, which must be variables, with peers). Create the algorithm
+    once and pass the same object to every step's tape: its state (step count, residuals,
+    replicas) lives with it. Each ``gradient()`` call is one training step. Usage::
+
+        alg = LowPrecisionDecentralized()                 # once
+
+        @tf.function
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(model(x), y)
+            tape = hvd.DistributedGradientTape(tape, algorithm=alg)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            tape.step_done()  # needed by LowPrecisionDecentralized and AsyncModelAverage
+
+    ``tape.step_done()`` runs the algorithm's part that follows the update (the low-precision
+    ring step, the asynchronous averaging's step boundary); it is a no-op for the other
+    algorithms and without one, so it can always be called. Forgetting it where it is needed
+    raises ValueError at the next step. ``QAdamAlgorithm(q)`` needs ``q``, its
+    ``QAdamOptimizer``, to apply the gradients. A non-Horovod algorithm cannot be combined with
+    ``compression=`` or ``groups=``; ``GradientAllReduce(hierarchical=False)`` is Horovod's
+    path with ``op`` Average or Sum (``average=``).
     """
     groups = _check_args(op, gradient_predivide_factor, num_groups, groups)
+    algorithm, op = _resolve_algorithm(algorithm, op, compression, groups)
     cls = type(
         gradtape.__class__.__name__,
         (gradtape.__class__,),
@@ -212,6 +323,7 @@ def DistributedGradientTape(
         gradtape._tape, compression, sparse_as_dense, op, gradient_predivide_factor, groups,
         gradtape._persistent, getattr(gradtape, "_watch_accessed_variables", True),
         process_set=process_set, scale_local_gradients=scale_local_gradients,
+        algorithm=algorithm,
     )  # fmt: skip
 
 
@@ -235,10 +347,12 @@ def PartialDistributedGradientTape(
     process_set: ProcessSet = global_process_set,
     local_layers: Any = None,
     scale_local_gradients: bool = True,
+    algorithm: Any = None,
 ) -> tf.GradientTape:
     """A :func:`DistributedGradientTape` whose ``local_layers`` (a layer or a list of layers:
     Keras layers or ``tf.Module`` objects) keep their gradients local (not reduced; divided
-    by the set size when ``scale_local_gradients``)."""
+    by the set size when ``scale_local_gradients``). With ``algorithm``, the local layers'
+    variables are left out of the algorithm (their weights are not averaged either)."""
     if local_layers is None:
         local_layers = []
     elif not isinstance(local_layers, (list, tuple)):
@@ -247,6 +361,7 @@ def PartialDistributedGradientTape(
     tape = DistributedGradientTape(
         gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
         gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients,
+        algorithm,
     )  # fmt: skip
     for v in local_vars:
         tape.register_local_source(v)

@@ -1,11 +1,14 @@
 """``import bagua_hvd.torch as hvd``: Horovod's PyTorch API over the bagua_hvd core.
 
-Exports the names of ``horovod.torch`` (collectives, process sets, basics, Compression). The
-optimizer and helper functions (DistributedOptimizer, broadcast_parameters, ...) and the elastic
-package are added by a later release.
+Exports the names of ``horovod.torch``: collectives, process sets, basics, Compression,
+DistributedOptimizer (with BAGUA's algorithms, ``bagua_hvd.torch.algorithms``), the helpers
+(broadcast_parameters, broadcast_optimizer_state, broadcast_object, allgather_object) and
+SyncBatchNorm. The elastic package comes later.
 """
 
+from bagua_hvd.common import frontend as _frontend
 from bagua_hvd.common.exceptions import HorovodInternalError
+from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics)
 from bagua_hvd.common.util import check_extension
 from bagua_hvd.torch import compression, mpi_ops
 from bagua_hvd.torch.compression import Compression
@@ -37,14 +40,7 @@ from bagua_hvd.torch.mpi_ops import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
     global_process_set,
-    gloo_built,
-    gloo_enabled,
     grouped_allgather,
     grouped_allgather_async,
     grouped_allreduce,
@@ -54,25 +50,13 @@ from bagua_hvd.torch.mpi_ops import (
     grouped_reducescatter,
     grouped_reducescatter_async,
     init,
-    is_initialized,
     join,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
     poll,
-    rank,
     reducescatter,
     reducescatter_async,
     remove_process_set,
-    rocm_built,
     shutdown,
-    size,
     sparse_allreduce_async,
-    start_timeline,
-    stop_timeline,
     synchronize,
 )
 from bagua_hvd.torch.optimizer import DistributedOptimizer
@@ -115,25 +99,7 @@ __all__ = [
     "synchronize",
     "init",
     "shutdown",
-    "is_initialized",
-    "start_timeline",
-    "stop_timeline",
-    "size",
-    "local_size",
-    "cross_size",
-    "rank",
-    "local_rank",
-    "cross_rank",
-    "mpi_threads_supported",
-    "mpi_enabled",
-    "mpi_built",
-    "gloo_enabled",
-    "gloo_built",
-    "nccl_built",
-    "ddl_built",
-    "ccl_built",
-    "cuda_built",
-    "rocm_built",
+    *_frontend.__all__,
     "ProcessSet",
     "global_process_set",
     "add_process_set",

@@ -11,124 +11,40 @@ is in docs/algorithms.md.
 
 ``bagua-run --algorithm NAME`` (``BAGUA_HVD_ALGORITHM=NAME``) picks one for every
 ``DistributedOptimizer`` built without ``algorithm=``.
+
+The declarations (``ByteGrad``, ...) are the framework-neutral classes of
+``bagua_hvd.common.algorithms``, re-exported here; this module holds their torch
+implementations (registered for ``Algorithm.reify(torch optimizer)``) and ``QAdamOptimizer``.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from bagua_hvd.common import algorithms as _common
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common._native import ffi as _ffi
 from bagua_hvd.common._native import last_error as _last_error
 from bagua_hvd.common._native import lib as _lib
 
-__all__ = [
-    "Algorithm",
-    "GradientAllReduce",
-    "ByteGrad",
-    "Decentralized",
-    "LowPrecisionDecentralized",
-    "QAdamOptimizer",
-    "QAdamAlgorithm",
-    "AsyncModelAverage",
-    "from_name",
-]
+__all__ = [*_common.FRONTEND_EXPORTS, "QAdamOptimizer"]
 
-ALGORITHM_ENV = "BAGUA_HVD_ALGORITHM"
-
-
-class Algorithm:
-    """Base class of the algorithm declarations."""
-
-    #: gradients are averaged by the optimizer's bucket machinery at this step
-    def communicates_gradients(self, step: int) -> bool:
-        return True
-
-    #: the gradient buckets go through the compressed (ByteGrad) allreduce at this step
-    def compresses_gradients(self, step: int) -> bool:
-        return False
-
-    def reify(self, opt: Any) -> _Impl:
-        return _Impl(self, opt)
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({args})"
-
-
-class GradientAllReduce(Algorithm):
-    """Gradients averaged (``average=True``) or summed by allreduce while backward runs:
-    Horovod's behaviour. ``hierarchical`` is accepted for BAGUA compatibility; on one host it
-    is the flat allreduce."""
-
-    def __init__(self, hierarchical: bool = False, average: bool = True) -> None:
-        self.hierarchical = hierarchical
-        self.average = average
-
-
-class ByteGrad(Algorithm):
-    """Gradients averaged by the 8-bit MinMaxUInt8-compressed allreduce (compressed alltoall,
-    mean, compressed allgather). ``error_feedback=True`` carries each quantization's residual
-    into the next step."""
-
-    def __init__(
-        self, hierarchical: bool = True, average: bool = True, error_feedback: bool = False
-    ) -> None:
-        self.hierarchical = hierarchical
-        self.average = average
-        self.error_feedback = error_feedback
-
-    def compresses_gradients(self, step: int) -> bool:
-        return True
-
-
-class Decentralized(Algorithm):
-    """Decentralized SGD: every ``communication_interval`` steps the weights are averaged with
-    peers (``peer_selection_mode`` ``"all"``, ``"shift_one"`` or ``"ring"``) during backward and
-    the local gradient is applied to the average."""
-
-    def __init__(
-        self,
-        hierarchical: bool = True,
-        peer_selection_mode: str = "all",
-        communication_interval: int = 1,
-    ) -> None:
-        if peer_selection_mode not in _ops.PEER_MODES:
-            raise ValueError(
-                f"peer_selection_mode must be one of {sorted(_ops.PEER_MODES)}, got "
-                f"{peer_selection_mode!r}"
-            )
-        _check_interval(communication_interval)
-        self.hierarchical = hierarchical
-        self.peer_selection_mode = peer_selection_mode
-        self.communication_interval = communication_interval
-
-    def communicates_gradients(self, step: int) -> bool:
-        return False
-
-    def reify(self, opt: Any) -> _Impl:
-        return _DecentralizedImpl(self, opt)
-
-
-class LowPrecisionDecentralized(Algorithm):
-    """Low-precision decentralized SGD on a ring (W = 1/3): after each local step, 8-bit
-    compressed differences are exchanged with both neighbours and every rank keeps replicas of
-    its neighbours' weights."""
-
-    def __init__(self, hierarchical: bool = True, communication_interval: int = 1) -> None:
-        _check_interval(communication_interval)
-        self.hierarchical = hierarchical
-        self.communication_interval = communication_interval
-
-    def communicates_gradients(self, step: int) -> bool:
-        return False
-
-    def reify(self, opt: Any) -> _Impl:
-        return _LowPrecisionDecentralizedImpl(self, opt)
+# The declarations are framework-neutral (bagua_hvd.common.algorithms): the same classes in
+# every frontend. This module adds torch's implementations and QAdamOptimizer.
+Algorithm = _common.Algorithm
+GradientAllReduce = _common.GradientAllReduce
+ByteGrad = _common.ByteGrad
+Decentralized = _common.Decentralized
+LowPrecisionDecentralized = _common.LowPrecisionDecentralized
+QAdamAlgorithm = _common.QAdamAlgorithm
+AsyncModelAverage = _common.AsyncModelAverage
+BY_NAME = _common.BY_NAME
+from_name = _common.from_name
+from_environment = _common.from_environment
+ALGORITHM_ENV = _common.ALGORITHM_ENV
 
 
 class QAdamOptimizer(torch.optim.Optimizer):
@@ -232,110 +148,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         return loss
 
 
-class QAdamAlgorithm(Algorithm):
-    """QAdam's communication: full-precision gradient averaging during warm-up, then the
-    momentum through ByteGrad's compressed allreduce (``error_feedback`` as in ByteGrad)."""
-
-    def __init__(
-        self,
-        q_adam_optimizer: QAdamOptimizer,
-        hierarchical: bool = True,
-        error_feedback: bool = False,
-    ) -> None:
-        if not isinstance(q_adam_optimizer, QAdamOptimizer):
-            raise ValueError("QAdamAlgorithm needs the QAdamOptimizer it communicates for")
-        self.optimizer = q_adam_optimizer
-        self.hierarchical = hierarchical
-        self.error_feedback = error_feedback
-        self.average = True
-
-    def compresses_gradients(self, step: int) -> bool:
-        return not self.optimizer.in_warmup()
-
-    def reify(self, opt: Any) -> _Impl:
-        return _QAdamImpl(self, opt)
-
-
-class AsyncModelAverage(Algorithm):
-    """Asynchronous model averaging: after ``warmup_steps`` of gradient allreduce, gradients stay
-    local and the core averages the weights in the background, rounds at least
-    ``sync_interval_ms`` apart. ``abort()`` stops the rounds on every rank, ``resume()``
-    restarts them; ``hvd.shutdown()`` stops them too."""
-
-    def __init__(
-        self, peer_selection_mode: str = "all", sync_interval_ms: int = 500, warmup_steps: int = 0
-    ) -> None:
-        if peer_selection_mode != "all":
-            raise ValueError(
-                f"AsyncModelAverage supports peer_selection_mode='all' only, got "
-                f"{peer_selection_mode!r}"
-            )
-        if sync_interval_ms < 0:
-            raise ValueError(f"sync_interval_ms must be >= 0, got {sync_interval_ms}")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        self.peer_selection_mode = peer_selection_mode
-        self.sync_interval_ms = sync_interval_ms
-        self.warmup_steps = warmup_steps
-        self._impls: weakref.WeakSet[_AsyncImpl] = weakref.WeakSet()
-
-    def communicates_gradients(self, step: int) -> bool:
-        return step < self.warmup_steps
-
-    def reify(self, opt: Any) -> _Impl:
-        impl = _AsyncImpl(self, opt)
-        self._impls.add(impl)
-        return impl
-
-    def abort(self, model: Any = None) -> None:
-        """Stops background averaging on every rank; returns when this rank's rounds ended.
-        ``model`` is accepted for BAGUA compatibility and ignored."""
-        for impl in list(self._impls):
-            impl.abort()
-
-    def resume(self, model: Any = None) -> None:
-        """Restarts background averaging after :meth:`abort` (every rank must call it)."""
-        for impl in list(self._impls):
-            impl.resume()
-
-
-# The names of bagua-run --algorithm (bagua_hvd.runner.launch.ALGORITHM_NAMES, kept in step).
-BY_NAME: Dict[str, Callable[[], Algorithm]] = {
-    "gradient_allreduce": GradientAllReduce,
-    "bytegrad": ByteGrad,
-    "decentralized": Decentralized,
-    "low_precision_decentralized": LowPrecisionDecentralized,
-    "async": AsyncModelAverage,
-}
-
-
-def from_name(name: str) -> Algorithm:
-    """The algorithm named ``name`` with default arguments (``bagua-run --algorithm``)."""
-    table = BY_NAME
-    key = name.strip().lower()
-    if key == "qadam":
-        raise ValueError(
-            "QAdam needs its own optimizer: build QAdamOptimizer and pass "
-            "algorithm=QAdamAlgorithm(optimizer) in code; it cannot be chosen by name"
-        )
-    if key not in table:
-        raise ValueError(
-            f"unknown algorithm {name!r} (from {ALGORITHM_ENV} or bagua-run --algorithm): choose "
-            f"one of {', '.join(table)}"
-        )
-    return table[key]()
-
-
-def from_environment() -> Optional[Algorithm]:
-    name = os.environ.get(ALGORITHM_ENV)
-    return from_name(name) if name else None
-
-
-def _check_interval(communication_interval: int) -> None:
-    if not isinstance(communication_interval, int) or communication_interval < 1:
-        raise ValueError(
-            f"communication_interval must be a positive integer, got {communication_interval!r}"
-        )
+_common.register_qadam_optimizer(QAdamOptimizer)
 
 
 # ---- implementations ------------------------------------------------------------------------------
@@ -671,3 +484,24 @@ def _torch_dtype_code(t: torch.Tensor) -> int:
     from bagua_hvd.torch import mpi_ops
 
     return mpi_ops._check(t, mpi_ops._ALLREDUCE_DTYPES)
+
+
+# Each declaration's torch implementation (the base _Impl: the gradient path).
+_IMPLS: Dict[type, type] = {
+    Decentralized: _DecentralizedImpl,
+    LowPrecisionDecentralized: _LowPrecisionDecentralizedImpl,
+    QAdamAlgorithm: _QAdamImpl,
+    AsyncModelAverage: _AsyncImpl,
+}
+
+
+def _reify(alg: Algorithm, opt: torch.optim.Optimizer) -> _Impl:
+    """``alg.reify(opt)`` for a torch DistributedOptimizer."""
+    impl_cls = next((c for t, c in _IMPLS.items() if isinstance(alg, t)), _Impl)
+    impl = impl_cls(alg, opt)
+    if isinstance(alg, AsyncModelAverage):
+        alg.register_impl(impl)
+    return impl
+
+
+_common.register_frontend(torch.optim.Optimizer, _reify)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
+from bagua_hvd.common import algorithms as _alg_common
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.common.util import check_predivide_and_groups, split_list
@@ -52,9 +53,6 @@ from bagua_hvd.torch.compression import (
 from bagua_hvd.torch.mpi_ops import Adasum, Average, Sum, rocm_built, size
 
 __all__ = ["DistributedOptimizer"]
-
-BUCKET_MB_ENV = "BAGUA_HVD_BUCKET_MB"
-DEFAULT_BUCKET_MB = 25.0
 
 _ZERO_GRAD_MESSAGE = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
@@ -77,17 +75,6 @@ _CAST_COMPRESSORS = {
     FP16Compressor: torch.float16,
     BF16Compressor: torch.bfloat16,
 }
-
-
-def _bucket_bytes() -> int:
-    value = os.environ.get(BUCKET_MB_ENV, "")
-    try:
-        mb = float(value) if value else DEFAULT_BUCKET_MB
-    except ValueError:
-        raise ValueError(f"{BUCKET_MB_ENV} must be a number of MiB, got {value!r}") from None
-    if mb < 0:
-        raise ValueError(f"{BUCKET_MB_ENV} must be >= 0, got {value!r}")
-    return int(mb * (1 << 20))
 
 
 class _Bucket:
@@ -245,7 +232,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._observed: Optional[List[torch.Tensor]] = None  # ready order during step 1
         self._layout_final = False
         self._hooks_registered = False
-        self._bucket_cap = _bucket_bytes()
+        self._bucket_cap = _alg_common.bucket_bytes()
         self._cast_dtype = _CAST_COMPRESSORS.get(compression, False)
 
         if self.process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):

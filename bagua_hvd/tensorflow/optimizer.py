@@ -1,0 +1,455 @@
+"""Horovod's ``hvd.DistributedOptimizer`` for ``bagua_hvd.tensorflow``.
+
+- A legacy ``tf.compat.v1.train.Optimizer`` (GradientDescentOptimizer, MomentumOptimizer,
+  AdamOptimizer, ...) is wrapped in :class:`_DistributedOptimizer`: ``compute_gradients``
+  returns the gradients reduced across the process set (``op``, Average by default), and
+  ``apply_gradients`` / ``minimize`` apply them with the wrapped optimizer. Works in TF1-style
+  graphs (``tf.compat.v1`` sessions) and eagerly. ``backward_passes_per_step > 1`` accumulates
+  gradients locally and communicates every N-th pass (graph mode only, as Horovod).
+- Any other optimizer (Keras) goes to ``bagua_hvd.tensorflow.keras.DistributedOptimizer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Sequence
+
+import tensorflow as tf
+
+from bagua_hvd.common.process_sets import ProcessSet, global_process_set
+from bagua_hvd.tensorflow.compression import Compression
+from bagua_hvd.tensorflow.mpi_ops import Adasum, Average, rank
+from bagua_hvd.tensorflow.tape import _check_args, _make_allreduce_grads_fn, _ref, _set_size
+
+_LegacyOptimizer = getattr(getattr(tf.compat.v1, "train", None), "Optimizer", None)
+
+
+def _tf_var(v: Any) -> Any:
+    """The ``tf.Variable`` behind a Keras 3 variable (hashable through ``ref()``); ``v`` else."""
+    if hasattr(v, "ref"):
+        return v
+    inner = getattr(v, "_value", None)
+    return inner if isinstance(inner, tf.Variable) else v
+
+
+def _key(v: Any) -> Any:
+    """A hashable key for a variable: ``ref()`` of the ``tf.Variable`` (Keras 3 variables are
+    unhashable and have no ``ref()``), else the object's id."""
+    t = _tf_var(v)
+    return t.ref() if hasattr(t, "ref") else id(v)
+
+
+def _not_none(tensors: Sequence[Any]) -> List[Any]:
+    return [t for t in tensors if t is not None]
+
+
+def _scale_local(grad: Any, n: int) -> Any:
+    if grad is None or n <= 1:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            grad.values / tf.cast(n, grad.values.dtype), grad.indices, grad.dense_shape
+        )
+    return grad / tf.cast(n, grad.dtype)
+
+
+def _filtered_reduce(
+    allreduce_grads: Callable[..., List[Any]],
+    grads: Sequence[Any],
+    vars: Sequence[Any],
+    local_vars: set,
+    process_set: ProcessSet,
+    scale_local_gradients: bool,
+) -> List[Any]:
+    """Reduces the gradients of non-local variables; local ones stay local (divided by the
+    set size when ``scale_local_gradients``, Horovod PR 3695)."""
+    idx = [i for i, v in enumerate(vars) if _ref(v) not in local_vars]
+    reduced = allreduce_grads([grads[i] for i in idx], [vars[i] for i in idx])
+    out = list(grads)
+    for i, g in zip(idx, reduced):
+        out[i] = g
+    if scale_local_gradients and local_vars:
+        n = _set_size(process_set)
+        out = [_scale_local(g, n) if _ref(v) in local_vars else g for g, v in zip(out, vars)]
+    return out
+
+
+class LocalGradientAggregationHelper:
+    """Horovod's local gradient aggregation for ``backward_passes_per_step > 1``, one class for
+    both kinds of optimizer as in Horovod (same constructor; ``optimizer_type`` chooses the
+    mode). ``counter`` counts the passes since the last communication.
+
+    - ``_OPTIMIZER_TYPE_LEGACY`` (``tf.compat.v1.train`` optimizers, graph mode):
+      ``compute_gradients`` sums the gradients into local variables (initialized by the
+      session's local-variable initializers); every ``backward_passes_per_step``-th run reduces
+      the sums across ranks with ``allreduce_func`` (divided by the number of passes when
+      ``average_aggregated_gradients``), and ``apply_gradients`` applies only on those runs
+      (other runs only increment ``global_step``).
+    - ``_OPTIMIZER_TYPE_KERAS`` (the Keras wrapper of ``bagua_hvd._keras``, eager and
+      ``tf.function``): :meth:`step` accumulates densely (``tf.IndexedSlices`` are converted) in
+      non-trainable ``tf.Variable``s that the optimizer does not track (not saved with it),
+      ``counter`` is a ``tf.Variable`` created with the helper, and the N-th call reduces with
+      ``allreduce_func`` and applies.
+    """
+
+    _OPTIMIZER_TYPE_KERAS = "optimizer_type_keras"
+    _OPTIMIZER_TYPE_LEGACY = "optimizer_type_legacy"
+
+    def __init__(
+        self,
+        backward_passes_per_step: int,
+        allreduce_func: Callable[..., List[Any]],
+        sparse_as_dense: bool,
+        average_aggregated_gradients: bool,
+        rank: int,
+        optimizer_type: str = _OPTIMIZER_TYPE_LEGACY,
+        process_set: ProcessSet = global_process_set,
+        scale_local_gradients: bool = True,
+        name: str = "",
+    ) -> None:
+        if backward_passes_per_step <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self._allreduce_grads = allreduce_func
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_aggregated_gradients = average_aggregated_gradients
+        self.sparse_as_dense = sparse_as_dense
+        self.rank = rank
+        self.optimizer_type = optimizer_type
+        self.name = name
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self.counter: Any = None
+        self.locally_aggregated_grads: List[Any] = []
+        self.not_none_indexes: dict = {}
+        self.num_none_grad_updates = 0
+        self._local_vars: set = set()
+        self._acc: Dict[Any, tf.Variable] = {}  # Keras mode: accumulator by variable key
+        if optimizer_type == self._OPTIMIZER_TYPE_KERAS:
+            with tf.init_scope():  # created once, outside any tf.function being traced
+                self.counter = tf.Variable(
+                    0, dtype=tf.int32, trainable=False, name="bhvd_agg_counter"
+                )
+
+    def register_local_var(self, var: Any) -> None:
+        """Marks a variable as worker-local (its gradient is not reduced)."""
+        self._local_vars.add(_ref(var))
+
+    def _maybe_convert_grad(self, grad: Any) -> Any:
+        if isinstance(grad, tf.IndexedSlices):
+            if self.sparse_as_dense:
+                return tf.convert_to_tensor(grad)
+            raise ValueError(
+                "IndexedSlices are not supported when `backward_passes_per_step` > 1 and "
+                "`sparse_as_dense` is False."
+            )
+        return grad
+
+    def _init_aggregation_vars(self, grads: Sequence[Any]) -> None:
+        scope = "aggregation_variables_" + self.name + str(self.rank)
+        local = [tf.compat.v1.GraphKeys.LOCAL_VARIABLES]
+        with tf.compat.v1.variable_scope(scope, reuse=tf.compat.v1.AUTO_REUSE):
+            self.counter = tf.compat.v1.get_variable(
+                "aggregation_counter", shape=(), dtype=tf.int32, trainable=False,
+                initializer=tf.compat.v1.zeros_initializer(), collections=local,
+            )  # fmt: skip
+            self.locally_aggregated_grads = []
+            self.not_none_indexes = {}
+            self.num_none_grad_updates = 0
+            for idx, grad in enumerate(grads):
+                grad = self._maybe_convert_grad(grad)
+                if grad is None:
+                    self.num_none_grad_updates += 1
+                    continue
+                self.not_none_indexes[idx] = len(self.locally_aggregated_grads)
+                zero = tf.zeros(shape=grad.get_shape().as_list(), dtype=grad.dtype)
+                acc = tf.compat.v1.get_variable(
+                    str(idx), trainable=False, initializer=zero,
+                    collections=local + ["aggregating_collection"],
+                )  # fmt: skip
+                self.locally_aggregated_grads.append(acc)
+
+    def _allreduce_aggregated(self, vars: Sequence[Any]) -> List[Any]:
+        aggregated = [g.read_value() for g in self.locally_aggregated_grads]
+        present_vars = [vars[i] for i in sorted(self.not_none_indexes)]
+        with tf.control_dependencies(aggregated):
+            reduced = _filtered_reduce(
+                self._allreduce_grads, aggregated, present_vars, self._local_vars,
+                self.process_set, self.scale_local_gradients,
+            )  # fmt: skip
+            with tf.control_dependencies([g for g in reduced if g is not None]):
+                reset = self.counter.assign(0, use_locking=True)
+            with tf.control_dependencies([reset]):
+                divisor = self.backward_passes_per_step if self.average_aggregated_gradients else 1
+                return [tf.identity(g / divisor) for g in reduced]
+
+    def compute_gradients(self, grads: Sequence[Any], vars: Sequence[Any]) -> List[Any]:
+        self._init_aggregation_vars(grads)
+        clear = tf.cond(
+            tf.equal(self.counter, 0),
+            lambda: tf.group(*[g.assign(tf.zeros_like(g)) for g in self.locally_aggregated_grads]),
+            tf.no_op,
+        )
+        with tf.control_dependencies([clear]):
+            adds = [
+                acc.assign_add(self._maybe_convert_grad(g))
+                for acc, g in zip(self.locally_aggregated_grads, _not_none(grads))
+            ]
+        with tf.control_dependencies(adds):
+            bump = self.counter.assign_add(1)
+        with tf.control_dependencies([bump]):
+            present = [self._maybe_convert_grad(g) for g in _not_none(grads)]
+            result = tf.cond(
+                tf.equal(self.counter, self.backward_passes_per_step),
+                lambda: self._allreduce_aggregated(vars),
+                lambda: [tf.identity(g) for g in present],
+            )
+        if not isinstance(result, (list, tuple)):
+            result = [result]
+        n = len(self.locally_aggregated_grads) + self.num_none_grad_updates
+        return [result[self.not_none_indexes[i]] if i in self.not_none_indexes else None
+                for i in range(n)]  # fmt: skip
+
+    def apply_gradients(
+        self, apply_closure: Callable[[], Any], optimizer: Any, grads_and_vars: Any,
+        global_step: Any = None, name: str | None = None,
+    ) -> Any:  # fmt: skip
+        """Runs ``apply_closure`` when the counter was just reset (a communication pass);
+        otherwise increments ``global_step`` only."""
+        flat = [t for gv in grads_and_vars for t in gv if t is not None]
+        with tf.control_dependencies([tf.group(*flat)]):
+            train_op = tf.cond(tf.equal(self.counter, 0), lambda: tf.group(apply_closure()),
+                               tf.no_op)  # fmt: skip
+
+        def bump_step() -> Any:
+            if global_step is None:
+                return tf.no_op()
+            return tf.group(global_step.assign_add(tf.constant(1, dtype=global_step.dtype)))
+
+        with tf.control_dependencies([train_op]):
+            return tf.cond(tf.equal(self.counter, 0), tf.no_op, bump_step)
+
+    def _accumulator(self, var: Any, grad: Any) -> tf.Variable:
+        k = _key(var)
+        if k not in self._acc:
+            with tf.init_scope():  # created once, outside any tf.function being traced
+                self._acc[k] = tf.Variable(
+                    tf.zeros(tuple(var.shape), dtype=grad.dtype), trainable=False,
+                    name="bhvd_agg_grad",
+                )  # fmt: skip
+        return self._acc[k]
+
+    def step(
+        self,
+        grads: Sequence[Any],
+        variables: Sequence[Any],
+        apply_fn: Callable[[List[Any]], Any],
+        skip_fn: Callable[[], Any],
+    ) -> Any:
+        """Keras mode: accumulates ``grads``; on the N-th pass reduces them with
+        ``allreduce_func``, applies them (``apply_fn``) and resets the accumulators and the
+        counter, else calls ``skip_fn``."""
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        variables = list(variables)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        accs = {i: self._accumulator(variables[i], grads[i]) for i in present}
+        for i in present:
+            accs[i].assign_add(grads[i])
+        count = self.counter.assign_add(1)
+        n = self.backward_passes_per_step
+
+        def do_update() -> tf.Tensor:
+            agg: List[Any] = [None] * len(grads)
+            for i in present:
+                v = accs[i].read_value()
+                if self.average_aggregated_gradients:
+                    v = v / tf.cast(n, v.dtype)
+                agg[i] = v
+            apply_fn(self._allreduce_grads(agg, variables))
+            for i in present:
+                accs[i].assign(tf.zeros_like(accs[i]))
+            self.counter.assign(0)
+            return tf.constant(True)
+
+        def skip() -> tf.Tensor:
+            skip_fn()
+            return tf.constant(False)
+
+        if tf.executing_eagerly():
+            return do_update() if int(count.numpy()) >= n else skip()
+        return tf.cond(count >= n, do_update, skip)
+
+
+if _LegacyOptimizer is not None:
+
+    class _DistributedOptimizer(_LegacyOptimizer):  # type: ignore[misc, valid-type]
+        """Wraps a ``tf.compat.v1.train.Optimizer``: an allreduce combines the gradients
+        before the wrapped optimizer applies them."""
+
+        def __init__(
+            self,
+            optimizer: Any,
+            name: str | None = None,
+            use_locking: bool = False,
+            device_dense: str = "",
+            device_sparse: str = "",
+            compression: Any = Compression.none,
+            sparse_as_dense: bool = False,
+            op: int = Average,
+            gradient_predivide_factor: float = 1.0,
+            backward_passes_per_step: int = 1,
+            average_aggregated_gradients: bool = False,
+            groups: Any = None,
+            process_set: ProcessSet = global_process_set,
+            scale_local_gradients: bool = True,
+        ) -> None:
+            if name is None:
+                name = f"Distributed{type(optimizer).__name__}"
+            super().__init__(name=name, use_locking=use_locking)
+            self._optimizer = optimizer
+            self._allreduce_grads = _make_allreduce_grads_fn(
+                name, compression, sparse_as_dense, op, gradient_predivide_factor, groups,
+                process_set,
+            )  # fmt: skip
+            self._local_vars: set = set()
+            self.process_set = process_set
+            self.scale_local_gradients = scale_local_gradients
+            self._agg_helper: LocalGradientAggregationHelper | None = None
+            if backward_passes_per_step > 1:
+                if tf.executing_eagerly():
+                    raise ValueError(
+                        "backward_passes_per_step > 1 is not yet supported "
+                        "for _LegacyOptimizer with eager execution."
+                    )
+                self._agg_helper = LocalGradientAggregationHelper(
+                    backward_passes_per_step, self._allreduce_grads, sparse_as_dense,
+                    average_aggregated_gradients, rank(),
+                    LocalGradientAggregationHelper._OPTIMIZER_TYPE_LEGACY, process_set,
+                    scale_local_gradients, name,
+                )  # fmt: skip
+
+        def register_local_var(self, var: Any) -> None:
+            """Marks a variable as worker-local: its gradient is not reduced across ranks."""
+            if self._agg_helper is not None:
+                self._agg_helper.register_local_var(var)
+            else:
+                self._local_vars.add(_ref(var))
+
+        def compute_gradients(self, *args: Any, **kwargs: Any) -> List[tuple]:
+            """The wrapped optimizer's ``compute_gradients``, with the gradients reduced
+            across the process set (``op``); returns ``[(grad, var), ...]``."""
+            gradients = self._optimizer.compute_gradients(*args, **kwargs)
+            grads, vars = zip(*gradients)
+            if self._agg_helper is not None:
+                reduced = self._agg_helper.compute_gradients(grads, vars)
+            elif not self.process_set.included():
+                reduced = list(grads)
+            else:
+                reduced = _filtered_reduce(
+                    self._allreduce_grads, grads, vars, self._local_vars, self.process_set,
+                    self.scale_local_gradients,
+                )  # fmt: skip
+            return list(zip(reduced, vars))
+
+        def apply_gradients(
+            self, grads_and_vars: Any, global_step: Any = None, name: str | None = None
+        ) -> Any:
+            """Calls the wrapped optimizer's ``apply_gradients``."""
+            if self._agg_helper is not None:
+                grads_and_vars = list(grads_and_vars)
+                return self._agg_helper.apply_gradients(
+                    lambda: self._optimizer.apply_gradients(
+                        grads_and_vars, global_step=global_step, name=name
+                    ),
+                    self._optimizer, grads_and_vars, global_step=global_step, name=name,
+                )  # fmt: skip
+            return self._optimizer.apply_gradients(
+                grads_and_vars, global_step=global_step, name=name
+            )
+
+        def get_slot(self, *args: Any, **kwargs: Any) -> Any:
+            """Calls the wrapped optimizer's ``get_slot``."""
+            return self._optimizer.get_slot(*args, **kwargs)
+
+        def get_slot_names(self, *args: Any, **kwargs: Any) -> Any:
+            """Calls the wrapped optimizer's ``get_slot_names``."""
+            return self._optimizer.get_slot_names(*args, **kwargs)
+
+        def variables(self, *args: Any, **kwargs: Any) -> Any:
+            """Calls the wrapped optimizer's ``variables``."""
+            return self._optimizer.variables(*args, **kwargs)
+
+
+def DistributedOptimizer(
+    optimizer: Any,
+    name: str | None = None,
+    use_locking: bool = False,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    backward_passes_per_step: int = 1,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+    algorithm: Any = None,
+) -> Any:
+    """Wraps an optimizer so that gradients are reduced across the process set before they
+    are applied (Horovod's ``hvd.DistributedOptimizer``).
+
+    A legacy ``tf.compat.v1.train.Optimizer`` gets :class:`_DistributedOptimizer` (graph mode
+    and eager); any other (Keras) optimizer goes to
+    ``bagua_hvd.tensorflow.keras.DistributedOptimizer`` (``algorithm``, a BAGUA algorithm, is
+    passed there; the legacy path accepts only None). op: Average (default), Sum;
+    Adasum is not implemented for legacy optimizers (NotImplementedError) and not supported
+    with Keras (ValueError). gradient_predivide_factor (Average only): scale by ``1/f``
+    before the sum and ``f/size`` after. groups: int or list of lists of variables (fused
+    requests). backward_passes_per_step > 1: accumulate locally, communicate every N passes
+    (graph mode only for legacy optimizers; ``average_aggregated_gradients`` divides the sum
+    by N). ``device_dense``/``device_sparse``/``use_locking`` are accepted for compatibility.
+    Horovod drops ``op`` and ``groups`` on the Keras path; here they are passed on.
+    """
+    groups = _check_args(op, gradient_predivide_factor, num_groups, groups)
+    if op == Adasum and average_aggregated_gradients:
+        raise ValueError("Adasum does not support average_aggregated_gradients == True")
+
+    if _LegacyOptimizer is not None and isinstance(optimizer, _LegacyOptimizer):
+        if algorithm is not None:
+            raise ValueError(
+                "algorithm= (BAGUA algorithms) needs a Keras optimizer; a legacy "
+                "tf.compat.v1.train.Optimizer supports only Horovod's allreduce"
+            )
+        if op == Adasum:
+            if process_set.process_set_id != 0:
+                raise NotImplementedError("Adasum does not support process sets yet")
+            raise NotImplementedError(
+                "op == Adasum (Horovod's _DistributedAdasumOptimizer) is not implemented for "
+                "tf.compat.v1.train optimizers in bagua_hvd; use op=Average or op=Sum"
+            )
+        return _DistributedOptimizer(
+            optimizer=optimizer, name=name, use_locking=use_locking, device_dense=device_dense,
+            device_sparse=device_sparse, compression=compression,
+            sparse_as_dense=sparse_as_dense, op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+            backward_passes_per_step=backward_passes_per_step,
+            average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+            process_set=process_set, scale_local_gradients=scale_local_gradients,
+        )  # fmt: skip
+
+    if op == Adasum:
+        raise ValueError("op == Adasum is not supported yet with Keras")
+    import bagua_hvd.tensorflow.keras as hvd_k  # lazily: the Keras frontend imports this package
+
+    kwargs = dict(
+        optimizer=optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+        compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients,
+    )  # fmt: skip
+    if algorithm is not None:
+        kwargs["algorithm"] = algorithm
+    return hvd_k.DistributedOptimizer(**kwargs)
