@@ -10,8 +10,8 @@ Same flags and output as Horovod's script, with `import bagua_hvd.tensorflow as 
 Each step is one @tf.function: forward and loss under a tf.GradientTape wrapped by
 hvd.DistributedGradientTape (the gradients are averaged across ranks), then the optimizer's
 update. After the first step, rank 0's model and optimizer variables are broadcast to every rank
-(hvd.broadcast_variables), as in Horovod's script (which does it inside the tf.function; here it
-runs eagerly, see first_step()). After --num-warmup-batches, --num-iters
+(hvd.broadcast_variables inside the tf.function, as in Horovod's script). After
+--num-warmup-batches, --num-iters
 iterations of --num-batches-per-iter steps are timed; rank 0 prints the images/s of each
 iteration, their mean per rank (+- 1.96 standard deviations) and the total over ranks.
 
@@ -167,12 +167,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def tf_variables(variables: list) -> list:
-    """The tf.Variables behind Keras 3 variables (keras.Variable is unhashable and has no
-    .ref(), which DistributedGradientTape.gradient needs for its sources)."""
-    return [getattr(v, "value", v) if isinstance(v, keras.Variable) else v for v in variables]
-
-
 def flat(variables: list) -> np.ndarray:
     return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in variables])
 
@@ -209,7 +203,7 @@ def check_sync(
     with tf.GradientTape() as tape:
         loss = loss_fn(model(data, training=True))
     tape = hvd.DistributedGradientTape(tape, compression=compression)
-    averaged = flat(tape.gradient(loss, tf_variables(variables)))
+    averaged = flat(tape.gradient(loss, variables))
     locals_ = hvd.allgather(tf.constant(local[np.newaxis]), name="check.grads").numpy()
     expected = locals_.mean(axis=0)
     # fp16 compression rounds every gradient to 11 significant bits before the sum.
@@ -259,31 +253,24 @@ def main(argv: list[str] | None = None) -> int:
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
 
     @tf.function
-    def benchmark_step() -> None:
+    def benchmark_step(first_batch: bool = False) -> None:
         # Horovod: use DistributedGradientTape
         with tf.GradientTape() as tape:
             loss = loss_fn(model(data, training=True))
         # Horovod: add Horovod Distributed GradientTape.
         tape = hvd.DistributedGradientTape(tape, compression=compression)
-        gradients = tape.gradient(loss, tf_variables(model.trainable_variables))
+        gradients = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(gradients, model.trainable_variables))
 
-    def first_step() -> None:
-        benchmark_step()
         # Horovod: broadcast initial variable states from rank 0 to all other processes.
         # This is necessary to ensure consistent initialization of all workers when
         # training is started with random weights or restored from a checkpoint.
         #
         # Note: broadcast should be done after the first gradient step to ensure optimizer
         # initialization.
-        #
-        # (Horovod's script does this inside benchmark_step(first_batch=True); here it runs
-        # eagerly because bagua_hvd's in-graph broadcast of 0-d variables -- the optimizer's
-        # iteration counter -- fails: tf.numpy_function hands the callback a numpy scalar.)
-        if args.skip_broadcast:
-            return
-        hvd.broadcast_variables(model.variables, root_rank=0)
-        hvd.broadcast_variables(opt.variables, root_rank=0)
+        if first_batch and not args.skip_broadcast:
+            hvd.broadcast_variables(model.variables, root_rank=0)
+            hvd.broadcast_variables(opt.variables, root_rank=0)
 
     def log(s: str, nl: bool = True) -> None:
         if hvd.rank() != 0:
@@ -299,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     with tf.device(device):
         # Warm-up
         log("Running warmup...")
-        first_step()
+        benchmark_step(first_batch=True)
         # After the broadcast: every rank holds rank 0's weights, the run's starting point.
         initial = flat(model.trainable_variables)
         timeit.timeit(benchmark_step, number=args.num_warmup_batches)

@@ -455,3 +455,28 @@ def test_process_sets():
         hvd.mpi_ops.barrier()
         hvd.shutdown()
         hvd.init()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pooled_outputs_stay_valid_while_referenced(mode):
+    """Outputs of 64 KiB and more come from a buffer pool (bagua_hvd/tensorflow/mpi_ops.py):
+    a buffer must not be handed out again while a tensor, or a numpy view of one, still uses
+    it, and the outputs must hold the right values after later calls of the same size."""
+    n = 1 << 16  # float32: 256 KiB
+
+    def reduce(value: float) -> tf.Tensor:
+        x = tf.fill([n], tf.constant(value * (rank() + 1), tf.float32))
+        return hvd.allreduce(x, op=hvd.Sum, name="pooled")
+
+    fn = tf.function(reduce) if mode == "graph" else reduce
+    total = sum(r + 1 for r in range(size()))
+    kept = fn(1.0)
+    view = fn(2.0).numpy()  # the tensor is gone after this line, its numpy copy/view stays
+    later = [fn(3.0 + i) for i in range(4)]  # same size: would reuse a wrongly freed buffer
+    np.testing.assert_array_equal(kept.numpy(), np.full(n, 1.0 * total, np.float32))
+    np.testing.assert_array_equal(view, np.full(n, 2.0 * total, np.float32))
+    for i, t in enumerate(later):
+        np.testing.assert_array_equal(t.numpy(), np.full(n, (3.0 + i) * total, np.float32))
+    del kept, later
+    again = fn(9.0)  # buffers given back to the pool are reused correctly
+    np.testing.assert_array_equal(again.numpy(), np.full(n, 9.0 * total, np.float32))
