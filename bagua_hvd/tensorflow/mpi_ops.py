@@ -43,6 +43,7 @@ from bagua_hvd.common.process_sets import (
     remove_process_set,
 )
 from bagua_hvd.common.util import num_rank_is_power_2
+from bagua_hvd.tensorflow import status_op as _status_op
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -330,6 +331,24 @@ def _graph_callback(fn: Callable[..., List[np.ndarray]]) -> Callable[..., List[n
     return run
 
 
+def _status_callback(
+    fn: Callable[..., List[np.ndarray]], out_dtypes: Sequence[tf.DType]
+) -> Callable[..., List[Any]]:
+    """Wraps ``fn`` for tf.numpy_function with two more outputs: the status code and message
+    of a ``tf.errors.OpError`` it raised (0 and b"" on success; empty outputs then)."""
+
+    @tf.autograph.experimental.do_not_convert
+    def run(*arrays: np.ndarray) -> List[Any]:
+        try:
+            outs = list(fn(*arrays))
+        except tf.errors.OpError as e:
+            empty = [np.zeros((0,), d.as_numpy_dtype) for d in out_dtypes]
+            return empty + [np.int32(e.error_code), e.message.encode()]
+        return outs + [np.int32(0), b""]
+
+    return run
+
+
 def _execute(
     fn: Callable[..., List[np.ndarray]],
     inputs: Sequence[tf.Tensor],
@@ -339,10 +358,23 @@ def _execute(
     """Runs ``fn`` on the inputs' numpy values eagerly, or as a numpy_function in a graph."""
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(o) for o in fn(*[np.asarray(t) for t in inputs])]
-    outs = tf.numpy_function(_graph_callback(fn), list(inputs), list(out_dtypes), stateful=True)
-    if not isinstance(outs, (list, tuple)):
-        outs = [outs]
-    outs = list(outs)
+    status_op = _status_op.load()
+    if status_op is None:
+        outs = tf.numpy_function(_graph_callback(fn), list(inputs), list(out_dtypes), stateful=True)
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    else:
+        # The callback returns its status (code, message) beside the outputs; BaguaHvdRaise
+        # fails the step with it, before anything can read the outputs.
+        outs = tf.numpy_function(
+            _status_callback(fn, out_dtypes),
+            list(inputs),
+            list(out_dtypes) + [tf.int32, tf.string],
+            stateful=True,
+        )
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        raised = status_op.bagua_hvd_raise(outs[-2], outs[-1])
+        with tf.control_dependencies([raised]):
+            outs = [tf.identity(o) for o in outs[:-2]]
     for o, shape in zip(outs, out_shapes):
         if shape is not None:
             o.set_shape(shape)

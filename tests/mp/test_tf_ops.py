@@ -381,9 +381,40 @@ def test_mismatch_errors():
         match="Mismatched BROADCAST root ranks: One rank specified root rank",
     ):
         hvd.broadcast(tf.ones([2]), r, name="mm.root")
-    # Inside tf.function TensorFlow reports callback errors other than ValueError as
-    # UnknownError; the class name and Horovod's message are kept (docs/tensorflow.md).
-    f = tf.function(lambda: hvd.allreduce(tf.ones([3 + r]), name="mm.graph"))
+    np.testing.assert_allclose(hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy(), [size()] * 2)
+
+
+@pytest.mark.skipif("hvd.size() < 2")
+def test_mismatch_errors_in_tf_function(monkeypatch):
+    """Inside tf.function the same classes and texts as eagerly: the collective's status goes
+    to the BaguaHvdRaise op (bagua_hvd/tensorflow/status_op.py), which the tests require to
+    build here. Without it (the fallback) TensorFlow reports UnknownError with the text."""
+    r = rank()
+    shape_text = r"Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape \["
+    assert hvd.mpi_ops._status_op.load() is not None, "the BaguaHvdRaise op did not build"
+    cases = [
+        (lambda: hvd.allreduce(tf.ones([3 + r]), name="g.shape"), shape_text),
+        (
+            lambda: hvd.allreduce(tf.ones([2], dtype=tf.float32 if r else tf.int32), name="g.dt"),
+            "Mismatched data types",
+        ),
+        (
+            lambda: hvd.allreduce(tf.ones([2]), op=hvd.Sum if r else hvd.Max, name="g.op"),
+            "Mismatched reduction operation",
+        ),
+        (lambda: hvd.broadcast(tf.ones([2]), r, name="g.root"), "Mismatched BROADCAST root"),
+    ]
+    for fn, text in cases:
+        with pytest.raises(tf.errors.FailedPreconditionError, match=text):
+            tf.function(fn)()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="invalid root rank"):
+        tf.function(lambda: hvd.broadcast(tf.ones([2]), size() + 5))()
+    np.testing.assert_allclose(
+        tf.function(lambda: hvd.allreduce(tf.ones([2]), op=hvd.Sum))().numpy(), [size()] * 2
+    )
+    # The fallback where the op cannot be built.
+    monkeypatch.setattr(hvd.mpi_ops._status_op, "_loaded", [None])
+    f = tf.function(lambda: hvd.allreduce(tf.ones([3 + r]), name="g.fallback"))
     with pytest.raises(tf.errors.UnknownError, match="FailedPreconditionError: " + shape_text):
         f()
     np.testing.assert_allclose(hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy(), [size()] * 2)
