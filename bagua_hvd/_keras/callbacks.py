@@ -31,13 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import bagua_hvd.tensorflow as hvd
-
-
-def _key(var: Any) -> Any:
-    """A hashable identity for a tf.Variable (``ref()``) or a Keras 3 variable (its id)."""
-    if isinstance(var, tf.Variable) and hasattr(var, "ref"):
-        return var.ref()
-    return ("id", id(var))
+from bagua_hvd.tensorflow.tape import _ref
 
 
 def _is_variable(var: Any) -> bool:
@@ -131,12 +125,12 @@ class BroadcastGlobalVariablesCallbackImpl:
 
     def register_local_var(self, var: Any) -> None:
         """Registers a variable as worker local: it is not broadcast."""
-        self._local_vars.add(_key(var))
+        self._local_vars.add(_ref(var))
 
     def _model_variables(self) -> List[Any]:
         model = self.model
         weights = model.weights if hasattr(model, "weights") else model.variables
-        return [v for v in weights if _key(v) not in self._local_vars]
+        return [v for v in weights if _ref(v) not in self._local_vars]
 
     def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         if self.broadcast_done:
@@ -150,7 +144,7 @@ class BroadcastGlobalVariablesCallbackImpl:
                         optimizer.build(self.model.trainable_variables)
                     opt_vars = [
                         v for v in _optimizer_variables(optimizer)
-                        if _key(v) not in self._local_vars
+                        if _ref(v) not in self._local_vars
                     ]  # fmt: skip
                     hvd.broadcast_variables(opt_vars, root_rank=self.root_rank)
             else:  # TF1-style graph (tf_keras with eager execution disabled)

@@ -40,13 +40,8 @@ import tensorflow as tf
 from bagua_hvd.common.algorithms import ALGORITHM_ENV
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.tensorflow.mpi_ops import rank
-from bagua_hvd.tensorflow.optimizer import (
-    LocalGradientAggregationHelper,
-    _key,
-    _scale_local,
-    _tf_var,
-)
-from bagua_hvd.tensorflow.tape import _make_allreduce_grads_fn, _set_size
+from bagua_hvd.tensorflow.optimizer import LocalGradientAggregationHelper, _tf_var
+from bagua_hvd.tensorflow.tape import _filtered_reduce, _make_allreduce_grads_fn, _ref
 
 _MODULE = "bagua_hvd._keras"
 
@@ -161,7 +156,7 @@ def create_distributed_optimizer(
         def register_local_var(self, var: Any) -> None:
             """Marks ``var`` as worker-local: its gradient is not reduced across ranks (it is
             divided by the set size when ``scale_local_gradients``)."""
-            self._bhvd.local_keys.add(_key(var))
+            self._bhvd.local_keys.add(_ref(var))
 
         def _algorithm_impl(self) -> Any:
             st = self._bhvd
@@ -187,27 +182,11 @@ def create_distributed_optimizer(
                 )
             if not st.process_set.included():
                 return grads
-            out = list(grads)
-            glob = [
-                i
-                for i, v in enumerate(vars)
-                if grads[i] is not None and _key(v) not in st.local_keys
-            ]
             impl = self._algorithm_impl()
-            if glob:
-                gg = [grads[i] for i in glob]
-                if impl is not None:
-                    reduced = impl.reduce_gradients(gg, [vars[i] for i in glob])
-                else:
-                    reduced = st.allreduce_grads(gg, [_tf_var(vars[i]) for i in glob])
-                for i, r in zip(glob, reduced):
-                    out[i] = r
-            n = _set_size(st.process_set)
-            if self.scale_local_gradients and st.local_keys and n > 1:
-                for i, v in enumerate(vars):
-                    if out[i] is not None and _key(v) in st.local_keys:
-                        out[i] = _scale_local(out[i], n)
-            return out
+            reduce = impl.reduce_gradients if impl is not None else st.allreduce_grads
+            return _filtered_reduce(
+                reduce, grads, vars, st.local_keys, st.process_set, self.scale_local_gradients
+            )
 
         def _after_apply(self, vars: Sequence[Any]) -> None:
             impl = self._algorithm_impl()

@@ -18,7 +18,12 @@ import tensorflow as tf
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.tensorflow.compression import Compression
 from bagua_hvd.tensorflow.mpi_ops import Adasum, Average, rank
-from bagua_hvd.tensorflow.tape import _check_args, _make_allreduce_grads_fn, _ref, _set_size
+from bagua_hvd.tensorflow.tape import (
+    _check_args,
+    _filtered_reduce,
+    _make_allreduce_grads_fn,
+    _ref,
+)
 
 _LegacyOptimizer = getattr(getattr(tf.compat.v1, "train", None), "Optimizer", None)
 
@@ -31,46 +36,8 @@ def _tf_var(v: Any) -> Any:
     return inner if isinstance(inner, tf.Variable) else v
 
 
-def _key(v: Any) -> Any:
-    """A hashable key for a variable: ``ref()`` of the ``tf.Variable`` (Keras 3 variables are
-    unhashable and have no ``ref()``), else the object's id."""
-    t = _tf_var(v)
-    return t.ref() if hasattr(t, "ref") else id(v)
-
-
 def _not_none(tensors: Sequence[Any]) -> List[Any]:
     return [t for t in tensors if t is not None]
-
-
-def _scale_local(grad: Any, n: int) -> Any:
-    if grad is None or n <= 1:
-        return grad
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            grad.values / tf.cast(n, grad.values.dtype), grad.indices, grad.dense_shape
-        )
-    return grad / tf.cast(n, grad.dtype)
-
-
-def _filtered_reduce(
-    allreduce_grads: Callable[..., List[Any]],
-    grads: Sequence[Any],
-    vars: Sequence[Any],
-    local_vars: set,
-    process_set: ProcessSet,
-    scale_local_gradients: bool,
-) -> List[Any]:
-    """Reduces the gradients of non-local variables; local ones stay local (divided by the
-    set size when ``scale_local_gradients``, Horovod PR 3695)."""
-    idx = [i for i, v in enumerate(vars) if _ref(v) not in local_vars]
-    reduced = allreduce_grads([grads[i] for i in idx], [vars[i] for i in idx])
-    out = list(grads)
-    for i, g in zip(idx, reduced):
-        out[i] = g
-    if scale_local_gradients and local_vars:
-        n = _set_size(process_set)
-        out = [_scale_local(g, n) if _ref(v) in local_vars else g for g, v in zip(out, vars)]
-    return out
 
 
 class LocalGradientAggregationHelper:
@@ -228,7 +195,7 @@ class LocalGradientAggregationHelper:
             return tf.cond(tf.equal(self.counter, 0), tf.no_op, bump_step)
 
     def _accumulator(self, var: Any, grad: Any) -> tf.Variable:
-        k = _key(var)
+        k = _ref(var)
         if k not in self._acc:
             with tf.init_scope():  # created once, outside any tf.function being traced
                 self._acc[k] = tf.Variable(

@@ -35,14 +35,49 @@ def _set_size(process_set: ProcessSet) -> int:
 
 
 def _ref(v: Any) -> Any:
-    """A hashable key for a variable: ``tf.Variable.ref()``; a Keras 3 variable (no ``ref``,
-    not hashable) is keyed by the tf.Variable it wraps."""
+    """A hashable key for a variable (or tensor): ``ref()``; a Keras 3 variable (no ``ref``,
+    not hashable) is keyed by the tf.Variable it wraps; anything else by its id."""
     if hasattr(v, "ref"):
         return v.ref()
     inner = getattr(v, "_value", None)
     if isinstance(inner, tf.Variable):
         return inner.ref()
-    return v
+    return id(v)
+
+
+def _scale_local(grad: Any, n: int) -> Any:
+    """A worker-local gradient divided by the set size (Horovod's scale_local_gradients)."""
+    if grad is None or n <= 1:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            grad.values / tf.cast(n, grad.values.dtype), grad.indices, grad.dense_shape
+        )
+    return grad / tf.cast(n, grad.dtype)
+
+
+def _filtered_reduce(
+    reduce_fn: Callable[[List[Any], List[Any]], List[Any]],
+    grads: Sequence[Any],
+    vars: Sequence[Any],
+    local_keys: set,
+    process_set: ProcessSet,
+    scale_local_gradients: bool,
+) -> List[Any]:
+    """``reduce_fn(grads, vars)`` on the gradients of the non-local variables; the local ones
+    (keys ``_ref(var)`` in ``local_keys``) stay local, divided by the set size when
+    ``scale_local_gradients`` (Horovod PR 3695). Shared by the tapes, the tf.compat.v1
+    optimizer and the Keras optimizer."""
+    idx = [i for i, v in enumerate(vars) if _ref(v) not in local_keys]
+    out = list(grads)
+    if idx:
+        reduced = reduce_fn([grads[i] for i in idx], [vars[i] for i in idx])
+        for i, g in zip(idx, reduced):
+            out[i] = g
+    if scale_local_gradients and local_keys:
+        n = _set_size(process_set)
+        out = [_scale_local(g, n) if _ref(v) in local_keys else g for g, v in zip(out, vars)]
+    return out
 
 
 def _make_allreduce_grads_fn(
@@ -192,33 +227,18 @@ class _DistributedGradientTape(tf.GradientTape):
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         if not self.process_set.included():
             return grads
-        is_local = [_ref(s) in self._local_sources for s in flat_sources]
-        glob = [i for i, loc in enumerate(is_local) if not loc]
-        glob_sources = [flat_sources[i] for i in glob]
-        if self._algo_impl is not None:
-            self._last_sources = glob_sources
+
+        def reduce(gs: List[Any], vs: List[Any]) -> List[Any]:
+            if self._algo_impl is None:
+                return self._allreduce_grads(gs, vs, use_generic_names)
+            self._last_sources = vs
             with tf.name_scope("DistributedGradientTape_" + type(self.algorithm).__name__):
-                reduced = self._algo_impl.reduce_gradients(
-                    [flat_grads[i] for i in glob], glob_sources
-                )
-        else:
-            reduced = self._allreduce_grads(
-                [flat_grads[i] for i in glob], glob_sources, use_generic_names
-            )
-        out = list(flat_grads)
-        for i, r in zip(glob, reduced):
-            out[i] = r
-        if self.scale_local_gradients and self._local_sources:
-            n = _set_size(self.process_set)
-            for i, loc in enumerate(is_local):
-                if loc and out[i] is not None and n > 1:
-                    g = out[i]
-                    if isinstance(g, tf.IndexedSlices):
-                        out[i] = tf.IndexedSlices(
-                            g.values / tf.cast(n, g.values.dtype), g.indices, g.dense_shape
-                        )
-                    else:
-                        out[i] = g / tf.cast(n, g.dtype)
+                return self._algo_impl.reduce_gradients(gs, vs)
+
+        out = _filtered_reduce(
+            reduce, flat_grads, flat_sources, self._local_sources, self.process_set,
+            self.scale_local_gradients,
+        )  # fmt: skip
         return tf.nest.pack_sequence_as(sources, out)
 
 
