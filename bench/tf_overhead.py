@@ -4,8 +4,10 @@
 
 For a 4-byte and a 1 MiB float32 Sum-allreduce it prints the median and p90 time per call
 (max over ranks) of: the framework-neutral layer alone (bagua_hvd.common.ops on a numpy
-buffer), torch allreduce, TF allreduce eagerly, and TF allreduce inside a tf.function (one
-allreduce per call). The differences are the frontends' own overhead.
+buffer), torch allreduce, TF allreduce eagerly, TF allreduce inside a tf.function (one
+allreduce per call) through the BaguaHvdCollective kernel and through the numpy_function path
+(the kernels' fallback), and TensorFlow's floor: a tf.function returning tf.identity of its
+input. The differences are the frontends' own overhead.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _report(label: str, samples: list) -> None:
     stats = hvd.allreduce(stats, op=hvd.Max, name="bench.stats")
     if hvd.rank() == 0:
         med, p90 = stats.tolist()
-        print(f"{label:<34} median {med * 1e6:9.1f} us   p90 {p90 * 1e6:9.1f} us", flush=True)
+        print(f"{label:<36} median {med * 1e6:9.1f} us   p90 {p90 * 1e6:9.1f} us", flush=True)
 
 
 def _bench_size(nbytes: int, iters: int) -> None:
@@ -62,11 +64,19 @@ def _bench_size(nbytes: int, iters: int) -> None:
     x_torch = torch.ones(n)
     x_tf = tf.ones([n])
     graph_fn = tf.function(lambda t: hvd_tf.allreduce(t, op=hvd_tf.Sum))
+    graph_fn.get_concrete_function(x_tf)
+    hvd_tf.mpi_ops._collective_kernel[0] = False  # the path is chosen at trace time
+    numpy_fn = tf.function(lambda t: hvd_tf.allreduce(t, op=hvd_tf.Sum))
+    numpy_fn.get_concrete_function(x_tf)
+    hvd_tf.mpi_ops._collective_kernel[0] = True
+    floor_fn = tf.function(tf.identity)
     cases = [
         ("core layer (numpy buffer)", raw),
         ("torch allreduce", lambda: hvd.allreduce(x_torch, op=hvd.Sum)),
         ("tf allreduce, eager", lambda: hvd_tf.allreduce(x_tf, op=hvd_tf.Sum)),
-        ("tf allreduce, tf.function", lambda: graph_fn(x_tf)),
+        ("tf allreduce, tf.function (kernel)", lambda: graph_fn(x_tf)),
+        ("tf allreduce, tf.function (numpy)", lambda: numpy_fn(x_tf)),
+        ("tf.function(tf.identity), no comm", lambda: floor_fn(x_tf)),
     ]
     if hvd.rank() == 0:
         print(f"--- {nbytes} bytes, {hvd.size()} ranks, {iters} iterations", flush=True)

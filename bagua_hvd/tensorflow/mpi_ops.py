@@ -43,7 +43,7 @@ from bagua_hvd.common.process_sets import (
     remove_process_set,
 )
 from bagua_hvd.common.util import num_rank_is_power_2
-from bagua_hvd.tensorflow import status_op as _status_op
+from bagua_hvd.tensorflow import kernels as _kernels
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -349,19 +349,29 @@ def _status_callback(
     return run
 
 
+# Whether allreduce and broadcast in a graph use BaguaHvdCollective when the kernels are built
+# (tests and bench/train.py switch it off to run the numpy_function path beside it).
+_collective_kernel = [True]
+
+
 def _execute(
     fn: Callable[..., List[np.ndarray]],
     inputs: Sequence[tf.Tensor],
     out_dtypes: Sequence[tf.DType],
     out_shapes: Sequence[Any],
+    kernel: Dict[str, Any] | None = None,
 ) -> List[tf.Tensor]:
-    """Runs ``fn`` on the inputs' numpy values eagerly, or as a numpy_function in a graph."""
+    """Runs ``fn`` on the inputs' numpy values eagerly. In a graph: the asynchronous
+    ``BaguaHvdCollective`` kernel with the attributes ``kernel`` where given (allreduce,
+    broadcast), else ``fn`` as a numpy_function."""
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(o) for o in fn(*[np.asarray(t) for t in inputs])]
-    status_op = _status_op.load()
-    if status_op is None:
+    ops = _kernels.load()
+    if ops is None:
         outs = tf.numpy_function(_graph_callback(fn), list(inputs), list(out_dtypes), stateful=True)
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    elif kernel is not None and _collective_kernel[0]:
+        outs = list(ops.bagua_hvd_collective(list(inputs), **kernel))
     else:
         # The callback returns its status (code, message) beside the outputs; BaguaHvdRaise
         # fails the step with it, before anything can read the outputs.
@@ -372,7 +382,7 @@ def _execute(
             stateful=True,
         )
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-        raised = status_op.bagua_hvd_raise(outs[-2], outs[-1])
+        raised = ops.bagua_hvd_raise(outs[-2], outs[-1])
         with tf.control_dependencies([raised]):
             outs = [tf.identity(o) for o in outs[:-2]]
     for o, shape in zip(outs, out_shapes):
@@ -487,7 +497,11 @@ def grouped_allreduce_dense(
                 postscale_factor=postscale_factor,
             )[0]
 
-        outs = _execute(fn, xs, [x.dtype for x in xs], [x.shape for x in xs])
+        kernel = dict(
+            op_type=_ops.OP_ALLREDUCE, core_name=core_name or "", process_set_id=ps_id,
+            reduce_op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        )  # fmt: skip
+        outs = _execute(fn, xs, [x.dtype for x in xs], [x.shape for x in xs], kernel)
 
         def grad(*dys: Any) -> List[tf.Tensor]:
             return grouped_allreduce_dense(
@@ -608,7 +622,11 @@ def _broadcast_tensor(
                 root_rank=root_rank,
             )[0]
 
-        outs = _execute(fn, xs, [xs[0].dtype], [xs[0].shape])
+        kernel = dict(
+            op_type=_ops.OP_BROADCAST, core_name=core_name or "", process_set_id=ps_id,
+            root_rank=root_rank,
+        )  # fmt: skip
+        outs = _execute(fn, xs, [xs[0].dtype], [xs[0].shape], kernel)
 
         def grad(dy: Any) -> List[tf.Tensor]:
             # Horovod's _broadcast_grad: Sum-allreduce, zero on every rank but the root.

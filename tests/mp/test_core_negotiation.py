@@ -124,3 +124,62 @@ def test_changed_parameters_under_a_cached_name_are_still_checked():
         hvd.allreduce(torch.ones(shape), name="cached.shape")
     out = hvd.allreduce(torch.ones(5), name="cached.after", op=hvd.Sum)
     np.testing.assert_array_equal(out.numpy(), np.full(5, hvd.size(), np.float32))
+
+
+def test_completion_callbacks():
+    """bhvd_on_done (what the TensorFlow kernel waits with): the callback gets the handle and
+    its final status once, on the core's thread for a pending handle and at once on the
+    caller's for a completed one; a second callback or an unknown handle is refused; an error
+    status and its message reach it."""
+    import threading
+
+    from bagua_hvd.common import ops
+    from bagua_hvd.common._native import ffi
+
+    size, rank = hvd.size(), hvd.rank()
+    n = lib()
+    calls: list = []
+    event = threading.Event()
+
+    @ffi.callback("void(int64_t, int32_t, void*)")
+    def on_done(handle, status, arg):
+        message = ffi.string(n.bhvd_handle_error(handle)).decode()
+        calls.append((handle, status, message, threading.get_ident()))
+        event.set()
+
+    x = np.full(8, rank + 1.0, np.float32)
+    out = np.empty_like(x)
+
+    def enqueue(name: str, data: np.ndarray, result: np.ndarray) -> int:
+        h, _ = ops.enqueue(
+            ops.OP_ALLREDUCE, [(data.ctypes.data, ops.FLOAT32, data.shape)],
+            [(result.ctypes.data, ops.FLOAT32, result.shape)], name=name, reduce_op=ops.Sum,
+        )  # fmt: skip
+        return h
+
+    hvd.barrier()
+    h = enqueue("cb.pending", x, out)  # not urgent: held for the 100 ms cycle
+    assert n.bhvd_on_done(h, on_done, ffi.NULL) == ops.OK
+    assert n.bhvd_on_done(h, on_done, ffi.NULL) == ops.INVALID_ARGUMENT
+    assert "already has a completion callback" in ffi.string(n.bhvd_last_error()).decode()
+    assert event.wait(30), "the completion callback did not run"
+    assert calls == [(h, ops.OK, "", calls[0][3])]
+    assert calls[0][3] != threading.get_ident(), "a pending handle's callback ran on the caller"
+    np.testing.assert_array_equal(out, np.full(8, sum(r + 1.0 for r in range(size))))
+    # Completed already: at once, on this thread.
+    calls.clear()
+    assert n.bhvd_on_done(h, on_done, ffi.NULL) == ops.OK
+    assert calls == [(h, ops.OK, "", threading.get_ident())]
+    ops.release(h)
+    assert n.bhvd_on_done(h, on_done, ffi.NULL) == ops.INVALID_ARGUMENT  # released: unknown
+    if size > 1:  # a mismatch: the error status and Horovod's text
+        y = np.zeros(4 + rank, np.float32)
+        yo = np.empty_like(y)
+        calls.clear()
+        event.clear()
+        h = enqueue("cb.mismatch", y, yo)
+        assert n.bhvd_on_done(h, on_done, ffi.NULL) == ops.OK
+        assert event.wait(30), "the completion callback did not run"
+        assert calls[0][1] == ops.PRECONDITION_ERROR, calls
+        assert "Mismatched ALLREDUCE tensor shapes" in calls[0][2], calls
+        ops.release(h)

@@ -29,6 +29,9 @@ TF_DTYPES = {
     "bool": tf.bool,
 }
 MODES = ["eager", "graph"]
+# allreduce and broadcast inside tf.function run as the asynchronous BaguaHvdCollective kernel;
+# "graph-numpy" runs them through the numpy_function path too (the kernels' fallback).
+KERNEL_MODES = MODES + ["graph-numpy"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,8 +52,17 @@ def rank():
 
 
 def run(mode, fn):
-    """Calls ``fn`` eagerly or as a freshly traced tf.function."""
-    return fn() if mode == "eager" else tf.function(fn)()
+    """Calls ``fn`` eagerly or as a freshly traced tf.function (see KERNEL_MODES)."""
+    if mode == "eager":
+        return fn()
+    if mode == "graph":
+        return tf.function(fn)()
+    assert mode == "graph-numpy", mode
+    hvd.mpi_ops._collective_kernel[0] = False
+    try:
+        return tf.function(fn)()
+    finally:
+        hvd.mpi_ops._collective_kernel[0] = True
 
 
 def to_tf(a, dtype):
@@ -105,7 +117,7 @@ def test_exports_and_queries():
 
 # ---- allreduce ---------------------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore:Parameter `average`:DeprecationWarning")
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_allreduce(mode, dtype):
     n = size()
@@ -130,7 +142,7 @@ def test_allreduce(mode, dtype):
     check(got[2], ref.allreduce(ins, ref.AVERAGE, dtype), dtype, ref.tolerance(dtype, 0, n))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 def test_grouped_allreduce_and_compression(mode):
     n = size()
     a = inputs(("ga", 0), "float32", lambda r: (4,))
@@ -147,7 +159,7 @@ def test_grouped_allreduce_and_compression(mode):
     assert n >= 1
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 def test_allreduce_indexed_slices(mode):
     n, r = size(), rank()
     vals = inputs(("is",), "float32", lambda q: (q + 1, 3))
@@ -176,7 +188,7 @@ def test_allgather(mode, dtype):
     check(got[1][1], ref.allgather([a[:, :1] for a in ins]), dtype, 0, "grouped[1]")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("dtype", DTYPES + ["bool"])
 def test_broadcast(mode, dtype):
     ins = inputs(("bcast",), dtype, lambda q: (2, 3))
@@ -279,7 +291,7 @@ def _grad(mode, x, f, upstream):
     return run(mode, body).numpy()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 def test_gradients(mode):
     n, r = size(), rank()
     # Each rank's upstream gradient differs, so cross-rank reduction of it is visible.
@@ -385,13 +397,17 @@ def test_mismatch_errors():
 
 
 @pytest.mark.skipif("hvd.size() < 2")
-def test_mismatch_errors_in_tf_function(monkeypatch):
-    """Inside tf.function the same classes and texts as eagerly: the collective's status goes
-    to the BaguaHvdRaise op (bagua_hvd/tensorflow/status_op.py), which the tests require to
-    build here. Without it (the fallback) TensorFlow reports UnknownError with the text."""
+@pytest.mark.parametrize("path", ["kernel", "numpy"])
+def test_mismatch_errors_in_tf_function(monkeypatch, path):
+    """Inside tf.function the same classes and texts as eagerly: allreduce and broadcast fail
+    in the BaguaHvdCollective kernel ("kernel"; "numpy": through the numpy_function path), the
+    other collectives hand their status to the BaguaHvdRaise op (bagua_hvd/tensorflow/kernels.py).
+    The tests require the kernels to build here. Without them (the fallback) TensorFlow reports
+    UnknownError with the text."""
     r = rank()
     shape_text = r"Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape \["
-    assert hvd.mpi_ops._status_op.load() is not None, "the BaguaHvdRaise op did not build"
+    assert hvd.mpi_ops._kernels.load() is not None, "bagua_hvd's TensorFlow kernels did not build"
+    monkeypatch.setattr(hvd.mpi_ops, "_collective_kernel", [path == "kernel"])
     cases = [
         (lambda: hvd.allreduce(tf.ones([3 + r]), name="g.shape"), shape_text),
         (
@@ -403,6 +419,10 @@ def test_mismatch_errors_in_tf_function(monkeypatch):
             "Mismatched reduction operation",
         ),
         (lambda: hvd.broadcast(tf.ones([2]), r, name="g.root"), "Mismatched BROADCAST root"),
+        (
+            lambda: hvd.allgather(tf.ones([2, 1 + r]), name="g.gather"),
+            "Mismatched ALLGATHER tensor shapes",
+        ),
     ]
     for fn, text in cases:
         with pytest.raises(tf.errors.FailedPreconditionError, match=text):
@@ -412,12 +432,77 @@ def test_mismatch_errors_in_tf_function(monkeypatch):
     np.testing.assert_allclose(
         tf.function(lambda: hvd.allreduce(tf.ones([2]), op=hvd.Sum))().numpy(), [size()] * 2
     )
-    # The fallback where the op cannot be built.
-    monkeypatch.setattr(hvd.mpi_ops._status_op, "_loaded", [None])
+    # The fallback where the kernels cannot be built.
+    monkeypatch.setattr(hvd.mpi_ops._kernels, "_loaded", [None])
     f = tf.function(lambda: hvd.allreduce(tf.ones([3 + r]), name="g.fallback"))
     with pytest.raises(tf.errors.UnknownError, match="FailedPreconditionError: " + shape_text):
         f()
     np.testing.assert_allclose(hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy(), [size()] * 2)
+
+
+def test_graph_paths():
+    """Which path each collective takes inside tf.function: the kernel for allreduce and
+    broadcast, a numpy_function (+ BaguaHvdRaise) for the others, numpy_function only without
+    the kernels."""
+
+    def op_types(flag, loaded=None):
+        old = hvd.mpi_ops._collective_kernel[0], list(hvd.mpi_ops._kernels._loaded)
+        hvd.mpi_ops._collective_kernel[0] = flag
+        if loaded is not None:
+            hvd.mpi_ops._kernels._loaded[:] = loaded
+        try:
+            f = tf.function(
+                lambda x: (
+                    hvd.grouped_allreduce([x, x * 2]),
+                    hvd.broadcast(x, 0),
+                    hvd.allgather(x),
+                )
+            )
+            graph = f.get_concrete_function(tf.TensorSpec([3], tf.float32)).graph
+            return [op.type for op in graph.get_operations()]
+        finally:
+            hvd.mpi_ops._collective_kernel[0] = old[0]
+            hvd.mpi_ops._kernels._loaded[:] = old[1]
+
+    types = op_types(True)
+    assert types.count("BaguaHvdCollective") == 2, types
+    assert types.count("PyFunc") == 1 and types.count("BaguaHvdRaise") == 1, types
+    types = op_types(False)
+    assert "BaguaHvdCollective" not in types and types.count("PyFunc") == 3, types
+    assert types.count("BaguaHvdRaise") == 3, types
+    types = op_types(True, loaded=[None])
+    assert "BaguaHvdCollective" not in types and "BaguaHvdRaise" not in types, types
+    assert types.count("PyFunc") == 3, types
+
+
+@pytest.mark.skipif("hvd.size() < 2")
+def test_kernel_timeout_and_late_completion(monkeypatch, capfd):
+    """The kernel waits for no collective forever: with BAGUA_HVD_OP_TIMEOUT_SECONDS a
+    collective the other ranks have not submitted fails the step with DeadlineExceeded and
+    Horovod's text (after BAGUA_HVD_WAIT_WARNING_SECONDS' warning); when the others submit it
+    later it completes and is freed, and the job goes on."""
+    r = rank()
+    x = tf.fill([1000], tf.constant(float(r + 1)))
+    if r == 0:  # (the others' barrier below waits for it under the job's limits)
+        monkeypatch.setenv("BAGUA_HVD_OP_TIMEOUT_SECONDS", "3")
+        monkeypatch.setenv("BAGUA_HVD_WAIT_WARNING_SECONDS", "1")
+        f = tf.function(lambda: hvd.allreduce(x, op=hvd.Sum, name="lonely"))
+        with pytest.raises(
+            tf.errors.DeadlineExceededError,
+            match=r"allreduce.lonely \(handle \d+\) did not complete within "
+            r"BAGUA_HVD_OP_TIMEOUT_SECONDS=3 s: other ranks may not have submitted",
+        ):
+            f()
+        assert "bagua_hvd: still waiting for allreduce.lonely" in capfd.readouterr().err
+        monkeypatch.undo()
+    hvd.mpi_ops.barrier()
+    total = sum(q + 1 for q in range(size()))
+    if r != 0:  # the late partners: rank 0's request completes now, after its step failed
+        got = hvd.allreduce(x, op=hvd.Sum, name="lonely")
+        np.testing.assert_allclose(got.numpy(), np.full(1000, float(total)))
+    hvd.mpi_ops.barrier()
+    got = tf.function(lambda: hvd.allreduce(x, op=hvd.Sum, name="after"))()
+    np.testing.assert_allclose(got.numpy(), np.full(1000, float(total)))
 
 
 # ---- join, barrier, objects, process sets ------------------------------------------------------

@@ -180,6 +180,14 @@ int bhvd_poll(int64_t handle);
 /* Blocks up to timeout_ms (< 0: no limit) and returns the handle's final status, BHVD_TIMED_OUT,
  * or BHVD_INVALID_ARGUMENT for an unknown handle. Releases no resources. */
 int bhvd_wait(int64_t handle, int64_t timeout_ms);
+/* Completion callback of bhvd_on_done: the handle and its final status (enum bhvd_status). */
+typedef void (*bhvd_done_fn)(int64_t handle, int32_t status, void* arg);
+/* Calls fn(handle, status, arg) once the handle completes, instead of a wait: on the core's
+ * background thread, or on the calling thread before this returns if it already has. fn must
+ * not block (other operations complete on the same thread); it may call bhvd_handle_error,
+ * bhvd_output_* and bhvd_release on the handle, and enqueue. One callback per handle. Returns
+ * BHVD_INVALID_ARGUMENT for an unknown handle or a second callback. */
+int bhvd_on_done(int64_t handle, bhvd_done_fn fn, void* arg);
 /* The handle's error message ("" when it succeeded). */
 const char* bhvd_handle_error(int64_t handle);
 /* For outputs the core allocated (allgather, alltoall): the shape of output `index`. */

@@ -143,6 +143,12 @@ int bhvd_wait(int64_t handle, int64_t timeout_ms) {
   return report(Runtime::get().wait(handle, timeout_ms));
 }
 
+int bhvd_on_done(int64_t handle, bhvd_done_fn fn, void* arg) {
+  if (!fn) return report(Status::InvalidArgument("NULL callback"));
+  return report(Runtime::get().on_done(
+      handle, [handle, fn, arg](const Status& s) { fn(handle, static_cast<int32_t>(s.type), arg); }));
+}
+
 const char* bhvd_handle_error(int64_t handle) {
   auto h = Runtime::get().find(handle);
   g_handle_error = h ? h->status.reason : std::string("unknown handle");

@@ -607,6 +607,33 @@ Status Runtime::wait(int64_t handle, int64_t timeout_ms) {
   return h->status;
 }
 
+Status Runtime::on_done(int64_t handle, std::function<void(const Status&)> fn) {
+  Status final_status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = handles_.find(handle);
+    if (it == handles_.end())
+      return Status::InvalidArgument("unknown handle " + std::to_string(handle));
+    auto& h = *it->second;
+    if (h.on_done) return Status::InvalidArgument("handle " + std::to_string(handle) +
+                                                  " already has a completion callback");
+    if (!h.done) {
+      // Counted like a blocked caller while pending, so that the background thread keeps
+      // polling for the reply rather than sleeping.
+      callbacks_pending_.fetch_add(1);
+      h.on_done = [this, fn = std::move(fn)](const Status& s) {
+        callbacks_pending_.fetch_sub(1);
+        fn(s);
+      };
+      if (transport_) transport_->notify();
+      return Status::OK();
+    }
+    final_status = h.status;
+  }
+  fn(final_status);
+  return Status::OK();
+}
+
 void Runtime::release(int64_t handle) {
   std::lock_guard<std::mutex> lock(mu_);
   handles_.erase(handle);
@@ -658,7 +685,8 @@ void Runtime::loop() {
       // thread (an idle vCPU, in a VM) costs tens of microseconds per hop. Poll long
       // (BAGUA_HVD_SPIN_US, default 1000) only while a caller is blocked on us, since its core
       // is then free; otherwise briefly, so that frontend threads computing keep their cores.
-      const bool caller_blocked = waiters_.load(std::memory_order_relaxed) > 0;
+      const bool caller_blocked = waiters_.load(std::memory_order_relaxed) > 0 ||
+                                  callbacks_pending_.load(std::memory_order_relaxed) > 0;
       if (now - idle_since < (caller_blocked ? spin_ : std::chrono::microseconds(200))) {
         // More busy pollers than cores would starve the one that has work: yield instead.
         if (oversubscribed_)
@@ -1174,34 +1202,46 @@ Runtime::Hierarchy* Runtime::hierarchy_for(const Response& r, Comm& comm) {
   return it->second.active ? &it->second : nullptr;
 }
 
-void Runtime::finish(const std::string& name, const Status& s) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = table_.find(name);
-  if (it == table_.end()) return;
-  auto h = it->second.handle;
-  table_.erase(it);
-  if (!s.ok() && h->status.ok()) h->status = s;
-  if (--h->remaining <= 0 && !h->done) {
-    h->done = true;
-    h->cv.notify_all();
+void Runtime::complete_locked(Handle& h, std::vector<std::function<void()>>* callbacks) {
+  if (h.done) return;
+  h.done = true;
+  h.cv.notify_all();
+  if (h.on_done) {
+    callbacks->push_back([fn = std::move(h.on_done), status = h.status] { fn(status); });
+    h.on_done = nullptr;
   }
 }
 
-void Runtime::fail_all(const Status& s) {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& kv : table_) {
-    auto h = kv.second.handle;
-    if (h->status.ok()) h->status = s;
-    if (!h->done) {
-      h->done = true;
-      h->cv.notify_all();
-    }
+void Runtime::finish(const std::string& name, const Status& s) {
+  std::vector<std::function<void()>> callbacks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = table_.find(name);
+    if (it == table_.end()) return;
+    auto h = it->second.handle;
+    table_.erase(it);
+    if (!s.ok() && h->status.ok()) h->status = s;
+    if (--h->remaining <= 0) complete_locked(*h, &callbacks);
   }
-  table_.clear();
-  queue_.clear();
-  urgent_queue_.clear();
-  stopped_ = true;
-  if (stop_status_.ok()) stop_status_ = s;
+  for (auto& cb : callbacks) cb();
+}
+
+void Runtime::fail_all(const Status& s) {
+  std::vector<std::function<void()>> callbacks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& kv : table_) {
+      auto h = kv.second.handle;
+      if (h->status.ok()) h->status = s;
+      complete_locked(*h, &callbacks);
+    }
+    table_.clear();
+    queue_.clear();
+    urgent_queue_.clear();
+    stopped_ = true;
+    if (stop_status_.ok()) stop_status_ = s;
+  }
+  for (auto& cb : callbacks) cb();
 }
 
 // ---- control channel: length-prefixed frames over the ctrl pairs ------------------------------

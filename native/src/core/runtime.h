@@ -5,6 +5,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -34,6 +35,8 @@ struct Handle {
   std::vector<int32_t> received_splits;
   int32_t result = -1;  // join: last joined rank; add process set: new id
   std::condition_variable cv;
+  // Set by on_done(): run once, outside mu_, when the handle completes.
+  std::function<void(const Status&)> on_done;
 };
 
 // One tensor of a handle, waiting for its response.
@@ -71,6 +74,9 @@ class Runtime {
 
   int poll(int64_t handle);
   Status wait(int64_t handle, int64_t timeout_ms);
+  // Runs fn(final status) once when the handle completes: on the background thread, or on this
+  // thread before returning if it already has. fn runs without mu_ held and must not block.
+  Status on_done(int64_t handle, std::function<void(const Status&)> fn);
   std::shared_ptr<Handle> find(int64_t handle);
   void release(int64_t handle);
 
@@ -114,6 +120,9 @@ class Runtime {
   void execute_decentralized(const Response& r, Comm& comm, std::vector<Entry*>& entries);
   void finish(const std::string& name, const Status& s);
   void fail_all(const Status& s);
+  // Marks h done (mu_ held); its on_done callback, if any, moves to *callbacks to run after
+  // mu_ is released.
+  void complete_locked(Handle& h, std::vector<std::function<void()>>* callbacks);
   void send_message(int peer, const std::string& payload);
   bool poll_message(int peer, std::string* out);
   void fill_channel(int peer);
@@ -157,6 +166,7 @@ class Runtime {
   std::vector<unsigned char> fusion_;
   double cycle_time_s_ = 1e-3;
   std::atomic<int> waiters_{0};            // frontend threads blocked in wait()
+  std::atomic<int> callbacks_pending_{0};  // on_done callbacks not yet run (a caller waits)
   bool oversubscribed_ = false;            // more local ranks than cores
   std::chrono::microseconds spin_{1000};  // BAGUA_HVD_SPIN_US: poll this long before sleeping
   Clock::time_point wake_at_ = Clock::time_point::max();

@@ -1,0 +1,317 @@
+// bagua_hvd's TensorFlow kernels (bagua_hvd/tensorflow/kernels.py builds this file on first use
+// against the installed TensorFlow and links it to the package's core library):
+//
+//  BaguaHvdCollective  an asynchronous kernel for the collectives whose outputs have their inputs'
+//                      shapes (allreduce, broadcast): it hands the tensors' buffers to the core
+//                      (bhvd_enqueue) and returns; the core's completion callback (bhvd_on_done)
+//                      ends the step. No Python, no copy: an input TensorFlow no longer needs
+//                      becomes the output in place.
+//  BaguaHvdRaise       fails with a status computed by the numpy_function path of the other
+//                      collectives, so that graph mode raises the same tf.errors classes as eager.
+//
+// The core stays framework-free: this library only calls its C API (c_api.h).
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "c_api.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace {
+
+using ::tensorflow::AsyncOpKernel;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+
+// Core status -> TensorFlow error code (Horovod's ToTFStatus; mpi_ops._STATUS_ERRORS).
+absl::StatusCode ToCode(int32_t status) {
+  switch (status) {
+    case BHVD_INVALID_ARGUMENT: return absl::StatusCode::kInvalidArgument;
+    case BHVD_PRECONDITION_ERROR: return absl::StatusCode::kFailedPrecondition;
+    case BHVD_ABORTED: return absl::StatusCode::kAborted;
+    case BHVD_NOT_IMPLEMENTED: return absl::StatusCode::kUnimplemented;
+    case BHVD_TIMED_OUT: return absl::StatusCode::kDeadlineExceeded;
+    default: return absl::StatusCode::kUnknown;
+  }
+}
+
+bool ToDtype(::tensorflow::DataType t, int32_t* out) {
+  switch (t) {
+    case ::tensorflow::DT_UINT8: *out = BHVD_UINT8; return true;
+    case ::tensorflow::DT_INT8: *out = BHVD_INT8; return true;
+    case ::tensorflow::DT_UINT16: *out = BHVD_UINT16; return true;
+    case ::tensorflow::DT_INT16: *out = BHVD_INT16; return true;
+    case ::tensorflow::DT_INT32: *out = BHVD_INT32; return true;
+    case ::tensorflow::DT_INT64: *out = BHVD_INT64; return true;
+    case ::tensorflow::DT_HALF: *out = BHVD_FLOAT16; return true;
+    case ::tensorflow::DT_BFLOAT16: *out = BHVD_BFLOAT16; return true;
+    case ::tensorflow::DT_FLOAT: *out = BHVD_FLOAT32; return true;
+    case ::tensorflow::DT_DOUBLE: *out = BHVD_FLOAT64; return true;
+    case ::tensorflow::DT_BOOL: *out = BHVD_BOOL; return true;
+    default: return false;
+  }
+}
+
+double EnvSeconds(const char* name, double fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  double d = std::strtod(v, &end);
+  return end != v ? d : fallback;
+}
+
+using Clock = std::chrono::steady_clock;
+
+// One collective in flight. Owns references to its tensors, so their buffers outlive the core's
+// use of them even when the step has already failed with a timeout.
+struct InFlight {
+  OpKernelContext* ctx = nullptr;
+  AsyncOpKernel::DoneCallback done;
+  std::vector<Tensor> tensors;  // inputs and outputs
+  std::string name;
+  int64_t handle = 0;
+  Clock::time_point start = Clock::now(), next_warning = Clock::time_point::max(),
+                    deadline = Clock::time_point::max();
+  bool finished = false;  // done() was called (by the completion or by the watchdog)
+};
+
+// Nothing waits forever (the numpy path's ops._wait_long, here for the asynchronous kernel): a
+// thread warns every BAGUA_HVD_WAIT_WARNING_SECONDS (default 60) about collectives still in
+// flight and fails the step of one older than BAGUA_HVD_OP_TIMEOUT_SECONDS (default 0: no
+// limit) with DeadlineExceeded; the core may still complete it later, which then only frees it.
+class Watchdog {
+ public:
+  static Watchdog& Get() {
+    // Deliberately never destroyed: its detached thread may run until the process ends.
+    static Watchdog* const instance = std::make_unique<Watchdog>().release();
+    return *instance;
+  }
+
+  void Add(InFlight* f) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const double warn_s = EnvSeconds("BAGUA_HVD_WAIT_WARNING_SECONDS", 60.0);
+    const double limit_s = EnvSeconds("BAGUA_HVD_OP_TIMEOUT_SECONDS", 0.0);
+    auto after = [&](double s) {
+      return f->start +
+             std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+    };
+    if (warn_s > 0) f->next_warning = after(warn_s);
+    if (limit_s > 0) f->deadline = after(limit_s);
+    pending_.insert(f);
+    if (!thread_.joinable()) {
+      thread_ = std::thread([this] { Run(); });
+      thread_.detach();
+    }
+  }
+
+  // Removes f; true when the caller is to call done() (the watchdog has not).
+  bool Remove(InFlight* f) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.erase(f);
+    if (f->finished) return false;
+    f->finished = true;
+    return true;
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait_for(lock, std::chrono::milliseconds(500));
+      const auto now = Clock::now();
+      for (InFlight* f : pending_) {
+        if (f->finished) continue;
+        const double waited = std::chrono::duration<double>(now - f->start).count();
+        if (now >= f->deadline) {
+          f->finished = true;
+          char limit[32];
+          std::snprintf(limit, sizeof(limit), "%g", EnvSeconds("BAGUA_HVD_OP_TIMEOUT_SECONDS", 0));
+          f->ctx->SetStatus(absl::DeadlineExceededError(
+              f->name + " (handle " + std::to_string(f->handle) + ") did not complete within " +
+              "BAGUA_HVD_OP_TIMEOUT_SECONDS=" + limit +
+              " s: other ranks may not have submitted the same operation"));
+          // done() may start other kernels inline: not under this lock.
+          auto done = std::move(f->done);
+          lock.unlock();
+          done();
+          lock.lock();
+          break;  // pending_ may have changed
+        }
+        if (now >= f->next_warning) {
+          std::fprintf(stderr,
+                       "bagua_hvd: still waiting for %s (handle %lld) after %.0f s; other ranks "
+                       "may not have submitted the same operation\n",
+                       f->name.c_str(), static_cast<long long>(f->handle), waited);
+          f->next_warning =
+              now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+                        EnvSeconds("BAGUA_HVD_WAIT_WARNING_SECONDS", 60.0)));
+        }
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::unordered_set<InFlight*> pending_;
+  std::thread thread_;
+};
+
+void OnDone(int64_t handle, int32_t status, void* arg) {
+  std::unique_ptr<InFlight> f(static_cast<InFlight*>(arg));
+  if (!Watchdog::Get().Remove(f.get())) {  // the step already failed with a timeout
+    bhvd_release(handle);
+    return;
+  }
+  if (status != BHVD_OK) {
+    f->ctx->SetStatus(absl::Status(ToCode(status), bhvd_handle_error(handle)));
+  }
+  bhvd_release(handle);
+  auto done = std::move(f->done);
+  f.reset();  // drops this kernel's references before the step goes on
+  done();
+}
+
+class BaguaHvdCollectiveOp : public AsyncOpKernel {
+ public:
+  explicit BaguaHvdCollectiveOp(OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("op_type", &op_type_));
+    OP_REQUIRES_OK(c, c->GetAttr("core_name", &name_));
+    OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_id_));
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
+    OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
+    OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
+    OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+    OP_REQUIRES_OK(c, c->GetAttr("urgent", &urgent_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    auto f = std::make_unique<InFlight>();
+    const int n = ctx->num_inputs();
+    std::vector<bhvd_tensor> ins(n), outs(n);
+    std::vector<std::vector<int64_t>> shapes(n);
+    f->tensors.reserve(2 * n);
+    for (int i = 0; i < n; ++i) {
+      const Tensor& in = ctx->input(i);
+      Tensor* out = nullptr;
+      // An input nothing else reads is reduced in place: no allocation, no copy.
+      OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out),
+                           done);
+      int32_t dtype = 0;
+      OP_REQUIRES_ASYNC(
+          ctx, ToDtype(in.dtype(), &dtype),
+          absl::InvalidArgumentError("Tensor type " + ::tensorflow::DataTypeString(in.dtype()) +
+                                     " is not supported."),
+          done);
+      f->tensors.push_back(in);
+      f->tensors.push_back(*out);
+      for (int d = 0; d < in.dims(); ++d) shapes[i].push_back(in.dim_size(d));
+      const bool empty = in.NumElements() == 0;
+      ins[i] = {empty ? nullptr : const_cast<char*>(in.tensor_data().data()), dtype, in.dims(),
+                shapes[i].data()};
+      outs[i] = {empty ? nullptr : const_cast<char*>(out->tensor_data().data()), dtype, in.dims(),
+                 shapes[i].data()};
+    }
+    bhvd_request r{};
+    r.op_type = op_type_;
+    r.name = name_.empty() ? nullptr : name_.c_str();
+    r.process_set_id = process_set_id_;
+    r.reduce_op = reduce_op_;
+    r.root_rank = root_rank_;
+    r.device = -1;
+    r.prescale_factor = prescale_;
+    r.postscale_factor = postscale_;
+    r.num_tensors = n;
+    r.inputs = ins.data();
+    r.outputs = outs.data();
+    r.urgent = urgent_ ? 1 : 0;
+    int64_t handle = 0;
+    const int rc = bhvd_enqueue(&r, &handle);
+    if (rc != BHVD_OK) {
+      // Horovod's message and class for a job not initialized (mpi_ops._enqueue).
+      if (!bhvd_is_initialized()) {
+        ctx->SetStatus(
+            absl::FailedPreconditionError("Horovod has not been initialized; use hvd.init()."));
+      } else {
+        ctx->SetStatus(absl::Status(ToCode(rc), bhvd_last_error()));
+      }
+      done();
+      return;
+    }
+    f->ctx = ctx;
+    f->done = std::move(done);
+    f->name = name_.empty() ? "collective" : name_;
+    f->handle = handle;
+    InFlight* raw = f.release();  // owned by OnDone from here
+    Watchdog::Get().Add(raw);
+    if (bhvd_on_done(handle, &OnDone, raw) != BHVD_OK) {
+      // Only for an unknown handle, which enqueue just returned: a core bug, not user input.
+      std::unique_ptr<InFlight> back(raw);
+      if (Watchdog::Get().Remove(raw)) {
+        ctx->SetStatus(absl::InternalError(std::string("bhvd_on_done: ") + bhvd_last_error()));
+        auto d = std::move(back->done);
+        back.reset();
+        d();
+      }
+    }
+  }
+
+ private:
+  int op_type_ = 0, process_set_id_ = 0, reduce_op_ = 0, root_rank_ = 0;
+  float prescale_ = 1.f, postscale_ = 1.f;
+  bool urgent_ = true;
+  std::string name_;
+};
+
+class BaguaHvdRaiseOp : public OpKernel {
+ public:
+  explicit BaguaHvdRaiseOp(OpKernelConstruction* c) : OpKernel(c) {}
+
+  void Compute(OpKernelContext* c) override {
+    const int32_t code = c->input(0).scalar<int32_t>()();
+    if (code == 0) return;
+    const std::string message(c->input(1).scalar<::tensorflow::tstring>()());
+    c->SetStatus(absl::Status(static_cast<absl::StatusCode>(code), message));
+  }
+};
+
+}  // namespace
+
+REGISTER_OP("BaguaHvdCollective")
+    .Attr("T: list(type)")
+    .Input("tensors: T")
+    .Output("outputs: T")
+    .Attr("op_type: int")
+    .Attr("core_name: string = ''")
+    .Attr("process_set_id: int = 0")
+    .Attr("reduce_op: int = 1")
+    .Attr("root_rank: int = 0")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .Attr("urgent: bool = true")
+    .SetIsStateful()
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+      return absl::OkStatus();
+    });
+
+REGISTER_KERNEL_BUILDER(Name("BaguaHvdCollective").Device(::tensorflow::DEVICE_CPU),
+                        BaguaHvdCollectiveOp);
+
+REGISTER_OP("BaguaHvdRaise")
+    .Input("code: int32")
+    .Input("message: string")
+    .SetIsStateful()
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext*) { return absl::OkStatus(); });
+
+REGISTER_KERNEL_BUILDER(Name("BaguaHvdRaise").Device(::tensorflow::DEVICE_CPU), BaguaHvdRaiseOp);

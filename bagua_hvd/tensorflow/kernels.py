@@ -1,0 +1,120 @@
+"""bagua_hvd's TensorFlow kernels (kernels.cc), compiled on first use against the installed
+TensorFlow (docs/tensorflow.md, "How tensors reach the core"):
+
+- ``BaguaHvdCollective``: allreduce and broadcast inside ``tf.function`` as an asynchronous
+  kernel that hands the tensors' buffers to the core and completes from the core's callback (no
+  Python, no GIL, no copy in the step);
+- ``BaguaHvdRaise``: the other collectives run through ``tf.numpy_function``; this op fails the
+  step with the status their callback returns, so that graph mode raises the same
+  ``tf.errors.OpError`` classes as eager mode.
+
+The library is built once per TensorFlow build, core library and source, with the compiler in
+``$CXX`` (default ``g++``) and ``tf.sysconfig``'s flags, linked to the package's core library,
+into ``$BAGUA_HVD_CACHE_DIR`` (default ``~/.cache/bagua_hvd``), under a file lock so that the
+ranks of a job build it once (about 5 s). Torch-only users never build it. Where it cannot be
+built (no compiler, no TensorFlow headers) every graph-mode collective takes the numpy_function
+path and errors surface as ``tf.errors.UnknownError`` carrying the class name and Horovod's
+text, with one warning. ``BAGUA_HVD_TF_KERNELS=0`` selects that fallback.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shlex
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import tensorflow as tf
+
+from bagua_hvd.common import _native
+from bagua_hvd.common import ops as _ops
+
+_SOURCE = Path(__file__).with_name("kernels.cc")
+_COMPILE_TIMEOUT_S = 300
+_lock = threading.Lock()
+_loaded: list = []  # [module or None] once tried
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("BAGUA_HVD_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "bagua_hvd"
+
+
+def _core() -> Path:
+    """The core library this process uses (loaded first: the kernels link to the same copy)."""
+    _ops.native()
+    return Path(_native._library_path()).resolve()
+
+
+def _build(target: Path) -> None:
+    cxx = shlex.split(os.environ.get("CXX", "g++"))
+    core = _core()
+    cmd = [
+        *cxx, "-std=c++17", "-shared", "-fPIC", "-O2", "-w", str(_SOURCE), "-o", str(target),
+        f"-I{core.parent}", *tf.sysconfig.get_compile_flags(), str(core),
+        f"-Wl,-rpath,{core.parent}", *tf.sysconfig.get_link_flags(),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+
+
+def _library_path() -> Path:
+    """The cached library for this TensorFlow and source, built if missing."""
+    flags = tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags()
+    core = _core()
+    header = core.with_name("c_api.h").read_text()
+    key = hashlib.sha256(
+        "\0".join([_SOURCE.read_text(), header, str(core), tf.__version__, tf.__file__, *flags])
+        .encode()
+    ).hexdigest()[:16]
+    directory = _cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"tf_kernels-{key}.so"
+    if target.exists():
+        return target
+    with open(directory / f"tf_kernels-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it
+        if not target.exists():
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+            os.close(fd)
+            try:
+                _build(Path(tmp))
+                os.replace(tmp, target)  # atomic: readers never see a partial file
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+    return target
+
+
+def load() -> Optional[Any]:
+    """The op module (``.bagua_hvd_collective(...)``, ``.bagua_hvd_raise(code, message)``), or
+    None where it cannot be built or ``BAGUA_HVD_TF_KERNELS=0``."""
+    if _loaded:
+        return _loaded[0]
+    with _lock:
+        if not _loaded:
+            module = None
+            if os.environ.get("BAGUA_HVD_TF_KERNELS", "1") != "0":
+                try:
+                    module = tf.load_op_library(str(_library_path()))
+                except Exception as e:  # noqa: BLE001 - any failure means: fall back
+                    warnings.warn(
+                        "bagua_hvd.tensorflow: could not build its TensorFlow kernels, so "
+                        "collectives inside tf.function run through tf.numpy_function and their "
+                        "errors surface as tf.errors.UnknownError (eager mode is not affected): "
+                        f"{e}",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+            _loaded.append(module)
+    return _loaded[0]
