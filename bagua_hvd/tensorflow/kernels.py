@@ -74,8 +74,9 @@ def _library_path() -> Path:
     core = _core()
     header = core.with_name("c_api.h").read_text()
     key = hashlib.sha256(
-        "\0".join([_SOURCE.read_text(), header, str(core), tf.__version__, tf.__file__, *flags])
-        .encode()
+        "\0".join(
+            [_SOURCE.read_text(), header, str(core), tf.__version__, tf.__file__, *flags]
+        ).encode()
     ).hexdigest()[:16]
     directory = _cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
