@@ -63,9 +63,9 @@ class _State:
 
 
 def _check_not_xla() -> None:
-    """The collectives are ``tf.numpy_function`` ops, which XLA cannot compile. Keras 3 turns
-    XLA on by itself (``jit_compile="auto"``) on machines with a GPU: say what to do instead of
-    failing later with XLA's "unsupported op PyFunc"."""
+    """The collectives are custom asynchronous kernels and ``tf.numpy_function`` ops, which XLA
+    cannot compile. Keras 3 turns XLA on by itself (``jit_compile="auto"``) on machines with a
+    GPU: say what to do instead of failing later with XLA's "unsupported op"."""
     try:
         from tensorflow.python.ops import control_flow_util
     except ImportError:  # pragma: no cover - private module moved

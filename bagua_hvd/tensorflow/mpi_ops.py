@@ -1,10 +1,13 @@
 """Collective operations on TensorFlow tensors (``horovod.tensorflow.mpi_ops``).
 
-TensorFlow tensors reach the framework-free core through numpy: eagerly, the tensor's host
-buffer (``np.asarray``) is handed to the core and the result is wrapped into a new tensor;
-inside ``tf.function`` the same code runs in a ``tf.numpy_function`` (stateful, so
-``tf.function``'s automatic control dependencies keep collectives in program order on every
-rank). Every op is synchronous: it returns when the collective has completed.
+TensorFlow tensors reach the framework-free core in two ways (docs/tensorflow.md). Inside
+``tf.function``, allreduce and broadcast are the asynchronous ``BaguaHvdCollective`` kernel
+(kernels.py), which hands the tensors' buffers to the core and completes from its callback.
+Eagerly, the tensor's host buffer (``np.asarray``) is handed to the core and the result is
+wrapped into a new tensor; inside ``tf.function`` the other collectives (and all of them where
+the kernels cannot be built) run the same code in a ``tf.numpy_function``. Graph-mode
+collectives are stateful ops, so ``tf.function``'s automatic control dependencies keep them in
+program order on every rank. Every op is complete when its result can be read.
 
 Names: an op given ``name=`` is ``"<op>.<name>"`` in the core (inside a graph the name is
 made unique and prefixed by the name scope unless ``ignore_name_scope``). Unnamed eager ops use
@@ -18,10 +21,10 @@ float16, bfloat16, float32, float64; allgather/broadcast/alltoall: also bool and
 
 Errors: invalid arguments raise ``tf.errors.InvalidArgumentError``; mismatches between ranks
 (shape, dtype, op, root) raise ``tf.errors.FailedPreconditionError`` on every rank, with
-Horovod's message. Inside ``tf.function`` TensorFlow converts exceptions raised by Python
-callbacks itself: invalid arguments still surface as InvalidArgumentError, but cross-rank
-errors surface as ``tf.errors.UnknownError`` whose message contains
-``FailedPreconditionError: <Horovod's message>`` (see docs/tensorflow.md).
+Horovod's message, eagerly and inside ``tf.function`` (where the kernels fail with the core's
+status, or BaguaHvdRaise fails with the status a numpy_function callback returned). Without the
+kernels, graph-mode cross-rank errors surface as ``tf.errors.UnknownError`` whose message
+contains ``FailedPreconditionError: <Horovod's message>`` (see docs/tensorflow.md).
 """
 
 from __future__ import annotations
