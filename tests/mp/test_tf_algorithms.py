@@ -335,6 +335,54 @@ def test_keras_mlp_matches_reference(name, make_alg, kwargs):
     compare(model.trainable_variables, want, f"keras {name}")
 
 
+class QuadraticLayer(tf.keras.layers.Layer):
+    """The quadratic model as a Keras layer for model.fit: each sample is one step's (a, c),
+    flattened; the output is that sample's loss sum(0.5 a * W**2 + c * W)."""
+
+    def build(self, input_shape):
+        self.ws = [self.add_weight(shape=s, initializer="zeros", name=f"w{i}")
+                   for i, s in enumerate(SHAPES)]  # fmt: skip
+
+    def call(self, x):
+        sizes = [int(np.prod(s)) for s in SHAPES]
+        parts = tf.split(x[0], sizes + sizes)
+        a = [tf.reshape(p, s) for p, s in zip(parts[: len(SHAPES)], SHAPES)]
+        c = [tf.reshape(p, s) for p, s in zip(parts[len(SHAPES) :], SHAPES)]
+        return tf.reshape(tf_loss(self.ws, a, c), (1, 1))
+
+
+@pytest.mark.parametrize(
+    "name,make_alg,kwargs",
+    [
+        ("bytegrad", lambda: A.ByteGrad(), {}),
+        ("bytegrad", lambda: A.ByteGrad(error_feedback=True), {"error_feedback": True}),
+        ("decentralized", lambda: A.Decentralized(peer_selection_mode="ring"),
+         {"peer_selection_mode": "ring"}),
+    ] if SIZE <= 2 else [("bytegrad", lambda: A.ByteGrad(), {})],
+    ids=["bytegrad", "bytegrad-ef", "decentralized-ring"] if SIZE <= 2 else ["bytegrad"],
+)  # fmt: skip
+def test_model_fit_matches_reference(name, make_alg, kwargs):
+    """An algorithm through Keras' model.fit with the Keras DistributedOptimizer (one sample,
+    one step's data, per batch): the same weights as tests/reference_algorithms.py."""
+    from bagua_hvd.tensorflow import keras as hvd_keras
+
+    sample = tf.keras.Input((2 * sum(int(np.prod(s)) for s in SHAPES),))
+    model = tf.keras.Model(sample, QuadraticLayer()(sample))
+    model.set_weights(init_values())
+    opt = hvd_keras.DistributedOptimizer(
+        tf.keras.optimizers.SGD(learning_rate=LR), algorithm=make_alg()
+    )
+    # The sample's loss is the model's output: Keras' loss is its mean over the batch of one.
+    model.compile(optimizer=opt, loss=lambda y_true, y_pred: y_pred[:, 0])
+    x = np.stack(
+        [np.concatenate([v.ravel() for v in a + c]) for a, c in
+         (data(hvd.rank(), t) for t in range(STEPS))]
+    )  # fmt: skip
+    model.fit(x, np.zeros((STEPS, 1), np.float32), batch_size=1, shuffle=False, verbose=0)
+    compare(model.trainable_variables, reference(name, **kwargs).params[hvd.rank()],
+            f"model.fit {name} {kwargs}")  # fmt: skip
+
+
 # ---- behaviour -----------------------------------------------------------------------------------
 @up_to_two_ranks
 def test_none_gradients_stay_none():
