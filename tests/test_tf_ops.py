@@ -19,3 +19,25 @@ def test_tf_multiprocess(np: int) -> None:
     # tf.function through the kernel and through numpy) and the kernel's timeout.
     skipped = [int(s) for s in re.findall(r"(\d+) skipped", text)]
     assert sum(skipped) == (4 if np == 1 else 0), text
+
+
+def test_kernels_build_command(tmp_path) -> None:
+    """``python -m bagua_hvd.tensorflow.kernels`` builds the kernels into an empty cache
+    directory and prints the library; with no usable compiler it fails and says why."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, BAGUA_HVD_CACHE_DIR=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "bagua_hvd.tensorflow.kernels"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    path = done.stdout.strip().splitlines()[-1]
+    assert path.startswith(str(tmp_path / "cache")) and path.endswith(".so"), done.stdout
+    assert os.path.getsize(path) > 0
+    env["BAGUA_HVD_CACHE_DIR"] = str(tmp_path / "other")
+    env["CXX"] = "false"
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1
+    assert "bagua_hvd: cannot build the TensorFlow kernels:" in done.stderr, done.stderr
+    assert "failed" in done.stderr, done.stderr

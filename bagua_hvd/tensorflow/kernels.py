@@ -24,6 +24,7 @@ import hashlib
 import os
 import shlex
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -119,3 +120,21 @@ def load() -> Optional[Any]:
                     )
             _loaded.append(module)
     return _loaded[0]
+
+
+def main() -> int:
+    """``python -m bagua_hvd.tensorflow.kernels``: builds the kernels now (for example while a
+    container image is made, so that the first job does not) and prints the library's path;
+    exit status 1, with the reason, where they cannot be built."""
+    try:
+        path = _library_path()
+        tf.load_op_library(str(path))
+    except Exception as e:  # noqa: BLE001 - report whatever stopped the build
+        print(f"bagua_hvd: cannot build the TensorFlow kernels: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
