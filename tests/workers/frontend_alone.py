@@ -40,7 +40,12 @@ else:
     def allreduce_sum(x: np.ndarray) -> np.ndarray:
         import tensorflow as tf
 
-        return hvd.allreduce(tf.constant(x), op=hvd.Sum).numpy()
+        eager = hvd.allreduce(tf.constant(x), op=hvd.Sum).numpy()
+        # Inside tf.function: the compiled kernel, built and loaded without torch.
+        assert hvd.mpi_ops._kernels.load() is not None, "the TF kernels did not build"
+        graph = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum))(tf.constant(x)).numpy()
+        assert np.array_equal(eager, graph), (eager, graph)
+        return graph
 
 
 hvd.init()
