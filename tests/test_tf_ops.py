@@ -22,14 +22,14 @@ def test_tf_multiprocess(np: int) -> None:
 
 
 def test_kernels_build_command(tmp_path) -> None:
-    """``python -m bagua_hvd.tensorflow.kernels`` builds the kernels into an empty cache
+    """``python -m bagua_hvd.tensorflow.build_kernels`` builds the kernels into an empty cache
     directory and prints the library; with no usable compiler it fails and says why."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, BAGUA_HVD_CACHE_DIR=str(tmp_path / "cache"))
-    cmd = [sys.executable, "-m", "bagua_hvd.tensorflow.kernels"]
+    cmd = [sys.executable, "-m", "bagua_hvd.tensorflow.build_kernels"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     path = done.stdout.strip().splitlines()[-1]

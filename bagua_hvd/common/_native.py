@@ -15,18 +15,23 @@ _lib = None
 ffi = cffi.FFI()
 
 
-def _header_text() -> str:
+def header_path() -> Path:
+    """The core's C header: installed beside the library, or in the source tree (editable)."""
     for candidate in (
         _PKG / "_lib" / "c_api.h",
         _PKG.parent / "native" / "include" / "bagua_hvd" / "c_api.h",
     ):
         if candidate.exists():
-            text = candidate.read_text()
-            match = re.search(r"/\* BHVD_CDEF_BEGIN \*/(.*)/\* BHVD_CDEF_END \*/", text, re.S)
-            if match is None:
-                raise ImportError(f"{candidate} lacks the BHVD_CDEF markers")
-            return match.group(1)
+            return candidate
     raise ImportError("bagua_hvd: c_api.h not found; reinstall with `pip install .`")
+
+
+def _header_text() -> str:
+    path = header_path()
+    match = re.search(r"/\* BHVD_CDEF_BEGIN \*/(.*)/\* BHVD_CDEF_END \*/", path.read_text(), re.S)
+    if match is None:
+        raise ImportError(f"{path} lacks the BHVD_CDEF markers")
+    return match.group(1)
 
 
 def _library_path() -> Path:

@@ -24,7 +24,6 @@ import hashlib
 import os
 import shlex
 import subprocess
-import sys
 import tempfile
 import threading
 import warnings
@@ -61,7 +60,7 @@ def _build(target: Path) -> None:
     core = _core()
     cmd = [
         *cxx, "-std=c++17", "-shared", "-fPIC", "-O2", "-w", str(_SOURCE), "-o", str(target),
-        f"-I{core.parent}", *tf.sysconfig.get_compile_flags(), str(core),
+        f"-I{_native.header_path().parent}", *tf.sysconfig.get_compile_flags(), str(core),
         f"-Wl,-rpath,{core.parent}", *tf.sysconfig.get_link_flags(),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
@@ -73,7 +72,7 @@ def _library_path() -> Path:
     """The cached library for this TensorFlow and source, built if missing."""
     flags = tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags()
     core = _core()
-    header = core.with_name("c_api.h").read_text()
+    header = _native.header_path().read_text()
     key = hashlib.sha256(
         "\0".join(
             [_SOURCE.read_text(), header, str(core), tf.__version__, tf.__file__, *flags]
@@ -120,21 +119,3 @@ def load() -> Optional[Any]:
                     )
             _loaded.append(module)
     return _loaded[0]
-
-
-def main() -> int:
-    """``python -m bagua_hvd.tensorflow.kernels``: builds the kernels now (for example while a
-    container image is made, so that the first job does not) and prints the library's path;
-    exit status 1, with the reason, where they cannot be built."""
-    try:
-        path = _library_path()
-        tf.load_op_library(str(path))
-    except Exception as e:  # noqa: BLE001 - report whatever stopped the build
-        print(f"bagua_hvd: cannot build the TensorFlow kernels: {e}", file=sys.stderr)
-        return 1
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
