@@ -3,8 +3,8 @@
     python bench/tf_status_op_cost.py
 
 Times a tf.function holding one identity tf.numpy_function, with and without the two status
-outputs and BaguaHvdRaise after it (what allgather, alltoall and reducescatter inside
-tf.function carry; allreduce and broadcast run as the BaguaHvdCollective kernel instead),
+outputs and BaguaHvdRaise after it (what reducescatter inside tf.function carries; the other
+collectives run as asynchronous kernels instead),
 side by side in alternating rounds; no collective runs, so only TensorFlow's part is measured.
 """
 

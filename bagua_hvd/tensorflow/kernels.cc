@@ -1,13 +1,16 @@
 // bagua_hvd's TensorFlow kernels (bagua_hvd/tensorflow/kernels.py builds this file on first use
 // against the installed TensorFlow and links it to the package's core library):
 //
-//  BaguaHvdCollective  an asynchronous kernel for the collectives whose outputs have their inputs'
-//                      shapes (allreduce, broadcast): it hands the tensors' buffers to the core
-//                      (bhvd_enqueue) and returns; the core's completion callback (bhvd_on_done)
-//                      ends the step. No Python, no copy: an input TensorFlow no longer needs
-//                      becomes the output in place.
-//  BaguaHvdRaise       fails with a status computed by the numpy_function path of the other
-//                      collectives, so that graph mode raises the same tf.errors classes as eager.
+//  BaguaHvdCollective  allreduce and broadcast (outputs shaped as the inputs), BaguaHvdAllgather
+//  BaguaHvdAlltoall    and BaguaHvdAlltoall (outputs sized by the other ranks): one asynchronous
+//                      kernel that hands the tensors' buffers to the core (bhvd_enqueue) and
+//                      returns; the core's completion callback (bhvd_on_done) ends the op. No
+//                      Python in the step. Allreduce/broadcast: an input TensorFlow no longer needs
+//                      becomes the output in place; allgather/alltoall: the core's result is
+//                      copied into an output allocated once its size is known.
+//  BaguaHvdRaise       fails with a status computed by the numpy_function path (reducescatter,
+//                      the algorithms' primitives), so that graph mode raises the same tf.errors
+//                      classes as eager mode.
 //
 // The core stays framework-free: this library only calls its C API (c_api.h).
 #include <chrono>
@@ -22,6 +25,7 @@
 #include <vector>
 
 #include "c_api.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -77,6 +81,8 @@ using Clock = std::chrono::steady_clock;
 // use of them even when the step has already failed with a timeout.
 struct InFlight {
   OpKernelContext* ctx = nullptr;
+  int32_t op_type = 0;
+  int num_tensors = 0;
   AsyncOpKernel::DoneCallback done;
   std::vector<Tensor> tensors;  // inputs and outputs
   std::string name;
@@ -167,6 +173,32 @@ class Watchdog {
   std::thread thread_;
 };
 
+// Allgather, alltoall: outputs the core allocated (their sizes come from the other ranks), copied
+// into TensorFlow outputs allocated now; alltoall's second output is the received splits.
+absl::Status CopyCoreOutputs(OpKernelContext* ctx, const InFlight& f) {
+  for (int i = 0; i < f.num_tensors; ++i) {
+    const int ndim = bhvd_output_ndim(f.handle, i);
+    if (ndim < 0)
+      return absl::InternalError("bagua_hvd: the core has no output " + std::to_string(i));
+    std::vector<int64_t> dims(ndim);
+    if (ndim > 0) bhvd_output_shape(f.handle, i, dims.data());
+    ::tensorflow::TensorShape shape;
+    for (int64_t d : dims) TF_RETURN_IF_ERROR(shape.AddDimWithStatus(d));
+    Tensor* out = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(i, shape, &out));
+    if (out->NumElements() > 0) {
+      bhvd_output_copy(f.handle, i, const_cast<char*>(out->tensor_data().data()));
+    }
+  }
+  if (f.op_type == BHVD_OP_ALLTOALL) {
+    const int n = bhvd_received_splits(f.handle, nullptr, 0);
+    Tensor* out = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, ::tensorflow::TensorShape({n < 0 ? 0 : n}), &out));
+    if (n > 0) bhvd_received_splits(f.handle, out->flat<int32_t>().data(), n);
+  }
+  return absl::OkStatus();
+}
+
 void OnDone(int64_t handle, int32_t status, void* arg) {
   std::unique_ptr<InFlight> f(static_cast<InFlight*>(arg));
   if (!Watchdog::Get().Remove(f.get())) {  // the step already failed with a timeout
@@ -175,6 +207,8 @@ void OnDone(int64_t handle, int32_t status, void* arg) {
   }
   if (status != BHVD_OK) {
     f->ctx->SetStatus(absl::Status(ToCode(status), bhvd_handle_error(handle)));
+  } else if (f->op_type == BHVD_OP_ALLGATHER || f->op_type == BHVD_OP_ALLTOALL) {
+    f->ctx->SetStatus(CopyCoreOutputs(f->ctx, *f));
   }
   bhvd_release(handle);
   auto done = std::move(f->done);
@@ -185,28 +219,36 @@ void OnDone(int64_t handle, int32_t status, void* arg) {
 class BaguaHvdCollectiveOp : public AsyncOpKernel {
  public:
   explicit BaguaHvdCollectiveOp(OpKernelConstruction* c) : AsyncOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("op_type", &op_type_));
+    const std::string& op = c->def().op();
+    if (op == "BaguaHvdCollective") {
+      OP_REQUIRES_OK(c, c->GetAttr("op_type", &op_type_));
+      OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
+      OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
+      OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
+      OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+    } else {
+      op_type_ = op == "BaguaHvdAllgather" ? BHVD_OP_ALLGATHER : BHVD_OP_ALLTOALL;
+    }
     OP_REQUIRES_OK(c, c->GetAttr("core_name", &name_));
     OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_id_));
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
-    OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
-    OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
-    OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
-    OP_REQUIRES_OK(c, c->GetAttr("urgent", &urgent_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     auto f = std::make_unique<InFlight>();
-    const int n = ctx->num_inputs();
+    const bool in_place_shape = op_type_ == BHVD_OP_ALLREDUCE || op_type_ == BHVD_OP_BROADCAST;
+    // Alltoall's second input is its splits (empty: even).
+    const int n = op_type_ == BHVD_OP_ALLTOALL ? 1 : ctx->num_inputs();
     std::vector<bhvd_tensor> ins(n), outs(n);
     std::vector<std::vector<int64_t>> shapes(n);
     f->tensors.reserve(2 * n);
     for (int i = 0; i < n; ++i) {
       const Tensor& in = ctx->input(i);
       Tensor* out = nullptr;
-      // An input nothing else reads is reduced in place: no allocation, no copy.
-      OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out),
-                           done);
+      if (in_place_shape) {
+        // An input nothing else reads is reduced in place: no allocation, no copy.
+        OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out),
+                             done);
+      }
       int32_t dtype = 0;
       OP_REQUIRES_ASYNC(
           ctx, ToDtype(in.dtype(), &dtype),
@@ -214,13 +256,23 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
                                      " is not supported."),
           done);
       f->tensors.push_back(in);
-      f->tensors.push_back(*out);
       for (int d = 0; d < in.dims(); ++d) shapes[i].push_back(in.dim_size(d));
       const bool empty = in.NumElements() == 0;
       ins[i] = {empty ? nullptr : const_cast<char*>(in.tensor_data().data()), dtype, in.dims(),
                 shapes[i].data()};
-      outs[i] = {empty ? nullptr : const_cast<char*>(out->tensor_data().data()), dtype, in.dims(),
-                 shapes[i].data()};
+      if (out != nullptr) {
+        f->tensors.push_back(*out);
+        outs[i] = {empty ? nullptr : const_cast<char*>(out->tensor_data().data()), dtype, in.dims(),
+                   shapes[i].data()};
+      }
+    }
+    std::vector<int32_t> splits;
+    if (op_type_ == BHVD_OP_ALLTOALL) {
+      const Tensor& s = ctx->input(1);
+      OP_REQUIRES_ASYNC(ctx, s.dims() == 1,
+                        absl::InvalidArgumentError("alltoall expects a 1D splits tensor"), done);
+      const auto v = s.flat<int32_t>();
+      splits.assign(v.data(), v.data() + v.size());
     }
     bhvd_request r{};
     r.op_type = op_type_;
@@ -233,8 +285,12 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
     r.postscale_factor = postscale_;
     r.num_tensors = n;
     r.inputs = ins.data();
-    r.outputs = outs.data();
-    r.urgent = urgent_ ? 1 : 0;
+    r.outputs = in_place_shape ? outs.data() : nullptr;  // else the core allocates them
+    if (!splits.empty()) {
+      r.splits = splits.data();
+      r.num_splits = static_cast<int32_t>(splits.size());
+    }
+    r.urgent = 1;  // the step waits for it: not held back for fusion
     int64_t handle = 0;
     const int rc = bhvd_enqueue(&r, &handle);
     if (rc != BHVD_OK) {
@@ -249,6 +305,8 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
       return;
     }
     f->ctx = ctx;
+    f->op_type = op_type_;
+    f->num_tensors = n;
     f->done = std::move(done);
     f->name = name_.empty() ? "collective" : name_;
     f->handle = handle;
@@ -269,7 +327,6 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
  private:
   int op_type_ = 0, process_set_id_ = 0, reduce_op_ = 0, root_rank_ = 0;
   float prescale_ = 1.f, postscale_ = 1.f;
-  bool urgent_ = true;
   std::string name_;
 };
 
@@ -298,14 +355,38 @@ REGISTER_OP("BaguaHvdCollective")
     .Attr("root_rank: int = 0")
     .Attr("prescale_factor: float = 1.0")
     .Attr("postscale_factor: float = 1.0")
-    .Attr("urgent: bool = true")
     .SetIsStateful()
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
       for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
       return absl::OkStatus();
     });
 
+// Output sizes come from the other ranks: unknown here (the Python side sets what it knows).
+REGISTER_OP("BaguaHvdAllgather")
+    .Attr("T: list(type)")
+    .Input("tensors: T")
+    .Output("outputs: T")
+    .Attr("core_name: string = ''")
+    .Attr("process_set_id: int = 0")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::UnknownShape);
+
+REGISTER_OP("BaguaHvdAlltoall")
+    .Attr("T: type")
+    .Input("tensor: T")
+    .Input("splits: int32")
+    .Output("output: T")
+    .Output("received_splits: int32")
+    .Attr("core_name: string = ''")
+    .Attr("process_set_id: int = 0")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::UnknownShape);
+
 REGISTER_KERNEL_BUILDER(Name("BaguaHvdCollective").Device(::tensorflow::DEVICE_CPU),
+                        BaguaHvdCollectiveOp);
+REGISTER_KERNEL_BUILDER(Name("BaguaHvdAllgather").Device(::tensorflow::DEVICE_CPU),
+                        BaguaHvdCollectiveOp);
+REGISTER_KERNEL_BUILDER(Name("BaguaHvdAlltoall").Device(::tensorflow::DEVICE_CPU),
                         BaguaHvdCollectiveOp);
 
 REGISTER_OP("BaguaHvdRaise")

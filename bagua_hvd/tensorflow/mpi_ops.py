@@ -1,11 +1,11 @@
 """Collective operations on TensorFlow tensors (``horovod.tensorflow.mpi_ops``).
 
 TensorFlow tensors reach the framework-free core in two ways (docs/tensorflow.md). Inside
-``tf.function``, allreduce and broadcast are the asynchronous ``BaguaHvdCollective`` kernel
-(kernels.py), which hands the tensors' buffers to the core and completes from its callback.
+``tf.function``, allreduce, broadcast, allgather and alltoall are asynchronous kernels
+(kernels.py) that hand the tensors' buffers to the core and complete from its callback.
 Eagerly, the tensor's host buffer (``np.asarray``) is handed to the core and the result is
-wrapped into a new tensor; inside ``tf.function`` the other collectives (and all of them where
-the kernels cannot be built) run the same code in a ``tf.numpy_function``. Graph-mode
+wrapped into a new tensor; inside ``tf.function`` reducescatter (and every collective where the
+kernels cannot be built) runs the same code in a ``tf.numpy_function``. Graph-mode
 collectives are stateful ops, so ``tf.function``'s automatic control dependencies keep them in
 program order on every rank. Every op is complete when its result can be read.
 
@@ -352,7 +352,7 @@ def _status_callback(
     return run
 
 
-# Whether allreduce and broadcast in a graph use BaguaHvdCollective when the kernels are built
+# Whether allreduce, broadcast, allgather and alltoall in a graph use the kernels when built
 # (tests and bench/train.py switch it off to run the numpy_function path beside it).
 _collective_kernel = [True]
 
@@ -362,11 +362,11 @@ def _execute(
     inputs: Sequence[tf.Tensor],
     out_dtypes: Sequence[tf.DType],
     out_shapes: Sequence[Any],
-    kernel: Dict[str, Any] | None = None,
+    kernel: Callable[[Any, List[tf.Tensor]], Sequence[tf.Tensor]] | None = None,
 ) -> List[tf.Tensor]:
-    """Runs ``fn`` on the inputs' numpy values eagerly. In a graph: the asynchronous
-    ``BaguaHvdCollective`` kernel with the attributes ``kernel`` where given (allreduce,
-    broadcast), else ``fn`` as a numpy_function."""
+    """Runs ``fn`` on the inputs' numpy values eagerly. In a graph: ``kernel(ops, inputs)``
+    (one of the library's asynchronous kernels) where given and built, else ``fn`` as a
+    numpy_function."""
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(o) for o in fn(*[np.asarray(t) for t in inputs])]
     ops = _kernels.load()
@@ -374,7 +374,7 @@ def _execute(
         outs = tf.numpy_function(_graph_callback(fn), list(inputs), list(out_dtypes), stateful=True)
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     elif kernel is not None and _collective_kernel[0]:
-        outs = list(ops.bagua_hvd_collective(list(inputs), **kernel))
+        outs = list(kernel(ops, list(inputs)))
     else:
         # The callback returns its status (code, message) beside the outputs; BaguaHvdRaise
         # fails the step with it, before anything can read the outputs.
@@ -500,10 +500,12 @@ def grouped_allreduce_dense(
                 postscale_factor=postscale_factor,
             )[0]
 
-        kernel = dict(
-            op_type=_ops.OP_ALLREDUCE, core_name=core_name or "", process_set_id=ps_id,
-            reduce_op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-        )  # fmt: skip
+        def kernel(ops: Any, ins: List[tf.Tensor]) -> Sequence[tf.Tensor]:
+            return ops.bagua_hvd_collective(
+                ins, op_type=_ops.OP_ALLREDUCE, core_name=core_name or "", process_set_id=ps_id,
+                reduce_op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+            )  # fmt: skip
+
         outs = _execute(fn, xs, [x.dtype for x in xs], [x.shape for x in xs], kernel)
 
         def grad(*dys: Any) -> List[tf.Tensor]:
@@ -566,9 +568,12 @@ def grouped_allgather(
                 _ops.OP_ALLGATHER, arrays, what=_prefix, name=core_name, ps_id=ps_id
             )[0]
 
+        def kernel(ops: Any, ins: List[tf.Tensor]) -> Sequence[tf.Tensor]:
+            return ops.bagua_hvd_allgather(ins, core_name=core_name or "", process_set_id=ps_id)
+
         shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None
                   for x in xs]  # fmt: skip
-        outs = _execute(fn, xs, [x.dtype for x in xs], shapes)
+        outs = _execute(fn, xs, [x.dtype for x in xs], shapes, kernel)
 
         def grad(*dys: Any) -> List[tf.Tensor]:
             dys = _zeros_if_none(dys, outs)
@@ -625,10 +630,12 @@ def _broadcast_tensor(
                 root_rank=root_rank,
             )[0]
 
-        kernel = dict(
-            op_type=_ops.OP_BROADCAST, core_name=core_name or "", process_set_id=ps_id,
-            root_rank=root_rank,
-        )  # fmt: skip
+        def kernel(ops: Any, ins: List[tf.Tensor]) -> Sequence[tf.Tensor]:
+            return ops.bagua_hvd_collective(
+                ins, op_type=_ops.OP_BROADCAST, core_name=core_name or "", process_set_id=ps_id,
+                root_rank=root_rank,
+            )  # fmt: skip
+
         outs = _execute(fn, xs, [xs[0].dtype], [xs[0].shape], kernel)
 
         def grad(dy: Any) -> List[tf.Tensor]:
@@ -736,10 +743,17 @@ def alltoall(
             )  # fmt: skip
             return [outs[0], np.asarray(rsplits, dtype=np.int32)]
 
+        def kernel(ops: Any, ins: List[tf.Tensor]) -> Sequence[tf.Tensor]:
+            even = tf.zeros([0], tf.int32)  # no splits: the core splits evenly
+            return ops.bagua_hvd_alltoall(
+                ins[0], ins[1] if len(ins) > 1 else even, core_name=core_name or "",
+                process_set_id=ps_id,
+            )  # fmt: skip
+
         x = xs[0]
         inputs = [x] if splits_t is None else [x, splits_t]
         out_shape = tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None
-        out, rsplits = _execute(fn, inputs, [x.dtype, tf.int32], [out_shape, [None]])
+        out, rsplits = _execute(fn, inputs, [x.dtype, tf.int32], [out_shape, [None]], kernel)
 
         def grad(dy: Any, *_: Any) -> List[tf.Tensor]:
             dy = tf.zeros_like(out) if dy is None else dy

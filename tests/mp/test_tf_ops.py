@@ -29,7 +29,7 @@ TF_DTYPES = {
     "bool": tf.bool,
 }
 MODES = ["eager", "graph"]
-# allreduce and broadcast inside tf.function run as the asynchronous BaguaHvdCollective kernel;
+# allreduce, broadcast, allgather and alltoall inside tf.function run as asynchronous kernels;
 # "graph-numpy" runs them through the numpy_function path too (the kernels' fallback).
 KERNEL_MODES = MODES + ["graph-numpy"]
 
@@ -176,7 +176,7 @@ def test_allreduce_indexed_slices(mode):
 
 
 # ---- allgather / broadcast / alltoall / reducescatter ------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("dtype", DTYPES + ["int8", "uint8", "bool"])
 def test_allgather(mode, dtype):
     ins = inputs(("allgather",), dtype, lambda q: (q + 1, 2))
@@ -229,7 +229,7 @@ def _splits(n):
     return [[(s + q) % 3 for q in range(n)] for s in range(n)]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("dtype", DTYPES + ["bool"])
 def test_alltoall(mode, dtype):
     n, r = size(), rank()
@@ -399,9 +399,9 @@ def test_mismatch_errors():
 @pytest.mark.skipif("hvd.size() < 2")
 @pytest.mark.parametrize("path", ["kernel", "numpy"])
 def test_mismatch_errors_in_tf_function(monkeypatch, path):
-    """Inside tf.function the same classes and texts as eagerly: allreduce and broadcast fail
-    in the BaguaHvdCollective kernel ("kernel"; "numpy": through the numpy_function path), the
-    other collectives hand their status to the BaguaHvdRaise op (bagua_hvd/tensorflow/kernels.py).
+    """Inside tf.function the same classes and texts as eagerly: allreduce, broadcast, allgather
+    and alltoall fail in their kernel ("kernel"; "numpy": through the numpy_function path),
+    reducescatter hands its status to the BaguaHvdRaise op (bagua_hvd/tensorflow/kernels.py).
     The tests require the kernels to build here. Without them (the fallback) TensorFlow reports
     UnknownError with the text."""
     r = rank()
@@ -423,6 +423,14 @@ def test_mismatch_errors_in_tf_function(monkeypatch, path):
             lambda: hvd.allgather(tf.ones([2, 1 + r]), name="g.gather"),
             "Mismatched ALLGATHER tensor shapes",
         ),
+        (
+            lambda: hvd.alltoall(tf.ones([2 * size(), 1 + r]), name="g.a2a"),
+            "Mismatched ALLTOALL tensor shapes",
+        ),
+        (
+            lambda: hvd.reducescatter(tf.ones([2 * size(), 1 + r]), name="g.rs"),
+            "Mismatched REDUCESCATTER tensor shapes",
+        ),
     ]
     for fn, text in cases:
         with pytest.raises(tf.errors.FailedPreconditionError, match=text):
@@ -441,9 +449,10 @@ def test_mismatch_errors_in_tf_function(monkeypatch, path):
 
 
 def test_graph_paths():
-    """Which path each collective takes inside tf.function: the kernel for allreduce and
-    broadcast, a numpy_function (+ BaguaHvdRaise) for the others, numpy_function only without
-    the kernels."""
+    """Which path each collective takes inside tf.function: the asynchronous kernels for
+    allreduce, broadcast, allgather and alltoall, a numpy_function + BaguaHvdRaise for
+    reducescatter (and for all of them with the kernels switched off), numpy_function only
+    without the library."""
 
     def op_types(flag, loaded=None):
         old = hvd.mpi_ops._collective_kernel[0], list(hvd.mpi_ops._kernels._loaded)
@@ -456,9 +465,11 @@ def test_graph_paths():
                     hvd.grouped_allreduce([x, x * 2]),
                     hvd.broadcast(x, 0),
                     hvd.allgather(x),
+                    hvd.alltoall(x),
+                    hvd.reducescatter(x),
                 )
             )
-            graph = f.get_concrete_function(tf.TensorSpec([3], tf.float32)).graph
+            graph = f.get_concrete_function(tf.TensorSpec([3 * size()], tf.float32)).graph
             return [op.type for op in graph.get_operations()]
         finally:
             hvd.mpi_ops._collective_kernel[0] = old[0]
@@ -466,13 +477,14 @@ def test_graph_paths():
 
     types = op_types(True)
     assert types.count("BaguaHvdCollective") == 2, types
+    assert types.count("BaguaHvdAllgather") == 1 and types.count("BaguaHvdAlltoall") == 1, types
     assert types.count("PyFunc") == 1 and types.count("BaguaHvdRaise") == 1, types
     types = op_types(False)
-    assert "BaguaHvdCollective" not in types and types.count("PyFunc") == 3, types
-    assert types.count("BaguaHvdRaise") == 3, types
+    assert not [t for t in types if t.startswith("BaguaHvdA") or t == "BaguaHvdCollective"], types
+    assert types.count("PyFunc") == 5 and types.count("BaguaHvdRaise") == 5, types
     types = op_types(True, loaded=[None])
-    assert "BaguaHvdCollective" not in types and "BaguaHvdRaise" not in types, types
-    assert types.count("PyFunc") == 3, types
+    assert not [t for t in types if t.startswith("BaguaHvd")], types
+    assert types.count("PyFunc") == 5, types
 
 
 @pytest.mark.skipif("hvd.size() < 2")
