@@ -1,16 +1,17 @@
 // bagua_hvd's TensorFlow kernels (bagua_hvd/tensorflow/kernels.py builds this file on first use
 // against the installed TensorFlow and links it to the package's core library):
 //
-//  BaguaHvdCollective  allreduce and broadcast (outputs shaped as the inputs), BaguaHvdAllgather
-//  BaguaHvdAlltoall    and BaguaHvdAlltoall (outputs sized by the other ranks): one asynchronous
-//                      kernel that hands the tensors' buffers to the core (bhvd_enqueue) and
-//                      returns; the core's completion callback (bhvd_on_done) ends the op. No
-//                      Python in the step. Allreduce/broadcast: an input TensorFlow no longer needs
-//                      becomes the output in place; allgather/alltoall: the core's result is
-//                      copied into an output allocated once its size is known.
-//  BaguaHvdRaise       fails with a status computed by the numpy_function path (reducescatter,
-//                      the algorithms' primitives), so that graph mode raises the same tf.errors
-//                      classes as eager mode.
+//  BaguaHvdCollective  allreduce and broadcast (outputs shaped as the inputs),
+//  BaguaHvdReducescatter, BaguaHvdAllgather, BaguaHvdAlltoall: one asynchronous kernel that
+//                      hands the tensors' buffers to the core (bhvd_enqueue) and returns; the
+//                      core's completion callback (bhvd_on_done) ends the op. No Python in the
+//                      step. Allreduce/broadcast: an input TensorFlow no longer needs becomes the
+//                      output in place; reducescatter: the output holds this rank's rows;
+//                      allgather/alltoall: the core's result is copied into an output allocated
+//                      once its size is known.
+//  BaguaHvdRaise       fails with a status computed by the numpy_function path (the algorithms'
+//                      primitives, and every collective with the kernels off), so that graph mode
+//                      raises the same tf.errors classes as eager mode.
 //
 // The core stays framework-free: this library only calls its C API (c_api.h).
 #include <chrono>
@@ -222,12 +223,16 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
     const std::string& op = c->def().op();
     if (op == "BaguaHvdCollective") {
       OP_REQUIRES_OK(c, c->GetAttr("op_type", &op_type_));
-      OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
       OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
-      OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
-      OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+    } else if (op == "BaguaHvdReducescatter") {
+      op_type_ = BHVD_OP_REDUCESCATTER;
     } else {
       op_type_ = op == "BaguaHvdAllgather" ? BHVD_OP_ALLGATHER : BHVD_OP_ALLTOALL;
+    }
+    if (op == "BaguaHvdCollective" || op == "BaguaHvdReducescatter") {
+      OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
+      OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
+      OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
     }
     OP_REQUIRES_OK(c, c->GetAttr("core_name", &name_));
     OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_id_));
@@ -236,10 +241,17 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     auto f = std::make_unique<InFlight>();
     const bool in_place_shape = op_type_ == BHVD_OP_ALLREDUCE || op_type_ == BHVD_OP_BROADCAST;
+    // Allgather and alltoall: the core allocates the outputs (sizes from the other ranks).
+    const bool caller_outputs = in_place_shape || op_type_ == BHVD_OP_REDUCESCATTER;
     // Alltoall's second input is its splits (empty: even).
     const int n = op_type_ == BHVD_OP_ALLTOALL ? 1 : ctx->num_inputs();
     std::vector<bhvd_tensor> ins(n), outs(n);
-    std::vector<std::vector<int64_t>> shapes(n);
+    std::vector<std::vector<int64_t>> shapes(n), out_shapes(n);
+    int set_size = 0, set_rank = -1;
+    if (op_type_ == BHVD_OP_REDUCESCATTER) {
+      set_size = bhvd_process_set_ranks(process_set_id_, nullptr, 0);
+      set_rank = bhvd_process_set_rank(process_set_id_);
+    }
     f->tensors.reserve(2 * n);
     for (int i = 0; i < n; ++i) {
       const Tensor& in = ctx->input(i);
@@ -248,6 +260,16 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
         // An input nothing else reads is reduced in place: no allocation, no copy.
         OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out),
                              done);
+      } else if (op_type_ == BHVD_OP_REDUCESCATTER) {
+        // This rank's rows of dim 0 (Horovod's split: the first dim0 % size ranks get one more).
+        // For an unknown set or a non-member the core fails the op: no rows.
+        ::tensorflow::TensorShape shape = in.shape();
+        if (in.dims() > 0) {
+          const int64_t d0 = in.dim_size(0);
+          const bool member = set_size > 0 && set_rank >= 0;
+          shape.set_dim(0, member ? d0 / set_size + (set_rank < d0 % set_size ? 1 : 0) : 0);
+        }
+        OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(i, shape, &out), done);
       }
       int32_t dtype = 0;
       OP_REQUIRES_ASYNC(
@@ -262,8 +284,9 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
                 shapes[i].data()};
       if (out != nullptr) {
         f->tensors.push_back(*out);
-        outs[i] = {empty ? nullptr : const_cast<char*>(out->tensor_data().data()), dtype, in.dims(),
-                   shapes[i].data()};
+        for (int d = 0; d < out->dims(); ++d) out_shapes[i].push_back(out->dim_size(d));
+        outs[i] = {out->NumElements() == 0 ? nullptr : const_cast<char*>(out->tensor_data().data()),
+                   dtype, out->dims(), out_shapes[i].data()};
       }
     }
     std::vector<int32_t> splits;
@@ -285,7 +308,7 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
     r.postscale_factor = postscale_;
     r.num_tensors = n;
     r.inputs = ins.data();
-    r.outputs = in_place_shape ? outs.data() : nullptr;  // else the core allocates them
+    r.outputs = caller_outputs ? outs.data() : nullptr;
     if (!splits.empty()) {
       r.splits = splits.data();
       r.num_splits = static_cast<int32_t>(splits.size());
@@ -361,6 +384,18 @@ REGISTER_OP("BaguaHvdCollective")
       return absl::OkStatus();
     });
 
+REGISTER_OP("BaguaHvdReducescatter")
+    .Attr("T: list(type)")
+    .Input("tensors: T")
+    .Output("outputs: T")
+    .Attr("core_name: string = ''")
+    .Attr("process_set_id: int = 0")
+    .Attr("reduce_op: int = 0")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::UnknownShape);
+
 // Output sizes come from the other ranks: unknown here (the Python side sets what it knows).
 REGISTER_OP("BaguaHvdAllgather")
     .Attr("T: list(type)")
@@ -383,6 +418,8 @@ REGISTER_OP("BaguaHvdAlltoall")
     .SetShapeFn(::tensorflow::shape_inference::UnknownShape);
 
 REGISTER_KERNEL_BUILDER(Name("BaguaHvdCollective").Device(::tensorflow::DEVICE_CPU),
+                        BaguaHvdCollectiveOp);
+REGISTER_KERNEL_BUILDER(Name("BaguaHvdReducescatter").Device(::tensorflow::DEVICE_CPU),
                         BaguaHvdCollectiveOp);
 REGISTER_KERNEL_BUILDER(Name("BaguaHvdAllgather").Device(::tensorflow::DEVICE_CPU),
                         BaguaHvdCollectiveOp);

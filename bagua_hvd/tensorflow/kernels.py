@@ -1,12 +1,14 @@
 """bagua_hvd's TensorFlow kernels (kernels.cc), compiled on first use against the installed
 TensorFlow (docs/tensorflow.md, "How tensors reach the core"):
 
-- ``BaguaHvdCollective`` (allreduce, broadcast), ``BaguaHvdAllgather``, ``BaguaHvdAlltoall``:
-  those collectives inside ``tf.function`` as asynchronous kernels that hand the tensors'
-  buffers to the core and complete from the core's callback (no Python, no GIL in the step);
-- ``BaguaHvdRaise``: reducescatter and the algorithms' primitives run through
-  ``tf.numpy_function``; this op fails the step with the status their callback returns, so that
-  graph mode raises the same ``tf.errors.OpError`` classes as eager mode.
+- ``BaguaHvdCollective`` (allreduce, broadcast), ``BaguaHvdReducescatter``,
+  ``BaguaHvdAllgather``, ``BaguaHvdAlltoall``: the collectives inside ``tf.function`` as
+  asynchronous kernels that hand the tensors' buffers to the core and complete from the core's
+  callback (no Python, no GIL in the step);
+- ``BaguaHvdRaise``: the algorithms' primitives run through ``tf.numpy_function`` (as every
+  collective does with ``mpi_ops._collective_kernel`` off); this op fails the step with the
+  status their callback returns, so that graph mode raises the same ``tf.errors.OpError``
+  classes as eager mode.
 
 The library is built once per TensorFlow build, core library and source, with the compiler in
 ``$CXX`` (default ``g++``) and ``tf.sysconfig``'s flags, linked to the package's core library,
@@ -98,9 +100,9 @@ def _library_path() -> Path:
 
 
 def load() -> Optional[Any]:
-    """The op module (``.bagua_hvd_collective``, ``.bagua_hvd_allgather``,
-    ``.bagua_hvd_alltoall``, ``.bagua_hvd_raise``), or None where it cannot be built or
-    ``BAGUA_HVD_TF_KERNELS=0``."""
+    """The op module (``.bagua_hvd_collective``, ``.bagua_hvd_reducescatter``,
+    ``.bagua_hvd_allgather``, ``.bagua_hvd_alltoall``, ``.bagua_hvd_raise``), or None where it
+    cannot be built or ``BAGUA_HVD_TF_KERNELS=0``."""
     if _loaded:
         return _loaded[0]
     with _lock:

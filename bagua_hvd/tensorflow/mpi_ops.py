@@ -1,11 +1,10 @@
 """Collective operations on TensorFlow tensors (``horovod.tensorflow.mpi_ops``).
 
 TensorFlow tensors reach the framework-free core in two ways (docs/tensorflow.md). Inside
-``tf.function``, allreduce, broadcast, allgather and alltoall are asynchronous kernels
-(kernels.py) that hand the tensors' buffers to the core and complete from its callback.
-Eagerly, the tensor's host buffer (``np.asarray``) is handed to the core and the result is
-wrapped into a new tensor; inside ``tf.function`` reducescatter (and every collective where the
-kernels cannot be built) runs the same code in a ``tf.numpy_function``. Graph-mode
+``tf.function`` the collectives are asynchronous kernels (kernels.py) that hand the tensors'
+buffers to the core and complete from its callback. Eagerly, the tensor's host buffer
+(``np.asarray``) is handed to the core and the result is wrapped into a new tensor; where the
+kernels cannot be built, graph mode runs the same code in a ``tf.numpy_function``. Graph-mode
 collectives are stateful ops, so ``tf.function``'s automatic control dependencies keep them in
 program order on every rank. Every op is complete when its result can be read.
 
@@ -352,7 +351,7 @@ def _status_callback(
     return run
 
 
-# Whether allreduce, broadcast, allgather and alltoall in a graph use the kernels when built
+# Whether the collectives in a graph use the kernels when built
 # (tests and bench/train.py switch it off to run the numpy_function path beside it).
 _collective_kernel = [True]
 
@@ -800,9 +799,15 @@ def grouped_reducescatter_dense(
                 reduce_op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
             )[0]  # fmt: skip
 
+        def kernel(ops: Any, ins: List[tf.Tensor]) -> Sequence[tf.Tensor]:
+            return ops.bagua_hvd_reducescatter(
+                ins, core_name=core_name or "", process_set_id=ps_id, reduce_op=op,
+                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+            )  # fmt: skip
+
         shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else x.shape
                   for x in xs]  # fmt: skip
-        outs = _execute(fn, xs, [x.dtype for x in xs], shapes)
+        outs = _execute(fn, xs, [x.dtype for x in xs], shapes, kernel)
 
         def grad(*dys: Any) -> List[tf.Tensor]:
             dys = _zeros_if_none(dys, outs)

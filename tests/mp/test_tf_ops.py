@@ -29,7 +29,7 @@ TF_DTYPES = {
     "bool": tf.bool,
 }
 MODES = ["eager", "graph"]
-# allreduce, broadcast, allgather and alltoall inside tf.function run as asynchronous kernels;
+# the collectives inside tf.function run as asynchronous kernels;
 # "graph-numpy" runs them through the numpy_function path too (the kernels' fallback).
 KERNEL_MODES = MODES + ["graph-numpy"]
 
@@ -253,7 +253,7 @@ def test_alltoall(mode, dtype):
     check(got[2], exp_even, dtype, 0, "alltoall even")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reducescatter(mode, dtype):
     n, r = size(), rank()
@@ -399,9 +399,9 @@ def test_mismatch_errors():
 @pytest.mark.skipif("hvd.size() < 2")
 @pytest.mark.parametrize("path", ["kernel", "numpy"])
 def test_mismatch_errors_in_tf_function(monkeypatch, path):
-    """Inside tf.function the same classes and texts as eagerly: allreduce, broadcast, allgather
-    and alltoall fail in their kernel ("kernel"; "numpy": through the numpy_function path),
-    reducescatter hands its status to the BaguaHvdRaise op (bagua_hvd/tensorflow/kernels.py).
+    """Inside tf.function the same classes and texts as eagerly: the collectives fail in their
+    kernel ("kernel"), or ("numpy") the numpy_function path hands its status to the
+    BaguaHvdRaise op (bagua_hvd/tensorflow/kernels.py).
     The tests require the kernels to build here. Without them (the fallback) TensorFlow reports
     UnknownError with the text."""
     r = rank()
@@ -449,10 +449,9 @@ def test_mismatch_errors_in_tf_function(monkeypatch, path):
 
 
 def test_graph_paths():
-    """Which path each collective takes inside tf.function: the asynchronous kernels for
-    allreduce, broadcast, allgather and alltoall, a numpy_function + BaguaHvdRaise for
-    reducescatter (and for all of them with the kernels switched off), numpy_function only
-    without the library."""
+    """Which path each collective takes inside tf.function: the asynchronous kernels, or with
+    them switched off a numpy_function + BaguaHvdRaise each, numpy_function only without the
+    library."""
 
     def op_types(flag, loaded=None):
         old = hvd.mpi_ops._collective_kernel[0], list(hvd.mpi_ops._kernels._loaded)
@@ -478,9 +477,10 @@ def test_graph_paths():
     types = op_types(True)
     assert types.count("BaguaHvdCollective") == 2, types
     assert types.count("BaguaHvdAllgather") == 1 and types.count("BaguaHvdAlltoall") == 1, types
-    assert types.count("PyFunc") == 1 and types.count("BaguaHvdRaise") == 1, types
+    assert types.count("BaguaHvdReducescatter") == 1, types
+    assert "PyFunc" not in types and "BaguaHvdRaise" not in types, types
     types = op_types(False)
-    assert not [t for t in types if t.startswith("BaguaHvdA") or t == "BaguaHvdCollective"], types
+    assert not [t for t in types if t.startswith("BaguaHvd") and t != "BaguaHvdRaise"], types
     assert types.count("PyFunc") == 5 and types.count("BaguaHvdRaise") == 5, types
     types = op_types(True, loaded=[None])
     assert not [t for t in types if t.startswith("BaguaHvd")], types
@@ -553,7 +553,7 @@ def test_process_sets():
             ins = inputs(("ps",), "float32", lambda q: (2, 3))
             mine = to_tf(ins[members[idx]], "float32")
             sub = [ins[m] for m in members]
-            for mode in MODES:
+            for mode in KERNEL_MODES:
                 got = run(
                     mode,
                     lambda: (
@@ -576,6 +576,16 @@ def test_process_sets():
                 match=f"Allreduce: Rank {r} is not a member of the provided process set.",
             ):
                 hvd.allreduce(tf.ones([2]), process_set=evens, name="ps.nm")
+            for fn in (
+                lambda: hvd.allreduce(tf.ones([2]), process_set=evens, name="ps.nm.g"),
+                lambda: hvd.reducescatter(tf.ones([4]), process_set=evens, name="ps.nm.rs"),
+                lambda: hvd.allgather(tf.ones([4]), process_set=evens, name="ps.nm.ag"),
+            ):
+                with pytest.raises(
+                    tf.errors.InvalidArgumentError,
+                    match=f"Rank {r} is not a member of the provided process set",
+                ):
+                    tf.function(fn)()
         hvd.mpi_ops.barrier()
         assert hvd.remove_process_set(evens)
     finally:
