@@ -393,6 +393,28 @@ def _execute(
     return outs
 
 
+def _graph_paths(
+    op_type: int, what: str, core_name: str | None, ps_id: int, **params: Any
+) -> Tuple[Callable[..., List[np.ndarray]], Callable[[Any, List[tf.Tensor]], Sequence[tf.Tensor]]]:
+    """Both ways of running one (grouped) allreduce, broadcast, allgather or reducescatter, from
+    one description: the numpy-level function (eager, numpy_function) and the kernel call.
+    ``params``: reduce_op, root_rank, prescale_factor, postscale_factor (the core's and the
+    kernels' names alike)."""
+
+    def fn(*arrays: np.ndarray) -> List[np.ndarray]:
+        return _collective(op_type, arrays, what=what, name=core_name, ps_id=ps_id, **params)[0]
+
+    def kernel(ops: Any, ins: List[tf.Tensor]) -> Sequence[tf.Tensor]:
+        attrs = dict(core_name=core_name or "", process_set_id=ps_id, **params)
+        if op_type == _ops.OP_ALLGATHER:
+            return ops.bagua_hvd_allgather(ins, **attrs)
+        if op_type == _ops.OP_REDUCESCATTER:
+            return ops.bagua_hvd_reducescatter(ins, **attrs)
+        return ops.bagua_hvd_collective(ins, op_type=op_type, **attrs)
+
+    return fn, kernel
+
+
 def _core_name(
     prefix: str, name: str | None, tensor: Any, op_label: str, ignore_name_scope: bool
 ) -> str | None:
@@ -487,24 +509,10 @@ def grouped_allreduce_dense(
         core_name = _core_name(prefix, name, xs[0], label, ignore_name_scope)
         ps_id = _ps_id(process_set)
 
-        def fn(*arrays: np.ndarray) -> List[np.ndarray]:
-            return _collective(
-                _ops.OP_ALLREDUCE,
-                arrays,
-                what=prefix,
-                name=core_name,
-                ps_id=ps_id,
-                reduce_op=op,
-                prescale_factor=prescale_factor,
-                postscale_factor=postscale_factor,
-            )[0]
-
-        def kernel(ops: Any, ins: List[tf.Tensor]) -> Sequence[tf.Tensor]:
-            return ops.bagua_hvd_collective(
-                ins, op_type=_ops.OP_ALLREDUCE, core_name=core_name or "", process_set_id=ps_id,
-                reduce_op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-            )  # fmt: skip
-
+        fn, kernel = _graph_paths(
+            _ops.OP_ALLREDUCE, prefix, core_name, ps_id, reduce_op=op,
+            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        )  # fmt: skip
         outs = _execute(fn, xs, [x.dtype for x in xs], [x.shape for x in xs], kernel)
 
         def grad(*dys: Any) -> List[tf.Tensor]:
@@ -562,14 +570,7 @@ def grouped_allgather(
         core_name = _core_name(_prefix, name, xs[0], label, ignore_name_scope)
         ps_id = _ps_id(process_set)
 
-        def fn(*arrays: np.ndarray) -> List[np.ndarray]:
-            return _collective(
-                _ops.OP_ALLGATHER, arrays, what=_prefix, name=core_name, ps_id=ps_id
-            )[0]
-
-        def kernel(ops: Any, ins: List[tf.Tensor]) -> Sequence[tf.Tensor]:
-            return ops.bagua_hvd_allgather(ins, core_name=core_name or "", process_set_id=ps_id)
-
+        fn, kernel = _graph_paths(_ops.OP_ALLGATHER, _prefix, core_name, ps_id)
         shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None
                   for x in xs]  # fmt: skip
         outs = _execute(fn, xs, [x.dtype for x in xs], shapes, kernel)
@@ -619,22 +620,9 @@ def _broadcast_tensor(
         core_name = _core_name("broadcast", name, xs[0], "HorovodBroadcast", ignore_name_scope)
         ps_id = _ps_id(process_set)
 
-        def fn(a: np.ndarray) -> List[np.ndarray]:
-            return _collective(
-                _ops.OP_BROADCAST,
-                [a],
-                what="broadcast",
-                name=core_name,
-                ps_id=ps_id,
-                root_rank=root_rank,
-            )[0]
-
-        def kernel(ops: Any, ins: List[tf.Tensor]) -> Sequence[tf.Tensor]:
-            return ops.bagua_hvd_collective(
-                ins, op_type=_ops.OP_BROADCAST, core_name=core_name or "", process_set_id=ps_id,
-                root_rank=root_rank,
-            )  # fmt: skip
-
+        fn, kernel = _graph_paths(
+            _ops.OP_BROADCAST, "broadcast", core_name, ps_id, root_rank=root_rank
+        )
         outs = _execute(fn, xs, [xs[0].dtype], [xs[0].shape], kernel)
 
         def grad(dy: Any) -> List[tf.Tensor]:
@@ -793,18 +781,10 @@ def grouped_reducescatter_dense(
         core_name = _core_name(_prefix, name, xs[0], label, ignore_name_scope)
         ps_id = _ps_id(process_set)
 
-        def fn(*arrays: np.ndarray) -> List[np.ndarray]:
-            return _collective(
-                _ops.OP_REDUCESCATTER, arrays, what=_prefix, name=core_name, ps_id=ps_id,
-                reduce_op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-            )[0]  # fmt: skip
-
-        def kernel(ops: Any, ins: List[tf.Tensor]) -> Sequence[tf.Tensor]:
-            return ops.bagua_hvd_reducescatter(
-                ins, core_name=core_name or "", process_set_id=ps_id, reduce_op=op,
-                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-            )  # fmt: skip
-
+        fn, kernel = _graph_paths(
+            _ops.OP_REDUCESCATTER, _prefix, core_name, ps_id, reduce_op=op,
+            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        )  # fmt: skip
         shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else x.shape
                   for x in xs]  # fmt: skip
         outs = _execute(fn, xs, [x.dtype for x in xs], shapes, kernel)
