@@ -116,9 +116,9 @@ class Watchdog {
     if (warn_s > 0) f->next_warning = after(warn_s);
     if (limit_s > 0) f->deadline = after(limit_s);
     pending_.insert(f);
-    if (!thread_.joinable()) {
-      thread_ = std::thread([this] { Run(); });
-      thread_.detach();
+    if (!started_) {  // one thread per process (a detached std::thread is no longer joinable)
+      started_ = true;
+      std::thread([this] { Run(); }).detach();
     }
   }
 
@@ -171,7 +171,7 @@ class Watchdog {
   std::mutex mu_;
   std::condition_variable cv_;
   std::unordered_set<InFlight*> pending_;
-  std::thread thread_;
+  bool started_ = false;
 };
 
 // Allgather, alltoall: outputs the core allocated (their sizes come from the other ranks), copied

@@ -487,6 +487,24 @@ def test_graph_paths():
     assert types.count("PyFunc") == 5, types
 
 
+def test_kernels_keep_a_fixed_number_of_threads():
+    """Hundreds of kernel collectives do not grow the process's threads (the kernels' watchdog
+    is one thread per process; a thread per op once livelocked a job after thousands)."""
+
+    def threads() -> int:
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+    f = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="threads"))
+    x = tf.ones([4])
+    for _ in range(20):  # warm-up: TensorFlow's pools start their threads lazily
+        f(x)
+    before = threads()
+    for _ in range(300):
+        f(x)
+    assert threads() - before <= 2, f"{before} threads before, {threads()} after 300 ops"
+
+
 @pytest.mark.skipif("hvd.size() < 2")
 def test_kernel_timeout_and_late_completion(monkeypatch, capfd):
     """The kernel waits for no collective forever: with BAGUA_HVD_OP_TIMEOUT_SECONDS a
