@@ -247,11 +247,6 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
     const int n = op_type_ == BHVD_OP_ALLTOALL ? 1 : ctx->num_inputs();
     std::vector<bhvd_tensor> ins(n), outs(n);
     std::vector<std::vector<int64_t>> shapes(n), out_shapes(n);
-    int set_size = 0, set_rank = -1;
-    if (op_type_ == BHVD_OP_REDUCESCATTER) {
-      set_size = bhvd_process_set_ranks(process_set_id_, nullptr, 0);
-      set_rank = bhvd_process_set_rank(process_set_id_);
-    }
     f->tensors.reserve(2 * n);
     for (int i = 0; i < n; ++i) {
       const Tensor& in = ctx->input(i);
@@ -261,13 +256,12 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
         OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out),
                              done);
       } else if (op_type_ == BHVD_OP_REDUCESCATTER) {
-        // This rank's rows of dim 0 (Horovod's split: the first dim0 % size ranks get one more).
-        // For an unknown set or a non-member the core fails the op: no rows.
+        // This rank's rows of dim 0 (the core's split); for an unknown set or a non-member the
+        // core fails the op: no rows.
         ::tensorflow::TensorShape shape = in.shape();
         if (in.dims() > 0) {
-          const int64_t d0 = in.dim_size(0);
-          const bool member = set_size > 0 && set_rank >= 0;
-          shape.set_dim(0, member ? d0 / set_size + (set_rank < d0 % set_size ? 1 : 0) : 0);
+          const int64_t rows = bhvd_reducescatter_rows(process_set_id_, in.dim_size(0));
+          shape.set_dim(0, rows < 0 ? 0 : rows);
         }
         OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(i, shape, &out), done);
       }

@@ -107,6 +107,12 @@ double env_double(const char* suffix, double fallback);
 bool env_bool(const char* suffix, bool fallback);
 
 using Clock = std::chrono::steady_clock;
+// Rows of dimension 0 that set rank k receives from a reducescatter of dim0 rows over n ranks
+// (Horovod's split: the first dim0 % n ranks get one more).
+inline int64_t reducescatter_rows(int64_t dim0, int n, int k) {
+  return dim0 / n + (k < dim0 % n ? 1 : 0);
+}
+
 inline double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }

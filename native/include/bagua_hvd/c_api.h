@@ -175,6 +175,9 @@ int bhvd_remove_process_set(int32_t id);
  * this returns (tensor data must stay alive until the handle completes). A rejected request does
  * not consume a handle id, so unnamed ops stay aligned across ranks. */
 int bhvd_enqueue(const bhvd_request* request, int64_t* handle_out);
+/* Rows of dimension 0 this rank receives from a reducescatter of dim0 rows over the set
+ * (Horovod's split); -1 for an unknown set or a non-member. */
+int64_t bhvd_reducescatter_rows(int32_t process_set_id, int64_t dim0);
 /* 1 when done (successfully or not), 0 while in flight, -1 for an unknown handle. */
 int bhvd_poll(int64_t handle);
 /* Blocks up to timeout_ms (< 0: no limit) and returns the handle's final status, BHVD_TIMED_OUT,

@@ -137,6 +137,13 @@ int bhvd_enqueue(const bhvd_request* request, int64_t* handle_out) {
   return report(Runtime::get().enqueue(*request, handle_out));
 }
 
+int64_t bhvd_reducescatter_rows(int32_t process_set_id, int64_t dim0) {
+  const int size = bhvd_process_set_ranks(process_set_id, nullptr, 0);
+  const int rank = bhvd_process_set_rank(process_set_id);
+  if (size <= 0 || rank < 0) return -1;
+  return bagua_hvd::reducescatter_rows(dim0, size, rank);
+}
+
 int bhvd_poll(int64_t handle) { return Runtime::get().poll(handle); }
 
 int bhvd_wait(int64_t handle, int64_t timeout_ms) {

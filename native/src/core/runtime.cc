@@ -1102,7 +1102,7 @@ void Runtime::execute_reducescatter(const Response& r, Comm& comm,
     int64_t row = dim0 ? total / dim0 : 0;
     std::vector<size_t> counts(n);
     for (int k = 0; k < n; ++k)
-      counts[k] = static_cast<size_t>((dim0 / n + (k < dim0 % n ? 1 : 0)) * row);
+      counts[k] = static_cast<size_t>(reducescatter_rows(dim0, n, k) * row);
     unsigned char* scratch = fusion(static_cast<size_t>(total) * esize);
     if (total) std::memcpy(scratch, e->input, static_cast<size_t>(total) * esize);
     if (r.prescale != 1.0) scale_buffer(scratch, total, r.dtype, r.prescale);
