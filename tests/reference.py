@@ -158,3 +158,66 @@ def tolerance(dtype: str, op: int, size: int, postscale: float | None = None) ->
     if op != AVERAGE and (postscale in (None, 1.0, 0.5, 2.0)):
         return 0.0  # small integers and power-of-two factors are exact
     return {"float16": 1e-2, "bfloat16": 5e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+
+
+# ---- exact (bit for bit) scaled reductions ---------------------------------------------------
+def round_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (nearest, ties to even), held as float32."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+    return r.view(np.float32)
+
+
+def scale_exact(a: np.ndarray, factor: float, dtype: str) -> np.ndarray:
+    """Horovod's ScaleBuffer: a float tensor is scaled in its own dtype (the factor cast to it,
+    one rounding), float16 (and bfloat16, which Horovod does not scale) in float32 and rounded
+    back, an integer in float64 and truncated toward zero."""
+    if dtype in INT_TYPES:
+        return np.trunc(a.astype(np.float64) * factor).astype(a.dtype)
+    if dtype == "float64":
+        return a.astype(np.float64) * factor
+    product = np.float32(factor) * a.astype(np.float32)  # float32 x float32, one rounding
+    if dtype == "float16":
+        return product.astype(np.float16)
+    return round_bf16(product) if dtype == "bfloat16" else product
+
+
+def _add_exact(a: np.ndarray, b: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype in INT_TYPES:
+        return (a.astype(np.int64) + b.astype(np.int64)).astype(numpy_dtype(dtype))  # wraps
+    if dtype == "bfloat16":
+        return round_bf16(a.astype(np.float32) + b.astype(np.float32))
+    return (a + b).astype(numpy_dtype(dtype))  # numpy adds float16 in float32, rounds once
+
+
+def allreduce_exact(
+    arrays: Sequence[np.ndarray], op: int, dtype: str, prescale: float, postscale: float
+) -> np.ndarray:
+    """Sum or Average with scale factors, computed in ``dtype``'s own arithmetic: prescale,
+    sum, then ``postscale`` (divided by the size in float64 for Average, as Horovod does).
+
+    The ranks' sum is taken in rank order: pass inputs whose sum does not depend on the order
+    (identical on every rank, or small integers), as Horovod's own tests do."""
+    assert op in (SUM, AVERAGE), op
+    scaled = [scale_exact(a, prescale, dtype) if prescale != 1.0 else a for a in arrays]
+    out = scaled[0]
+    for s in scaled[1:]:
+        out = _add_exact(out, s, dtype)
+    if op == AVERAGE:
+        postscale = postscale / len(arrays)
+    return scale_exact(out, postscale, dtype) if postscale != 1.0 else out
+
+
+def reducescatter_exact(
+    arrays: Sequence[np.ndarray],
+    op: int,
+    dtype: str,
+    receiver: int,
+    prescale: float,
+    postscale: float,
+) -> np.ndarray:
+    """``receiver``'s rows of :func:`allreduce_exact`."""
+    full = allreduce_exact(arrays, op, dtype, prescale, postscale)
+    rows = reducescatter_rows(full.shape[0], len(arrays))
+    offset = sum(rows[:receiver])
+    return full[offset : offset + rows[receiver]]

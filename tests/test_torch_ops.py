@@ -16,6 +16,7 @@ INNER = [
     "test_torch_functions.py",
     "test_torch_optimizer.py",
     "test_torch_algorithms.py",
+    "test_scale_factors.py",
 ]
 
 

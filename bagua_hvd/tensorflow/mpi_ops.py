@@ -400,6 +400,11 @@ def _graph_paths(
     one description: the numpy-level function (eager, numpy_function) and the kernel call.
     ``params``: reduce_op, root_rank, prescale_factor, postscale_factor (the core's and the
     kernels' names alike)."""
+    # Horovod's TF ops take the factors as float attributes: every path rounds them to float32
+    # as the kernel's attributes do, so a float64 tensor is scaled as in Horovod.
+    for key in ("prescale_factor", "postscale_factor"):
+        if key in params:
+            params[key] = float(np.float32(params[key]))
 
     def fn(*arrays: np.ndarray) -> List[np.ndarray]:
         return _collective(op_type, arrays, what=what, name=core_name, ps_id=ps_id, **params)[0]

@@ -4,8 +4,10 @@ Supported dtypes (CPU tensors; CUDA tensors too, see below):
 
 * allreduce, grouped_allreduce, reducescatter, grouped_reducescatter: uint8, int8, int16, int32,
   int64, float16, bfloat16, float32, float64. Horovod itself supports only int32, int64,
-  float16, float32 and float64; the others are bagua_hvd extensions. Integer results of Average
-  and of scale factors are truncated toward zero (computed in double, like Horovod).
+  float16, float32 and float64; the others are bagua_hvd extensions. Scale factors (and
+  Average's 1/size) are applied as Horovod does, bit for bit: float32 and float64 in their own
+  precision (the factor rounded to it, one rounding of the product), float16 and bfloat16 in
+  float32 then rounded back, integers in double then truncated toward zero.
 * allreduce of bool tensors is a logical reduction: Sum and Max are "or", Min and Product are
   "and". Average, Adasum and scale factors other than 1.0 are rejected for bool (ValueError);
   reducescatter does not accept bool.

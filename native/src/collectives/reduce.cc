@@ -260,8 +260,10 @@ BHVD_CLONES void scale_int(T* __restrict p, size_t n, double f) {
   }
 }
 
-BHVD_CLONES void scale_f32(float* __restrict p, size_t n, double f) {
-  for (size_t i = 0; i < n; ++i) p[i] = static_cast<float>(static_cast<double>(p[i]) * f);
+// Horovod scales a float tensor in its own precision: the factor is rounded to float first,
+// so the result is (float)f * x with one float rounding, not x * f rounded from double.
+BHVD_CLONES void scale_f32(float* __restrict p, size_t n, float f) {
+  for (size_t i = 0; i < n; ++i) p[i] *= f;
 }
 BHVD_CLONES void scale_f64(double* __restrict p, size_t n, double f) {
   for (size_t i = 0; i < n; ++i) p[i] *= f;
@@ -275,6 +277,7 @@ void scale_f16(uint16_t* p, size_t n, float f) {
 #endif
   scale_f16_sw(p, n, f);
 }
+// bfloat16 (which Horovod does not scale) follows Horovod's float16 on the CPU: in float32.
 BHVD_CLONES void scale_bf16(uint16_t* __restrict p, size_t n, float f) {
   for (size_t i = 0; i < n; ++i) p[i] = float_to_bf16(bf16_to_float(p[i]) * f);
 }
@@ -287,7 +290,7 @@ void scale_aligned(void* buf, size_t n, DataType dtype, double f) {
     case DataType::INT16: return scale_int(static_cast<int16_t*>(buf), n, f);
     case DataType::INT32: return scale_int(static_cast<int32_t*>(buf), n, f);
     case DataType::INT64: return scale_int(static_cast<int64_t*>(buf), n, f);
-    case DataType::FLOAT32: return scale_f32(static_cast<float*>(buf), n, f);
+    case DataType::FLOAT32: return scale_f32(static_cast<float*>(buf), n, static_cast<float>(f));
     case DataType::FLOAT64: return scale_f64(static_cast<double*>(buf), n, f);
     // Horovod scales 16-bit floats in float32 with the factor rounded to float.
     case DataType::FLOAT16: return scale_f16(static_cast<uint16_t*>(buf), n, static_cast<float>(f));
