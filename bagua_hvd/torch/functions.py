@@ -21,7 +21,7 @@ Differences from Horovod 0.28.1, all of them fixes:
 from __future__ import annotations
 
 import io
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import cloudpickle
 import torch
@@ -212,15 +212,20 @@ def _local_step(optimizer: torch.optim.Optimizer) -> None:
 _INIT_CHUNK_BYTES = 32 << 20
 
 
-def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
-    """Horovod's state initialisation, one ``step()`` on zero gradients, without side effects:
-    the parameters and their ``.grad`` are restored afterwards.
+def _initialize_state(optimizer: torch.optim.Optimizer, sparse_ids: Set[int]) -> None:
+    """Horovod's state initialisation, one ``step()`` on zero gradients. The parameters are
+    restored afterwards; the zero gradients stay, as in Horovod (sparse for ``SparseAdam`` and
+    for ``SGD`` on the parameters in ``sparse_ids``).
 
     The step runs over chunks of about 32 MiB of parameters (the optimizer's param groups
     temporarily narrowed to the chunk; torch's optimizers other than LBFGS update each parameter
     independently), so the saved parameters and zero gradients never take more than a chunk's
     worth of memory at a time instead of twice the model's size."""
-    sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    sparse_step = isinstance(optimizer, torch.optim.SparseAdam)
+    # SGD steps on dense zeros, so a momentum buffer stays dense (a sparse one cannot be
+    # broadcast); its sparse parameters are then left with sparse zeros, Horovod's layout.
+    sparse_after = sparse_ids if isinstance(optimizer, torch.optim.SGD) else set()
+
     original = optimizer.param_groups
     chunks: List[List[Tuple[int, torch.Tensor]]] = [[]]
     nbytes = 0
@@ -242,18 +247,23 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
                 members.setdefault(gi, []).append(p)
             # Same option dicts (a step that updates an option updates the real group), fewer
             # parameters.
-            optimizer.param_groups = [_NarrowedGroup(original[gi], ps) for gi, ps in members.items()]
+            optimizer.param_groups = [
+                _NarrowedGroup(original[gi], ps) for gi, ps in members.items()
+            ]
             saved = []
             for _, p in chunk:
-                saved.append((p, p.detach().clone(), p.grad))
-                p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
+                saved.append((p, p.detach().clone()))
+                p.grad = torch.zeros_like(p).to_sparse() if sparse_step else torch.zeros_like(p)
             try:
                 _local_step(optimizer)
             finally:
                 with torch.no_grad():
-                    for p, value, grad in saved:
+                    for p, value in saved:
                         p.copy_(value)
-                        p.grad = grad
+                        if id(p) in sparse_after:
+                            p.grad = torch.zeros_like(p).to_sparse()
+                        elif not p.grad.is_sparse:
+                            p.grad.zero_()  # zero even if a step wrote to it
                 del saved
     finally:
         optimizer.param_groups = original
@@ -309,13 +319,17 @@ def broadcast_optimizer_state(
         optimizer: An optimizer (a ``torch.optim.Optimizer`` or a ``DistributedOptimizer``).
         root_rank: The rank of the process from which the optimizer will be broadcasted to all
             other processes.
-        model: (Optional) the model the optimizer trains. Only used to name the broadcasts
-            (``<parameter name>.<state key>``) for the timeline; default None.
+        model: (Optional) the model the optimizer trains, used to identify sparse parameters
+            and to name the broadcasts (``<parameter name>.<state key>``) for the timeline;
+            default None.
 
     Every ``torch.optim`` optimizer is supported except ``torch.optim.LBFGS``
     (``ValueError('cannot broadcast torch.optim.LBFGS state')``). A rank whose state is empty
     first initialises it with one ``step()`` on zero gradients (without communication for a
-    DistributedOptimizer, and leaving the parameters and gradients as they were). Then the
+    DistributedOptimizer). As in Horovod, those zero gradients stay: afterwards every parameter
+    that requires grad has a zero ``.grad`` (sparse for ``SparseAdam``, and for ``SGD`` on a
+    sparse ``Embedding`` of ``model``), and the others keep theirs; unlike Horovod's, the step
+    leaves the parameters as they were (weight decay on zero gradients would move them). Then the
     root's param-group options and non-tensor state go to every rank through one
     ``broadcast_object``, and every state tensor is broadcast in place. Afterwards every rank's
     ``optimizer.state`` and ``optimizer.param_groups`` options equal the root's.
@@ -328,7 +342,12 @@ def broadcast_optimizer_state(
     # Newly created optimizers will not have their state initialized, so do that
     # initialization here (as Horovod: one step on zero gradients).
     if len(optimizer.state) == 0:
-        _initialize_state(optimizer)
+        sparse_ids = set()
+        if model is not None:
+            for m in model.modules():
+                if isinstance(m, torch.nn.Embedding) and m.sparse:
+                    sparse_ids.update(id(p) for p in m.parameters())
+        _initialize_state(optimizer, sparse_ids)
 
     names: Dict[int, str] = {}
     if model is not None:

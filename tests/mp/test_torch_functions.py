@@ -267,6 +267,7 @@ def test_broadcast_optimizer_state(name, mode):
     model, opt = make_training(name, rank(), steps(rank()))
     before = params_of(model)
     grads_before = [p.grad for p in model.parameters()]
+    initialised = len(opt.state) == 0
     hvd.broadcast_optimizer_state(opt, root_rank=root(), model=model if mode != "fresh" else None)
 
     ref_model, ref = make_training(name, root(), steps(root()))
@@ -280,11 +281,19 @@ def test_broadcast_optimizer_state(name, mode):
         ref.step()
     assert len(ref.state) > 0
     assert_optimizer_equal(opt, ref)
-    # the parameters and their gradients are untouched (also by the initialising step)
+    # the parameters are untouched (also by the initialising step)
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.detach(), b)
+    # Horovod: a rank that initialised its state leaves a zero gradient on every parameter of
+    # the optimizer that requires grad (sparse for SparseAdam); other gradients are untouched.
+    in_opt = {id(p) for group in opt.param_groups for p in group["params"]}
     for p, gb in zip(model.parameters(), grads_before):
-        assert p.grad is gb
+        if initialised and p.requires_grad and id(p) in in_opt:
+            assert p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype
+            assert p.grad.is_sparse == (name == "SparseAdam"), p.grad.layout
+            assert not p.grad.to_dense().any(), p.grad
+        else:
+            assert p.grad is gb
     if name != "SparseAdam":  # one more step: every rank now does the same update to the state
         for p in model.parameters():
             p.grad = torch.ones_like(p) if p.requires_grad else None
@@ -307,6 +316,20 @@ def test_broadcast_optimizer_state_stateless_sgd_options():
     assert opt.param_groups[0]["weight_decay"] == root()
     assert len(opt.state) == 0
     assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    assert all(torch.equal(p.grad, torch.zeros(p.shape)) for p in model.parameters())
+
+
+def test_broadcast_optimizer_state_sparse_embedding_sgd():
+    """Horovod: with ``model``, SGD's zero gradients of a sparse Embedding are sparse; a frozen
+    parameter keeps its None."""
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3, sparse=True), torch.nn.Linear(3, 2))
+    model[1].bias.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    hvd.broadcast_optimizer_state(opt, root(), model=model)
+    emb, weight, bias = model[0].weight, model[1].weight, model[1].bias
+    assert emb.grad.is_sparse and not emb.grad.to_dense().any()
+    assert not weight.grad.is_sparse and torch.equal(weight.grad, torch.zeros(2, 3))
+    assert bias.grad is None
 
 
 def test_broadcast_optimizer_state_layout_differs_from_root():
@@ -465,15 +488,19 @@ def test_broadcast_optimizer_state_tensor_options():
     assert opt.param_groups[0]["betas"] == (0.9, 0.99 - 0.01 * root())
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
-    lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.01),
-    lambda ps: torch.optim.AdamW(ps, lr=0.01),
-    lambda ps: torch.optim.ASGD(ps, lr=0.01),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+        lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.01),
+        lambda ps: torch.optim.AdamW(ps, lr=0.01),
+        lambda ps: torch.optim.ASGD(ps, lr=0.01),
+    ],
+)
 def test_state_initialisation_in_chunks_matches_one_step(make, monkeypatch):
     """The empty state is initialised in chunks of parameters (to bound the transient memory):
-    the result must equal plain torch's one step() on zero gradients, parameters untouched."""
+    the result must equal plain torch's one step() on zero gradients, parameters untouched, zero
+    gradients left."""
     from bagua_hvd.torch import functions
 
     monkeypatch.setattr(functions, "_INIT_CHUNK_BYTES", 1)  # one parameter per chunk
@@ -481,16 +508,17 @@ def test_state_initialisation_in_chunks_matches_one_step(make, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
     reference = copy.deepcopy(model)
     opt = make([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.5}])
-    ref = make([{"params": reference[0].parameters()},
-                {"params": reference[2].parameters(), "lr": 0.5}])
+    ref = make(
+        [{"params": reference[0].parameters()}, {"params": reference[2].parameters(), "lr": 0.5}]
+    )
     before = [p.detach().clone() for p in model.parameters()]
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     for p in reference.parameters():
         p.grad = torch.zeros_like(p)
     ref.step()  # plain torch: what Horovod's initialisation does (parameters may move)
     for p, b in zip(model.parameters(), before):
-        assert torch.equal(p, b) and p.grad is None
-    for (p, q) in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, b) and torch.equal(p.grad, torch.zeros_like(p))  # Horovod's zeros
+    for p, q in zip(model.parameters(), reference.parameters()):
         mine, theirs = opt.state[p], ref.state[q]
         assert mine.keys() == theirs.keys()
         for k in mine:
