@@ -231,7 +231,8 @@ def test_store_bounds_unauthenticated_connections() -> None:
             _store_works(srv, within=2)  # never behind the strangers
             deadline = time.monotonic() + 2
             while True:  # evicted handshakes end at once: threads stay bounded
-                threads = [t for t in threading.enumerate() if t.name.startswith("bagua_hvd-store-1")]
+                names = [t.name for t in threading.enumerate()]
+                threads = [n for n in names if n.startswith("bagua_hvd-store-1")]
                 if len(threads) <= store.MAX_PENDING_HANDSHAKES or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
