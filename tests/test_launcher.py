@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -342,3 +343,99 @@ def test_two_launchers_as_two_nodes() -> None:
         assert env["BAGUA_HVD_JOB_ID"] == envs[0]["BAGUA_HVD_JOB_ID"]
         # All four ranks met in node 0's store, with their node's own hostname.
         assert env["STORE"] == ",".join(hostnames[r] for r in range(4))
+
+
+# Each rank prints its pid and a child's; rank 1 (and its child) ignore SIGTERM, so that only
+# SIGKILL ends them.
+RANK_WITH_CHILD = ('if [ $RANK = 1 ]; then trap "" TERM; fi; '
+                   'sleep 60 & echo child=$!; echo pid=$$; wait')
+
+
+def _read_pids(proc: subprocess.Popen, count: int, timeout: float = 30) -> List[int]:
+    """The pids printed as pid=N / child=N by the launcher's ranks (count of them)."""
+    pids: List[int] = []
+    buffer = b""
+    deadline = time.monotonic() + timeout
+    while len(pids) < count:
+        left = deadline - time.monotonic()
+        assert left > 0, f"only {pids} after {timeout} s; {buffer!r}"
+        if not select.select([proc.stdout], [], [], left)[0]:
+            continue
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        assert chunk, f"the launcher closed its output; {pids}, {proc.stderr.read()!r}"
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        pids += [int(line.rpartition(b"=")[2]) for line in lines if b"pid=" in line
+                 or b"child=" in line]
+    return pids
+
+
+def _gone_within(pids: List[int], timeout: float) -> List[int]:
+    """Waits up to timeout for every pid to exit; returns those still alive."""
+    deadline = time.monotonic() + timeout
+    while [pid for pid in pids if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if alive(pid)]
+
+
+def _kill_all(pids: List[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+RUN_API = """
+import bagua_hvd, os, subprocess
+def rank():
+    child = subprocess.Popen(["sleep", "60"])
+    print(f"child={child.pid}", flush=True)
+    print(f"pid={os.getpid()}", flush=True)
+    child.wait()
+bagua_hvd.run(rank, np=2)
+"""
+
+
+@pytest.mark.parametrize("mode", ["bagua-run", "bagua_hvd.run", "node 1 of 2"])
+def test_sigkilled_launcher_takes_its_ranks_down(mode: str) -> None:
+    # SIGKILL gives the launcher no chance to stop its ranks: they (and their children) must
+    # still be gone within KILL_AFTER_S (3 s) and some slack for a loaded machine.
+    popen = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(REPO))
+    others: List[subprocess.Popen] = []
+    other_pids: List[int] = []
+    if mode == "bagua-run":
+        launcher = subprocess.Popen(LAUNCH + ["-np", "2", "bash", "-c", RANK_WITH_CHILD],
+                                    env=_env(), **popen)
+    elif mode == "bagua_hvd.run":
+        launcher = subprocess.Popen([sys.executable, "-c", RUN_API], env=_env(), **popen)
+    else:  # the launcher of node 1 dies; node 0's ranks are another launcher's and live on
+        env = _env(BAGUA_HVD_SECRET=os.urandom(32).hex())
+        common = LAUNCH + ["-np", "4", "--num-nodes", "2", "--rendezvous-addr",
+                           f"127.0.0.1:{free_port()}"]
+        others.append(subprocess.Popen(common + ["--node-rank", "0", "bash", "-c",
+                                                 RANK_WITH_CHILD], env=env, **popen))
+        launcher = subprocess.Popen(common + ["--node-rank", "1", "bash", "-c", RANK_WITH_CHILD],
+                                    env=env, **popen)
+    pids: List[int] = []
+    try:
+        pids = _read_pids(launcher, 4)
+        if others:
+            other_pids = _read_pids(others[0], 4)
+        time.sleep(0.5)
+        assert not [pid for pid in pids + other_pids if not alive(pid)]  # all were running
+        launcher.kill()
+        launcher.wait(timeout=10)
+        left = _gone_within(pids, 10)
+        assert not left, f"processes {left} of {pids} outlived their SIGKILLed launcher"
+        # No false kills: another launcher's ranks are untouched.
+        assert not [pid for pid in other_pids if not alive(pid)], other_pids
+    finally:
+        for proc in [launcher] + others:
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait(timeout=20)
+            proc.stdout.close()
+            proc.stderr.close()
+        _kill_all(pids + other_pids)  # whatever a failed run left behind
+    assert not _gone_within(other_pids, 10)  # node 0's launcher stopped its own (SIGTERM)

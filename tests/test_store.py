@@ -120,7 +120,7 @@ def test_wrong_secret_is_rejected(
 ) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
     t0 = time.monotonic()
-    with pytest.raises(AuthenticationError, match="could not prove it knows the job secret"):
+    with pytest.raises(AuthenticationError, match="rejected this client: bad proof of the job"):
         StoreClient("127.0.0.1", server.port, new_secret(), timeout=10)
     assert time.monotonic() - t0 < 3  # not retried until the timeout
     msg = wait_for_log(caplog, "rejected connection from 127.0.0.1:")

@@ -4,6 +4,10 @@ Policy (shared by ``bagua-run`` and ``bagua_hvd.run``):
 
 - Every rank runs in its own session and process group, so signals reach its grandchildren too.
   Ranks read stdin from /dev/null.
+- Each rank is started by a guard (bagua_hvd.runner.guard), the leader of its group, which
+  reports the rank's exit status as its own and stops the group (SIGTERM, then SIGKILL
+  ``KILL_AFTER_S`` seconds later) when the launcher exits in any way, even by SIGKILL: ranks
+  never outlive their launcher.
 - Output is forwarded a line at a time as ``[<rank>]<stdout>:line`` / ``[<rank>]<stderr>:line`` (the
   launcher's stdout / stderr); a line is written whole, never interleaved with another.
   ``output_dir`` also receives the raw lines in ``<dir>/rank.<padded rank>/stdout|stderr``.
@@ -21,8 +25,10 @@ Policy (shared by ``bagua-run`` and ``bagua_hvd.run``):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -39,6 +45,9 @@ KILL_AFTER_S = 3.0
 DRAIN_TIMEOUT_S = 2.0
 _POLL_S = 0.1
 _MAX_LINE = 1 << 16
+# Bound on the wait for a guard to start its rank's command (a fresh interpreter: ~20 ms).
+GUARD_START_TIMEOUT_S = 60.0
+_GUARD = str(Path(__file__).resolve().with_name("guard.py"))
 
 FAILURE_MESSAGE = (
     "Horovod detected that one or more processes exited with non-zero status, thus causing the "
@@ -180,8 +189,9 @@ def _group_alive(pgid: int) -> bool:
 @dataclasses.dataclass
 class _Rank:
     slot: Slot
-    proc: subprocess.Popen
+    proc: subprocess.Popen  # the rank's guard, the leader of its process group
     threads: List[threading.Thread]
+    status_fd: int  # the guard's report on starting the command (closed once read)
 
 
 class _SignalTrap:
@@ -224,17 +234,28 @@ def run_job(
     out = _Output()
     ranks: List[_Rank] = []
     events: queue.Queue = queue.Queue()
-    with _SignalTrap() as trap:
-        try:
-            for slot in slots:
-                ranks.append(_start_rank(command, slot, env, output_dir, out, events, cwd))
-                if verbose:
-                    _log(f"rank {slot.rank} started (pid {ranks[-1].proc.pid})")
-            result = _supervise(ranks, events, trap, verbose)
-        except BaseException:  # a rank that cannot start, or a bug here: leave nothing running
-            _stop(ranks)
-            raise
-    _cleanup(ranks)
+    # The guards watch watch_r: only this process holds watch_w (os.pipe's descriptors are not
+    # inherited), so it reaches end of file exactly when this process exits, or below.
+    watch_r, watch_w = os.pipe()
+    try:
+        with _SignalTrap() as trap:
+            try:
+                for slot in slots:
+                    ranks.append(
+                        _start_rank(command, slot, env, output_dir, out, events, cwd, watch_r)
+                    )
+                for r in ranks:
+                    pid = _confirm_start(r, command)
+                    if verbose:
+                        _log(f"rank {r.slot.rank} started (pid {pid})")
+                result = _supervise(ranks, events, trap, verbose)
+            except BaseException:  # a rank that cannot start, or a bug here: leave nothing running
+                _stop(ranks)
+                raise
+        _cleanup(ranks)
+    finally:
+        os.close(watch_r)
+        os.close(watch_w)  # every rank is gone by now: nothing for the guards to stop
     return result
 
 
@@ -242,7 +263,7 @@ def _log(message: str) -> None:
     print(f"bagua-run: {message}", file=sys.stderr, flush=True)
 
 
-def _start_rank(command, slot, env, output_dir, out, events, cwd) -> _Rank:
+def _start_rank(command, slot, env, output_dir, out, events, cwd, watch_fd) -> _Rank:
     full_env = dict(os.environ)
     full_env.update(env)
     full_env.update(slot.env())
@@ -254,25 +275,30 @@ def _start_rank(command, slot, env, output_dir, out, events, cwd) -> _Rank:
             copies = {kind: open(rank_dir / kind, "wb") for kind in copies}
         except OSError as e:
             raise LaunchError(f"cannot write --output-filename files in {rank_dir}: {e}") from e
+    status_r, status_w = os.pipe()
+    guard = [sys.executable, "-I", "-S", _GUARD, str(watch_fd), str(status_w), str(KILL_AFTER_S)]
     try:
         proc = subprocess.Popen(
-            list(command),
+            guard + list(command),
             env=full_env,
             cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            pass_fds=(watch_fd, status_w),
         )
     except OSError as e:
+        os.close(status_r)
         for copy in copies.values():
             if copy is not None:
                 copy.close()
-        code = 127 if isinstance(e, FileNotFoundError) else 126
         raise LaunchError(
-            f"cannot start rank {slot.rank} command {command[0]!r}: {e.strerror or e}",
-            exit_code=code,
+            f"cannot start rank {slot.rank}: {sys.executable!r} (the rank's guard): "
+            f"{e.strerror or e}",
         ) from e
+    finally:
+        os.close(status_w)
     threads = []
     for kind, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
         prefix = f"[{slot.rank}]<{kind}>:".encode()
@@ -290,7 +316,33 @@ def _start_rank(command, slot, env, output_dir, out, events, cwd) -> _Rank:
 
     waiter = threading.Thread(target=wait, name=f"bagua-run-wait-{slot.rank}", daemon=True)
     waiter.start()
-    return _Rank(slot=slot, proc=proc, threads=threads)
+    return _Rank(slot=slot, proc=proc, threads=threads, status_fd=status_r)
+
+
+def _confirm_start(rank: _Rank, command: Sequence[str]) -> Optional[int]:
+    """Waits for the guard's report on starting the command; returns the rank's pid (None when
+    the guard died before it could tell). Raises LaunchError when the command cannot run."""
+    data = b""
+    deadline = time.monotonic() + GUARD_START_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([rank.status_fd], [], [], deadline - time.monotonic())
+            if not ready:
+                break
+            chunk = os.read(rank.status_fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(rank.status_fd)
+    word, _, rest = data.decode("utf-8", "replace").strip().partition(" ")
+    if word == "error":
+        code, _, message = rest.partition(" ")
+        raise LaunchError(
+            f"cannot start rank {rank.slot.rank} command {command[0]!r}: {message}",
+            exit_code=127 if code == str(errno.ENOENT) else 126,
+        )
+    return int(rest) if word == "ok" and rest.isdigit() else None
 
 
 def _stop(ranks: Sequence[_Rank]) -> None:

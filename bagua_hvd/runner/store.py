@@ -26,7 +26,7 @@ import struct
 import threading
 import time
 from types import TracebackType
-from typing import Union
+from typing import Callable, Optional, Union
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +35,20 @@ DEFAULT_MAX_FRAME_BYTES = 16 << 20
 MAX_HANDSHAKE_FRAME = 4096
 MAX_KEY_BYTES = 4096
 MAX_CONNECTIONS = 4096
+# Connections handshaking at once; a newcomer beyond that evicts the oldest one (see StoreServer).
+MAX_PENDING_HANDSHAKES = 64
+# At most one warning about rejected connections per this many seconds.
+REJECT_LOG_INTERVAL_S = 5.0
 STORE_PURPOSE = b"store"
 
 _MAGIC = b"BHVD"
-_VERSION = 1
+_VERSION = 2  # 2: the server proves the secret only after the client did
 _HELLO, _CHALLENGE, _PROOF, _RESULT = 1, 2, 3, 4
 _STATUS_OK, _STATUS_REFUSED = 0, 1
 _NONCE_LEN = 32
 _MAC_LEN = 32
-_SERVER_LABEL = b"bagua_hvd auth v1 server"
-_CLIENT_LABEL = b"bagua_hvd auth v1 client"
+_SERVER_LABEL = b"bagua_hvd auth v2 server"
+_CLIENT_LABEL = b"bagua_hvd auth v2 client"
 _WRONG_PROOF = "wrong proof of the job secret"
 
 KeyLike = Union[str, bytes]
@@ -103,9 +107,16 @@ def _check_secret(secret: bytes) -> bytes:
 # ---- framing ------------------------------------------------------------------------------
 
 
-def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, what: str, deadline: Optional[float] = None) -> bytes:
+    """Reads n bytes; with a deadline (time.monotonic()), all of them by then, however slowly
+    they trickle in."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreTimeoutError(f"timed out waiting for data from {what}")
+            sock.settimeout(left)
         try:
             chunk = sock.recv(n - len(buf))
         except socket.timeout:
@@ -116,17 +127,24 @@ def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket, max_len: int, what: str) -> bytes:
-    (length,) = struct.unpack("<I", _recv_exact(sock, 4, what))
+def _recv_frame(
+    sock: socket.socket, max_len: int, what: str, deadline: Optional[float] = None
+) -> bytes:
+    (length,) = struct.unpack("<I", _recv_exact(sock, 4, what, deadline))
     if length > max_len:
         raise StoreError(
             f"frame of {length} bytes from {what} exceeds the limit of {max_len} bytes "
             "(is something else talking on this port?)"
         )
-    return _recv_exact(sock, length, what)
+    return _recv_exact(sock, length, what, deadline)
 
 
-def _send_frame(sock: socket.socket, payload: bytes) -> None:
+def _send_frame(sock: socket.socket, payload: bytes, deadline: Optional[float] = None) -> None:
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StoreTimeoutError("timed out before sending a handshake message")
+        sock.settimeout(left)
     sock.sendall(struct.pack("<I", len(payload)) + payload)
 
 
@@ -150,13 +168,25 @@ def _proof(secret: bytes, label: bytes, hello: bytes, server_nonce: bytes) -> by
     return hmac.new(secret, label + hello + server_nonce, hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, secret: bytes, purpose: bytes, what: str) -> bytes:
-    """Runs the server side of the handshake; returns the client's info or raises."""
-    hello = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what)
+def server_handshake(
+    sock: socket.socket,
+    secret: bytes,
+    purpose: bytes,
+    what: str,
+    deadline: Optional[float] = None,
+    claim: Optional[Callable[[], bool]] = None,
+) -> bytes:
+    """Runs the server side of the handshake, all of it by ``deadline`` (time.monotonic());
+    returns the client's info or raises. ``claim()`` is called once the client proved the secret,
+    before it is answered; False refuses it (the server dropped the connection meanwhile)."""
+    hello = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what, deadline)
 
     def refuse(reason: str) -> AuthenticationError:
+        # Only the format of the client's message is named: nothing about this job.
         try:
-            _send_frame(sock, _header(_CHALLENGE) + bytes([_STATUS_REFUSED]) + reason.encode())
+            _send_frame(
+                sock, _header(_CHALLENGE) + bytes([_STATUS_REFUSED]) + reason.encode(), deadline
+            )
         except OSError:
             pass
         return AuthenticationError(reason)
@@ -175,19 +205,9 @@ def server_handshake(sock: socket.socket, secret: bytes, purpose: bytes, what: s
     if len(hello) != pos + ilen + _NONCE_LEN:
         raise refuse("malformed hello")
     info = hello[pos : pos + ilen]
-    if got_purpose != purpose:
-        raise refuse(
-            f"wrong endpoint: this listener serves '{purpose.decode()}' connections, "
-            f"not '{got_purpose[:64].decode(errors='replace')}'"
-        )
     server_nonce = secrets.token_bytes(_NONCE_LEN)
-    mac = _proof(secret, _SERVER_LABEL, hello, server_nonce)
-    _send_frame(sock, _header(_CHALLENGE) + bytes([_STATUS_OK]) + server_nonce + mac)
-    try:
-        proof = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what)
-    except StoreError as e:
-        # Typically a client that could not verify our proof: it has a different secret.
-        raise AuthenticationError(f"{e} before proving it knows the job secret") from None
+    _send_frame(sock, _header(_CHALLENGE) + bytes([_STATUS_OK]) + server_nonce, deadline)
+    proof = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what, deadline)
     reason = _check_header(proof, _PROOF, 6 + _MAC_LEN)
     if not reason and len(proof) != 6 + _MAC_LEN:
         reason = "malformed proof"
@@ -195,22 +215,37 @@ def server_handshake(sock: socket.socket, secret: bytes, purpose: bytes, what: s
         expected = _proof(secret, _CLIENT_LABEL, hello, server_nonce)
         if not hmac.compare_digest(expected, proof[6:]):
             reason = _WRONG_PROOF
+    proved = not reason
+    # From here on the client knows the secret: it may learn why it is refused.
+    if proved and got_purpose != purpose:
+        reason = (
+            f"wrong endpoint: this listener serves '{purpose.decode()}' connections, "
+            f"not '{got_purpose[:64].decode(errors='replace')}'"
+        )
+    if not reason and claim is not None and not claim():
+        reason = "too many connections were handshaking at once"
     if reason:
-        # Strangers only learn that they were rejected.
-        detail = b"" if reason == _WRONG_PROOF else reason.encode()
+        detail = reason.encode() if proved else b""  # strangers only learn they were rejected
         try:
-            _send_frame(sock, _header(_RESULT) + bytes([_STATUS_REFUSED]) + detail)
+            _send_frame(sock, _header(_RESULT) + bytes([_STATUS_REFUSED]) + detail, deadline)
         except OSError:
             pass
         raise AuthenticationError(reason)
-    _send_frame(sock, _header(_RESULT) + bytes([_STATUS_OK]))
+    mac = _proof(secret, _SERVER_LABEL, hello, server_nonce)
+    _send_frame(sock, _header(_RESULT) + bytes([_STATUS_OK]) + mac, deadline)
     return info
 
 
 def client_handshake(
-    sock: socket.socket, secret: bytes, purpose: bytes, info: bytes, what: str
+    sock: socket.socket,
+    secret: bytes,
+    purpose: bytes,
+    info: bytes,
+    what: str,
+    deadline: Optional[float] = None,
 ) -> None:
-    """Runs the client side of the handshake; raises AuthenticationError if it fails."""
+    """Runs the client side of the handshake (all of it by ``deadline``, time.monotonic());
+    raises AuthenticationError if it fails."""
     if len(purpose) > 255 or len(info) > 1024:
         raise ValueError("handshake purpose or info too long")
     hello = (
@@ -221,8 +256,8 @@ def client_handshake(
         + info
         + secrets.token_bytes(_NONCE_LEN)
     )
-    _send_frame(sock, hello)
-    challenge = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what)
+    _send_frame(sock, hello, deadline)
+    challenge = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what, deadline)
     bad = _check_header(challenge, _CHALLENGE, 7)
     if bad:
         raise AuthenticationError(f"{what} did not answer the handshake properly: {bad}")
@@ -230,20 +265,45 @@ def client_handshake(
         raise AuthenticationError(
             f"{what} refused the connection: {challenge[7:519].decode(errors='replace')}"
         )
-    if len(challenge) != 7 + _NONCE_LEN + _MAC_LEN:
+    if len(challenge) != 7 + _NONCE_LEN:
         raise AuthenticationError(f"{what} sent a malformed challenge")
-    server_nonce = challenge[7 : 7 + _NONCE_LEN]
-    expected = _proof(secret, _SERVER_LABEL, hello, server_nonce)
-    if not hmac.compare_digest(expected, challenge[7 + _NONCE_LEN :]):
-        raise AuthenticationError(f"{what} could not prove it knows the job secret")
-    _send_frame(sock, _header(_PROOF) + _proof(secret, _CLIENT_LABEL, hello, server_nonce))
-    result = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what)
+    server_nonce = challenge[7:]
+    _send_frame(
+        sock, _header(_PROOF) + _proof(secret, _CLIENT_LABEL, hello, server_nonce), deadline
+    )
+    result = _recv_frame(sock, MAX_HANDSHAKE_FRAME, what, deadline)
     bad = _check_header(result, _RESULT, 7)
     if bad:
         raise AuthenticationError(f"{what} sent a malformed handshake result: {bad}")
     if result[6] != _STATUS_OK:
         detail = result[7:519].decode(errors="replace") or "bad proof of the job secret"
         raise AuthenticationError(f"{what} rejected this client: {detail}")
+    # The server proves the secret last, once we did: see docs/protocol.md.
+    expected = _proof(secret, _SERVER_LABEL, hello, server_nonce)
+    if len(result) != 7 + _MAC_LEN or not hmac.compare_digest(expected, result[7:]):
+        raise AuthenticationError(f"{what} could not prove it knows the job secret")
+
+
+class _RateLimitedWarning:
+    """Logs at most one warning per ``interval`` seconds, counting those it left out."""
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._last: Optional[float] = None
+        self._suppressed = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self._last is not None and now - self._last < self._interval:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed, self._last = self._suppressed, 0, now
+        if suppressed:
+            message += " (%d more rejected since the last warning)"
+            args += (suppressed,)
+        logger.warning(message, *args)
 
 
 # ---- server -------------------------------------------------------------------------------
@@ -257,7 +317,12 @@ class StoreServer:
         host: address to listen on.
         port: port to listen on; 0 picks a free one (see :attr:`port`).
         max_frame_bytes: largest accepted request (key + value + 5 bytes).
-        handshake_timeout: seconds a new connection has to authenticate.
+        handshake_timeout: seconds a new connection has to authenticate (the whole handshake).
+
+    At most ``MAX_PENDING_HANDSHAKES`` connections handshake at once: a newcomer beyond that
+    evicts the oldest one still handshaking (its client retries, see :class:`StoreClient`), so
+    silent, trickling or garbage connections neither hold threads for long nor keep the ranks
+    out. Rejections are logged at most once per ``REJECT_LOG_INTERVAL_S``.
     """
 
     def __init__(
@@ -281,7 +346,8 @@ class StoreServer:
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
-        self._clients: dict[threading.Thread, socket.socket] = {}
+        self._clients: dict[threading.Thread, _Connection] = {}  # in accept order
+        self._rejects = _RateLimitedWarning(REJECT_LOG_INTERVAL_S)
         self._stopping = False
         self._port = 0
 
@@ -342,11 +408,8 @@ class StoreServer:
             accept_thread.join()
         with self._lock:
             clients = list(self._clients.items())
-        for _, sock in clients:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
-            except OSError:
-                pass
+            for _, conn in clients:
+                conn.shutdown()  # wakes a thread blocked in recv
         for thread, _ in clients:
             thread.join(timeout=10)
             if thread.is_alive():
@@ -426,17 +489,22 @@ class StoreServer:
             self._reap_finished()
             if self._stopping or len(self._clients) >= MAX_CONNECTIONS:
                 if not self._stopping:
-                    logger.warning(
+                    self._rejects.warning(
                         "rendezvous store: dropped connection from %s: %d connections open",
                         peer,
                         len(self._clients),
                     )
                 sock.close()
                 return
+            pending = [c for c in self._clients.values() if c.evictable()]
+            if len(pending) >= MAX_PENDING_HANDSHAKES:
+                pending[0].evicted = True
+                pending[0].shutdown()
+            conn = _Connection(sock)
             thread = threading.Thread(
-                target=self._serve, args=(sock, peer), name=f"bagua_hvd-store-{peer}", daemon=True
+                target=self._serve, args=(conn, peer), name=f"bagua_hvd-store-{peer}", daemon=True
             )
-            self._clients[thread] = sock
+            self._clients[thread] = conn
             thread.start()
 
     def _reap_finished(self) -> None:
@@ -444,17 +512,29 @@ class StoreServer:
             thread.join()
             del self._clients[thread]
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _claim(self, conn: _Connection) -> bool:
+        with self._lock:
+            if conn.evicted:
+                return False
+            conn.claimed = True
+            return True
+
+    def _serve(self, conn: _Connection, peer: str) -> None:
         what = f"client {peer}"
+        sock = conn.sock
         try:
             sock.setblocking(True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self._handshake_timeout)
+            deadline = time.monotonic() + self._handshake_timeout
             try:
-                info = server_handshake(sock, self._secret, STORE_PURPOSE, what)
+                info = server_handshake(
+                    sock, self._secret, STORE_PURPOSE, what, deadline, lambda: self._claim(conn)
+                )
             except (StoreError, OSError) as e:
                 if not self._stopping:
-                    logger.warning("rendezvous store: rejected connection from %s: %s", peer, e)
+                    self._rejects.warning(
+                        "rendezvous store: rejected connection from %s: %s", peer, e
+                    )
                 return
             logger.debug(
                 "rendezvous store: %s authenticated (%s)", peer, info.decode(errors="replace")
@@ -479,7 +559,8 @@ class StoreServer:
         except Exception:  # a bug must not pass silently, but must not stop the server either
             logger.exception("rendezvous store: error serving %s", peer)
         finally:
-            sock.close()
+            with self._lock:  # not while the accept thread may shut it down
+                sock.close()
 
     @staticmethod
     def _reply_error(sock: socket.socket, message: str) -> None:
@@ -509,6 +590,25 @@ class StoreServer:
                 return b"E" + b"store is shutting down" if self._stopping else b"T"
             return b"V" + value
         return b"E" + f"unknown request type {req[:1]!r}".encode()
+
+
+class _Connection:
+    """A client connection of the store and how far its handshake got (guarded by the server's
+    lock)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.claimed = False  # the client proved the secret: never evicted
+        self.evicted = False
+
+    def evictable(self) -> bool:
+        return not self.claimed and not self.evicted and self.sock.fileno() >= 0
+
+    def shutdown(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
 
 
 def _format_addr(addr: object) -> str:
@@ -548,7 +648,14 @@ class StoreClient:
                 try:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     info = f"pid={os.getpid()} host={socket.gethostname()}".encode()
-                    client_handshake(sock, self._secret, STORE_PURPOSE, info, self._what)
+                    client_handshake(
+                        sock,
+                        self._secret,
+                        STORE_PURPOSE,
+                        info,
+                        self._what,
+                        deadline,
+                    )
                     sock.settimeout(None)
                     self._sock = sock
                     return

@@ -8,12 +8,14 @@ namespace bagua_hvd {
 namespace {
 
 constexpr char kMagic[4] = {'B', 'H', 'V', 'D'};
-constexpr uint8_t kVersion = 1;
+// Version 2: the server proves the secret only after the client did (version 1 proved first).
+constexpr uint8_t kVersion = 2;
 constexpr uint8_t kHello = 1, kChallenge = 2, kProof = 3, kResult = 4;
 constexpr size_t kNonceLen = 32, kMacLen = 32, kHeaderLen = 6;
 constexpr uint8_t kStatusOk = 0, kStatusRefused = 1;
-constexpr char kServerLabel[] = "bagua_hvd auth v1 server";
-constexpr char kClientLabel[] = "bagua_hvd auth v1 client";
+constexpr char kServerLabel[] = "bagua_hvd auth v2 server";
+constexpr char kClientLabel[] = "bagua_hvd auth v2 client";
+constexpr char kWrongProof[] = "wrong proof of the job secret";
 
 std::string header(uint8_t type) {
   std::string s(kMagic, 4);
@@ -78,16 +80,10 @@ void auth_client(int fd, const std::string& secret, const std::string& purpose,
   if (static_cast<uint8_t>(ch[6]) != kStatusOk) {
     throw AuthError(what + " refused the connection: " + ch.substr(kHeaderLen + 1, 512));
   }
-  if (ch.size() != kHeaderLen + 1 + kNonceLen + kMacLen) {
+  if (ch.size() != kHeaderLen + 1 + kNonceLen) {
     throw AuthError(what + " sent a malformed authentication challenge");
   }
   std::string server_nonce = ch.substr(kHeaderLen + 1, kNonceLen);
-  auto expected = proof(secret, kServerLabel, hello, server_nonce);
-  if (!equal_constant_time(expected.data(), kMacLen, ch.data() + kHeaderLen + 1 + kNonceLen,
-                           kMacLen)) {
-    throw AuthError(what + " could not prove it knows the job secret (a different job, or a "
-                    "stale BAGUA_HVD_SECRET?)");
-  }
   auto mine = proof(secret, kClientLabel, hello, server_nonce);
   std::string pr = header(kProof);
   pr.append(reinterpret_cast<const char*>(mine.data()), kMacLen);
@@ -102,6 +98,14 @@ void auth_client(int fd, const std::string& secret, const std::string& purpose,
                     (res.size() > kHeaderLen + 1 ? res.substr(kHeaderLen + 1, 512)
                                                  : std::string("bad proof of the job secret")));
   }
+  // The server proves the secret only now, after we did: a stranger posing as a client never
+  // gets a MAC from the server to guess the secret from offline.
+  auto expected = proof(secret, kServerLabel, hello, server_nonce);
+  if (res.size() != kHeaderLen + 1 + kMacLen ||
+      !equal_constant_time(expected.data(), kMacLen, res.data() + kHeaderLen + 1, kMacLen)) {
+    throw AuthError(what + " could not prove it knows the job secret (a different job, or a "
+                    "stale BAGUA_HVD_SECRET?)");
+  }
 }
 
 std::string auth_server(int fd, const std::string& secret, const std::string& purpose,
@@ -110,6 +114,8 @@ std::string auth_server(int fd, const std::string& secret, const std::string& pu
                         const std::string& what) {
   require_secret(secret);
   std::string hello = recv_frame(fd, kMaxHandshakeFrame, deadline, what);
+  // Refusals before the client proved the secret say only what is wrong with its message's
+  // format: nothing about this job (its id, the purpose served) or this process.
   auto refuse = [&](const std::string& reason) {
     std::string msg = header(kChallenge);
     msg.push_back(static_cast<char>(kStatusRefused));
@@ -130,46 +136,41 @@ std::string auth_server(int fd, const std::string& secret, const std::string& pu
   pos += 2;
   if (hello.size() != pos + ilen + kNonceLen) refuse("malformed hello");
   std::string info = hello.substr(pos, ilen);
-  if (got_purpose != purpose) {
-    refuse("wrong endpoint: this listener serves '" + purpose + "' connections, not '" +
-           got_purpose.substr(0, 64) + "'");
-  }
 
   std::string server_nonce = random_bytes(kNonceLen);
-  auto mine = proof(secret, kServerLabel, hello, server_nonce);
   std::string ch = header(kChallenge);
   ch.push_back(static_cast<char>(kStatusOk));
   ch += server_nonce;
-  ch.append(reinterpret_cast<const char*>(mine.data()), kMacLen);
   send_frame(fd, ch, deadline, what);
 
-  std::string pr;
-  try {
-    pr = recv_frame(fd, kMaxHandshakeFrame, deadline, what);
-  } catch (const TransportError& e) {
-    // Typically a client that could not verify our proof: it has a different secret.
-    throw AuthError(std::string(e.what()) + " before proving it knows the job secret");
-  }
+  std::string pr = recv_frame(fd, kMaxHandshakeFrame, deadline, what);
   std::string reason = check_header(pr, kProof, kHeaderLen + kMacLen);
   if (reason.empty() && pr.size() != kHeaderLen + kMacLen) reason = "malformed proof";
   if (reason.empty()) {
     auto expected = proof(secret, kClientLabel, hello, server_nonce);
     if (!equal_constant_time(expected.data(), kMacLen, pr.data() + kHeaderLen, kMacLen)) {
-      reason = "wrong proof of the job secret";
+      reason = kWrongProof;
     }
+  }
+  const bool proved = reason.empty();
+  // The client knows the secret from here on: it may learn why it is refused.
+  if (proved && got_purpose != purpose) {
+    reason = "wrong endpoint: this listener serves '" + purpose + "' connections, not '" +
+             got_purpose.substr(0, 64) + "'";
   }
   if (reason.empty() && validate) reason = validate(info);
   std::string res = header(kResult);
   res.push_back(static_cast<char>(reason.empty() ? kStatusOk : kStatusRefused));
   if (!reason.empty()) {
-    // Only say why when the client proved the secret; strangers learn nothing.
-    if (reason != "wrong proof of the job secret") res += reason;
+    if (proved) res += reason;  // strangers learn nothing
     try {
       send_frame(fd, res, deadline, what);
     } catch (const TransportError&) {
     }
     throw AuthError(reason);
   }
+  auto mine = proof(secret, kServerLabel, hello, server_nonce);
+  res.append(reinterpret_cast<const char*>(mine.data()), kMacLen);
   send_frame(fd, res, deadline, what);
   return info;
 }

@@ -5,6 +5,7 @@
 #include <netdb.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <sys/socket.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -12,6 +13,9 @@
 #include <atomic>
 #include <cstdio>
 #include <exception>
+#include <functional>
+#include <list>
+#include <mutex>
 #include <thread>
 
 #include "transport/auth.h"
@@ -28,8 +32,138 @@ namespace {
 // A futex cannot be polled together with sockets: with both kinds of peers, wait() polls the
 // sockets in slices this long and checks the doorbell between them.
 constexpr auto kMixedPollSlice = std::chrono::microseconds(200);
-// Bounds one incoming handshake so a silent stranger cannot stall the listener.
+// Bounds one incoming handshake (all of it, not each read) so a silent or trickling stranger
+// holds a handshake thread for at most this long.
 constexpr double kHandshakeSeconds = 5.0;
+// Unauthenticated connections handled at once by a peer listener. A newcomer beyond that evicts
+// the oldest one still handshaking, so strangers can neither queue ahead of the real peers nor
+// multiply threads; a real peer evicted in a flood retries (connect_peer).
+constexpr size_t kMaxPendingHandshakes = 16;
+// At most one warning about rejected connections per this many seconds (with a count of those
+// not logged): strangers must not be able to flood the log.
+constexpr double kRejectLogSeconds = 5.0;
+
+// Runs the server side of handshakes on a thread each, at most kMaxPendingHandshakes
+// unauthenticated ones at once. `handshake(fd, remote, claim)` authenticates and may move the fd
+// out; it calls `claim()` once the client proved the secret, before answering it: from then on
+// the connection cannot be evicted (claim() is false when it was evicted already). The destructor
+// cuts the handshakes still unauthenticated (shutdown wakes their reads) and joins every thread.
+class HandshakePool {
+ public:
+  using Handshake =
+      std::function<void(Fd&, const std::string&, const std::function<bool()>& claim)>;
+  explicit HandshakePool(Handshake handshake) : handshake_(std::move(handshake)) {}
+  HandshakePool(const HandshakePool&) = delete;
+  HandshakePool& operator=(const HandshakePool&) = delete;
+  ~HandshakePool() {
+    std::list<Slot> slots;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (Slot& s : slots_) {
+        if (!s.finished && !s.claimed) ::shutdown(s.fd, SHUT_RDWR);
+      }
+      slots.swap(slots_);
+    }
+    for (Slot& s : slots) s.thread.join();
+  }
+
+  void start(Fd fd, const std::string& remote) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = slots_.begin(); it != slots_.end();) {  // reap
+      if (it->finished) {
+        it->thread.join();
+        it = slots_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto evictable = [](const Slot& s) { return !s.finished && !s.claimed && !s.evicted; };
+    if (static_cast<size_t>(std::count_if(slots_.begin(), slots_.end(), evictable)) >=
+        kMaxPendingHandshakes) {
+      auto oldest = std::find_if(slots_.begin(), slots_.end(), evictable);
+      oldest->evicted = true;
+      ::shutdown(oldest->fd, SHUT_RDWR);  // still open: its thread closes it after `finished`
+    }
+    slots_.emplace_back();
+    Slot* slot = &slots_.back();
+    slot->fd = fd.get();
+    slot->thread = std::thread([this, slot, remote, c = std::move(fd)]() mutable {
+      auto claim = [this, slot] {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (slot->evicted) return false;
+        slot->claimed = true;
+        return true;
+      };
+      try {
+        handshake_(c, remote, claim);
+      } catch (...) {  // handshake_ reports its own errors; nothing may escape a thread
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      slot->finished = true;  // before `c` closes the fd: nobody shuts down a reused number
+    });
+  }
+
+ private:
+  struct Slot {
+    std::thread thread;
+    int fd = -1;
+    bool finished = false, claimed = false, evicted = false;
+  };
+  Handshake handshake_;
+  std::mutex mu_;
+  std::list<Slot> slots_;  // a list: each thread keeps a pointer to its slot
+};
+
+// Logs rejected connections, at most one warning per kRejectLogSeconds (thread-safe).
+class RejectLog {
+ public:
+  explicit RejectLog(std::string listener) : listener_(std::move(listener)) {}
+  void rejected(const std::string& remote, const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto now = Clock::now();
+    if (logged_ && now - last_ < std::chrono::duration<double>(kRejectLogSeconds)) {
+      ++suppressed_;
+      return;
+    }
+    std::string more = suppressed_ ? " (" + std::to_string(suppressed_) +
+                                         " more rejected since the last warning)"
+                                   : "";
+    BHVD_LOG(WARNING, "rejected a connection from " + remote + " to the peer listener of " +
+                          listener_ + ": " + why + more);
+    logged_ = true;
+    last_ = now;
+    suppressed_ = 0;
+  }
+
+ private:
+  std::string listener_;
+  std::mutex mu_;
+  bool logged_ = false;
+  Clock::time_point last_;
+  uint64_t suppressed_ = 0;
+};
+
+// Connects to a peer's listener and authenticates. A connection the listener dropped before the
+// handshake ended (it evicts the oldest of too many unauthenticated connections) is retried
+// until the deadline; an authentication refusal is not.
+Fd connect_peer(const std::string& addr, int port, const std::string& secret,
+                const std::string& purpose, const std::string& info, Deadline deadline,
+                const std::string& what) {
+  auto backoff = std::chrono::milliseconds(10);
+  while (true) {
+    Fd fd = connect_tcp(addr, port, deadline, what);
+    try {
+      auth_client(fd.get(), secret, purpose, info, deadline, what);
+      return fd;
+    } catch (const AuthError&) {
+      throw;
+    } catch (const TransportError&) {
+      if (Clock::now() + backoff >= deadline) throw;
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+  }
+}
 
 struct RankInfo {
   std::string host, addr;
@@ -386,69 +520,95 @@ void NetTransport::setup_tcp(const BootstrapConfig& cfg, Listener& listener,
   }
   if (!any_tcp_) return;
 
-  // Incoming connections are accepted on a helper thread while this one connects out.
+  // Incoming connections are accepted on a helper thread while this one connects out; each is
+  // authenticated on a thread of its own (HandshakePool), so a silent, slow or garbage connection
+  // never delays the others.
+  std::mutex mu;  // guards the five below, written by the handshake threads
   std::vector<Fd> in_ctrl(size_), in_data(size_);
   std::vector<std::string> in_ep(size_);
+  std::vector<char> claimed_ctrl(size_, 0), claimed_data(size_, 0);
+  int got = 0;
   std::exception_ptr accept_error;
   std::atomic<bool> stop{false};
   std::thread acceptor;
   const std::string me = "rank " + std::to_string(rank_) + " at " +
                          format_endpoint(listener.ip, listener.port);
+  auto handshake = [&](Fd& c, const std::string& remote, const std::function<bool()>& claim,
+                       RejectLog& rejects) {
+    int from = -1;
+    bool is_ctrl = false, claimed = false;
+    // Runs once the client proved the secret: who it says it is must be someone we expect.
+    auto validate = [&](const std::string& info) -> std::string {
+      int to = -1;
+      char ch[8] = {0};
+      if (std::sscanf(info.c_str(), "from=%d to=%d ch=%4s", &from, &to, ch) != 3) {
+        return "malformed peer identity '" + info.substr(0, 64) + "'";
+      }
+      if (to != rank_) return "connection meant for rank " + std::to_string(to);
+      is_ctrl = std::string(ch) == "ctrl";
+      if (!is_ctrl && std::string(ch) != "data") return "unknown channel";
+      if (from <= rank_ || from >= size_ || !expect[from]) {
+        return "rank " + std::to_string(from) + " is not expected to connect here";
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      char& mine = (is_ctrl ? claimed_ctrl : claimed_data)[from];
+      if (mine) return "duplicate connection from rank " + std::to_string(from);
+      if (!claim()) return "too many connections were handshaking at once";
+      mine = 1;
+      claimed = true;
+      return "";
+    };
+    try {
+      auth_server(c.get(), cfg.secret, purpose,
+                  std::min(deadline, deadline_after(kHandshakeSeconds)), validate, "the client");
+    } catch (const TransportError& e) {
+      // A stranger, a stale peer or garbage: drop it; the listener goes on.
+      if (claimed) {
+        std::lock_guard<std::mutex> lock(mu);
+        (is_ctrl ? claimed_ctrl : claimed_data)[from] = 0;
+      }
+      rejects.rejected(remote, e.what());
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    (is_ctrl ? in_ctrl : in_data)[from] = std::move(c);
+    in_ep[from] = remote;
+    ++got;
+  };
   if (expected > 0) {
     acceptor = std::thread([&] {
       try {
-        int got = 0;
-        while (got < expected && !stop.load()) {
+        RejectLog rejects(me);
+        HandshakePool pool([&](Fd& c, const std::string& remote,
+                               const std::function<bool()>& claim) {
+          handshake(c, remote, claim, rejects);
+        });
+        while (!stop.load()) {
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            if (got == expected) break;
+          }
           std::string remote;
           Deadline slice = std::min(deadline, deadline_after(0.05));
           Fd c = accept_tcp(listener.fd.get(), slice, &remote);
-          if (!c.valid()) {
-            if (Clock::now() < deadline) continue;
-            std::string missing;
-            for (int r = rank_ + 1; r < size_; ++r) {
-              if (!expect[r]) continue;
-              if (!in_ctrl[r].valid() || !in_data[r].valid()) {
-                missing += (missing.empty() ? "" : ", ") + std::to_string(r) + " (" +
-                           (in_ctrl[r].valid() ? "data" : in_data[r].valid() ? "ctrl"
-                                                                              : "ctrl, data") +
-                           ")";
-              }
-            }
-            throw TransportError("timed out after " + fmt_seconds(seconds_since(start_)) +
-                                 "s waiting for rank(s) " + missing + " to connect to " + me);
-          }
-          int from = -1;
-          bool is_ctrl = false;
-          auto validate = [&](const std::string& info) -> std::string {
-            int to = -1;
-            char ch[8] = {0};
-            if (std::sscanf(info.c_str(), "from=%d to=%d ch=%4s", &from, &to, ch) != 3) {
-              return "malformed peer identity '" + info.substr(0, 64) + "'";
-            }
-            if (to != rank_) return "connection meant for rank " + std::to_string(to);
-            is_ctrl = std::string(ch) == "ctrl";
-            if (!is_ctrl && std::string(ch) != "data") return "unknown channel";
-            if (from <= rank_ || from >= size_ || !expect[from]) {
-              return "rank " + std::to_string(from) + " is not expected to connect here";
-            }
-            if ((is_ctrl ? in_ctrl : in_data)[from].valid()) {
-              return "duplicate connection from rank " + std::to_string(from);
-            }
-            return "";
-          };
-          try {
-            auth_server(c.get(), cfg.secret, purpose,
-                        std::min(deadline, deadline_after(kHandshakeSeconds)), validate,
-                        "the client");
-          } catch (const TransportError& e) {
-            // A stranger, a stale peer or garbage: drop it and keep listening.
-            BHVD_LOG(WARNING, "rejected a connection from " + remote + " to the peer listener of " +
-                                  me + ": " + e.what());
+          if (c.valid()) {
+            pool.start(std::move(c), remote);
             continue;
           }
-          (is_ctrl ? in_ctrl : in_data)[from] = std::move(c);
-          in_ep[from] = remote;
-          ++got;
+          if (Clock::now() < deadline) continue;
+          std::string missing;
+          std::lock_guard<std::mutex> lock(mu);
+          for (int r = rank_ + 1; r < size_; ++r) {
+            if (!expect[r]) continue;
+            if (!in_ctrl[r].valid() || !in_data[r].valid()) {
+              missing += (missing.empty() ? "" : ", ") + std::to_string(r) + " (" +
+                         (in_ctrl[r].valid() ? "data" : in_data[r].valid() ? "ctrl"
+                                                                            : "ctrl, data") +
+                         ")";
+            }
+          }
+          throw TransportError("timed out after " + fmt_seconds(seconds_since(start_)) +
+                               "s waiting for rank(s) " + missing + " to connect to " + me);
         }
       } catch (...) {
         accept_error = std::current_exception();
@@ -470,10 +630,10 @@ void NetTransport::setup_tcp(const BootstrapConfig& cfg, Listener& listener,
     const std::string ep = format_endpoint(infos[r].addr, infos[r].port);
     const std::string what = "rank " + std::to_string(r) + " (" + ep + ")";
     for (const char* ch : {"ctrl", "data"}) {
-      Fd fd = connect_tcp(infos[r].addr, infos[r].port, deadline, "rank " + std::to_string(r));
       std::string info = "from=" + std::to_string(rank_) + " to=" + std::to_string(r) +
                          " ch=" + ch;
-      auth_client(fd.get(), cfg.secret, purpose, info, deadline, what);
+      Fd fd = connect_peer(infos[r].addr, infos[r].port, cfg.secret, purpose, info, deadline,
+                           what);
       auto p = std::make_unique<TcpPair>(r, std::move(fd), ep, ch);
       (ch[0] == 'c' ? ctrl_ : data_)[r] = std::move(p);
     }
