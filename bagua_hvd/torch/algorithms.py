@@ -126,7 +126,8 @@ class QAdamOptimizer(torch.optim.Optimizer):
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
                 bc1 = 1 - beta1**s
-                bc2 = 1 - beta2**s
+                # v stops at warm-up's last step, and so does its bias correction.
+                bc2 = 1 - beta2 ** _common.qadam_v_step(s, self.warmup_steps)
                 if warm:
                     # torch.optim.Adam's single-tensor update, operation for operation.
                     grad = p.grad if wd == 0 else p.grad.add(p, alpha=wd)
@@ -137,12 +138,16 @@ class QAdamOptimizer(torch.optim.Optimizer):
                         self.momentum_(p, p.grad)
                     exp_avg.copy_(p.grad)  # the averaged momentum; v stays frozen
                 step_size = lr / bc1
-                denom = (exp_avg_sq.sqrt() / bc2**0.5).add_(eps)
+                denom = exp_avg_sq.sqrt() / bc2**0.5
                 if not warm:
                     # A coordinate that never had a gradient in warm-up (v == 0, e.g. a dead
-                    # ReLU unit) stays put: its averaged momentum is quantization noise, which
-                    # divided by eps alone would blow the weight up.
+                    # ReLU unit) stays put: it has no second-moment estimate at all.
                     exp_avg.masked_fill_(exp_avg_sq == 0, 0.0)
+                    # The frozen v may be far below the momentum's square (a tiny warm-up
+                    # gradient, then quantization noise or a grown gradient): the denominator
+                    # is floored by |m| / bc1, so no coordinate moves by more than lr.
+                    denom = torch.maximum(denom, exp_avg.abs() / bc1)
+                denom.add_(eps)
                 p.addcdiv_(exp_avg, denom, value=-step_size)
         self._momentum_in_grad.clear()
         return loss
