@@ -80,7 +80,9 @@ class QAdamOptimizer(tf.keras.optimizers.Optimizer):
     """BAGUA's QAdam for Keras/TensorFlow: Adam during ``warmup_steps`` (the gradients averaged
     by ``QAdamAlgorithm``), then the second moment is frozen and the momentum is averaged
     through the 8-bit compressed allreduce (docs/algorithms.md). Unlike BAGUA, ``weight_decay``
-    (L2, added to the gradient) is applied in both stages.
+    (L2, added to the gradient) is applied in both stages, and after warm-up v's bias
+    correction stays at the warm-up's last step and the denominator is floored by
+    ``|m| / (1 - beta1**s)`` (no coordinate moves by more than the learning rate per step).
 
     The update repeats ``torch.optim.Adam``'s CPU expressions (fused multiply-adds included),
     so it agrees with bagua_hvd's torch QAdamOptimizer and the reference. Without

@@ -51,7 +51,10 @@ class QAdamOptimizer(torch.optim.Optimizer):
     """BAGUA's QAdam: Adam during ``warmup_steps``, then the second moment is frozen and the
     momentum is averaged through the 8-bit compressed allreduce (with ``QAdamAlgorithm``).
 
-    Unlike BAGUA, weight decay is applied in both stages."""
+    Unlike BAGUA, weight decay is applied in both stages, and after warm-up v's bias correction
+    stays at the warm-up's last step and the denominator is floored by ``|m| / (1 - beta1**s)``,
+    so no coordinate moves by more than ``lr`` per step: a tiny frozen v no longer turns the
+    momentum's quantization error into a divergence (docs/algorithms.md)."""
 
     def __init__(
         self,
