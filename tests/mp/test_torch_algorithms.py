@@ -457,3 +457,31 @@ def test_qadam_stays_finite_where_the_frozen_second_moment_is_tiny():
         assert torch.isfinite(twin).all()
     # And QAdam still optimises: the curvature pulled the revived coordinates towards 0.
     assert w.detach()[1::2].abs().max() < 20 * lr
+
+
+@pytest.mark.parametrize("hierarchical", [True, False])
+def test_qadam_bits_do_not_depend_on_when_buckets_become_ready(hierarchical):
+    """Same seed and data, once as fast as possible and once with rank-dependent pauses in the
+    backward pass (the buckets, several per model here, become ready at other times and in
+    other relative orders across ranks): the weights agree bit for bit (docs/algorithms.md,
+    QAdam, "Reproducibility")."""
+    import time
+
+    def run(delays: bool):
+        model = make_model(0)
+        q = A.QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=2)
+        alg = A.QAdamAlgorithm(q, hierarchical=hierarchical)
+        opt = hvd.DistributedOptimizer(q, named_parameters=model.named_parameters(), algorithm=alg)
+        handles = []
+        if delays:
+            for i, p in enumerate(model.parameters()):
+                pause = 0.004 * ((hvd.rank() + i) % 3)
+                handles.append(p.register_hook(lambda g, s=pause: time.sleep(s)))
+        _train(model, opt, steps=6)
+        for h in handles:
+            h.remove()
+        return [p.detach().clone() for p in model.parameters()]
+
+    fast, slow = run(False), run(True)
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert torch.equal(a, b), f"parameter {i} differs by {(a - b).abs().max():.3g}"
