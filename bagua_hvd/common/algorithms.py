@@ -183,8 +183,8 @@ class QAdamAlgorithm(Algorithm):
 def qadam_v_step(step: int, warmup_steps: int) -> int:
     """The step count in the bias correction of QAdam's second moment at Adam step ``step``
     (counted from 1): ``step`` during warm-up, then ``warmup_steps``, the step v was frozen at
-    (BAGUA keeps counting, which shrinks the denominator of every coordinate by up to
-    ``sqrt(1 - beta2**warmup_steps)`` over training: docs/algorithms.md)."""
+    (BAGUA keeps counting: every denominator then shrinks over training, down to
+    ``sqrt(1 - beta2**warmup_steps)`` times its value at the switch; docs/algorithms.md)."""
     return min(step, warmup_steps)
 
 
