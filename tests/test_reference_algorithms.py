@@ -608,8 +608,9 @@ def test_qadam_warmup_is_torch_adam(n: int, weight_decay: float) -> None:
 
 
 def test_qadam_compression_stage_freezes_v() -> None:
-    # n = 1: Adam for the warm-up, then m <- b1 m + (1 - b1)(g + wd x) and
-    # x <- x - lr / (1 - b1^s) m / (sqrt(v / (1 - b2^s)) + eps) with v from the warm-up.
+    # n = 1: Adam for the warm-up W steps, then m <- b1 m + (1 - b1)(g + wd x) and
+    # x <- x - lr / (1 - b1^s) m / (max(sqrt(v / (1 - b2^W)), |m| / (1 - b1^s)) + eps) with
+    # v (and its bias correction) from the warm-up.
     warmup, steps, lr, wd, (b1, b2), eps = 4, 10, 0.01, 0.05, (0.9, 0.999), 1e-8
     batch = batch_fn(15)
     res = ra.run_reference(
@@ -638,7 +639,9 @@ def test_qadam_compression_stage_freezes_v() -> None:
         for i, p in enumerate(ps):
             g = p.grad.double() + wd * x[i]
             m[i] = b1 * m[i] + (1 - b1) * g
-            x[i] = x[i] - lr / (1 - b1**s) * m[i] / (torch.sqrt(v[i] / (1 - b2**s)) + eps)
+            floor = m[i].abs() / (1 - b1**s)
+            denom = torch.maximum(torch.sqrt(v[i] / (1 - b2**warmup)), floor) + eps
+            x[i] = x[i] - lr / (1 - b1**s) * m[i] / denom
         with torch.no_grad():
             for p, xi in zip(ps, x):
                 p.copy_(xi)

@@ -51,7 +51,10 @@ class QAdamOptimizer(torch.optim.Optimizer):
     """BAGUA's QAdam: Adam during ``warmup_steps``, then the second moment is frozen and the
     momentum is averaged through the 8-bit compressed allreduce (with ``QAdamAlgorithm``).
 
-    Unlike BAGUA, weight decay is applied in both stages."""
+    Unlike BAGUA, weight decay is applied in both stages, and after warm-up v's bias correction
+    stays at the warm-up's last step and the denominator is floored by ``|m| / (1 - beta1**s)``,
+    so no coordinate moves by more than ``lr`` per step: a tiny frozen v no longer turns the
+    momentum's quantization error into a divergence (docs/algorithms.md)."""
 
     def __init__(
         self,
@@ -126,7 +129,8 @@ class QAdamOptimizer(torch.optim.Optimizer):
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
                 bc1 = 1 - beta1**s
-                bc2 = 1 - beta2**s
+                # v stops at warm-up's last step, and so does its bias correction.
+                bc2 = 1 - beta2 ** _common.qadam_v_step(s, self.warmup_steps)
                 if warm:
                     # torch.optim.Adam's single-tensor update, operation for operation.
                     grad = p.grad if wd == 0 else p.grad.add(p, alpha=wd)
@@ -137,12 +141,16 @@ class QAdamOptimizer(torch.optim.Optimizer):
                         self.momentum_(p, p.grad)
                     exp_avg.copy_(p.grad)  # the averaged momentum; v stays frozen
                 step_size = lr / bc1
-                denom = (exp_avg_sq.sqrt() / bc2**0.5).add_(eps)
+                denom = exp_avg_sq.sqrt() / bc2**0.5
                 if not warm:
                     # A coordinate that never had a gradient in warm-up (v == 0, e.g. a dead
-                    # ReLU unit) stays put: its averaged momentum is quantization noise, which
-                    # divided by eps alone would blow the weight up.
+                    # ReLU unit) stays put: it has no second-moment estimate at all.
                     exp_avg.masked_fill_(exp_avg_sq == 0, 0.0)
+                    # The frozen v may be far below the momentum's square (a tiny warm-up
+                    # gradient, then quantization noise or a grown gradient): the denominator
+                    # is floored by |m| / bc1, so no coordinate moves by more than lr.
+                    denom = torch.maximum(denom, exp_avg.abs() / bc1)
+                denom.add_(eps)
                 p.addcdiv_(exp_avg, denom, value=-step_size)
         self._momentum_in_grad.clear()
         return loss

@@ -247,6 +247,40 @@ def test_qadam_matches_reference(error_feedback, weight_decay, eager):
     assert int(q.iterations.numpy()) == 6
 
 
+def test_qadam_stays_finite_where_the_frozen_second_moment_is_tiny():
+    """The mechanism of the digits example's NaN (issue 11; the torch twin of this test in
+    tests/mp/test_torch_algorithms.py explains it): coordinates whose warm-up gradients were
+    1e-6 times the others' freeze a second moment ~1e-12; after warm-up a curvature reaches
+    them and their averaged momentum carries the chunk's quantization error. Divided by
+    sqrt(v) that threw them to inf and NaN. QAdam must stay finite and, after warm-up, move no
+    coordinate by more than lr per step."""
+    warmup, steps, lr = 3, 30, 2.0**-7
+    w = tf.Variable(tf.zeros(64))
+    q = A.QAdamOptimizer(learning_rate=lr, warmup_steps=warmup)
+    odd = tf.constant(np.arange(64) % 2 == 1)
+
+    @tf.function
+    def step(c, curvature):
+        with tf.GradientTape() as tape:
+            odd_w = tf.where(odd, w, tf.zeros_like(w))
+            loss = tf.reduce_sum(c * w) + curvature * 0.5 * tf.reduce_sum(tf.square(odd_w))
+        tape = hvd.DistributedGradientTape(tape, algorithm=A.QAdamAlgorithm(q))
+        q.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+        tape.step_done()
+
+    for t in range(steps):
+        c = np.random.default_rng(100 * hvd.rank() + t).normal(0, 1, 64).astype(np.float32)
+        c[1::2] *= 1e-6
+        before = w.numpy().copy()
+        step(tf.constant(c), tf.constant(float(t >= warmup)))
+        after = w.numpy()
+        assert np.isfinite(after).all(), f"step {t + 1}: non-finite weights {after}"
+        moved = np.abs(after - before).max()
+        if t >= warmup:
+            assert moved <= lr * (1 + 1e-5), f"step {t + 1}: a coordinate moved by {moved:.3g}"
+    assert np.abs(w.numpy()[1::2]).max() < 20 * lr
+
+
 @up_to_two_ranks
 def test_qadam_without_algorithm_is_local_qadam():
     """At every size, QAdamOptimizer alone is the reference's single-rank QAdam on this rank's

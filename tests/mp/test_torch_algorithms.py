@@ -406,3 +406,82 @@ def test_qadam_coordinates_without_gradient_do_not_move():
         opt.step()
     assert torch.equal(w.detach()[1::2], frozen)
     assert torch.isfinite(w).all() and w.detach().abs().max() < 10
+
+
+def _revival_gradients(rank: int, step: int) -> torch.Tensor:
+    """Rank ``rank``'s coefficients c of the loss c.w (+ curvature, see below) at ``step``: the
+    even coordinates O(1), the odd ones 1e-6 times smaller (a unit that hardly fires in
+    warm-up: its frozen second moment will be ~1e-12)."""
+    g = torch.Generator().manual_seed(100 * rank + step)
+    c = torch.randn(64, generator=g)
+    c[1::2] *= 1e-6
+    return c
+
+
+def _revival_loss(w: torch.Tensor, rank: int, step: int, warmup: int) -> torch.Tensor:
+    # After warm-up the odd coordinates "revive": a curvature 0.5 |w_odd|^2 reaches them.
+    loss = (_revival_gradients(rank, step) * w).sum()
+    if step >= warmup:
+        loss = loss + 0.5 * (w[1::2] ** 2).sum()
+    return loss
+
+
+def test_qadam_stays_finite_where_the_frozen_second_moment_is_tiny():
+    """The mechanism of the digits example's NaN (issue 11), at small size: coordinates whose
+    warm-up gradients were tiny freeze a second moment v ~ 1e-12. After warm-up their averaged
+    momentum is the 8-bit quantization error of their chunk (up to range/510, ~1e-3 here) and
+    then a gradient that grew; divided by sqrt(v) it moved them by ~1e3 lr per step, and the
+    curvature turned that into inf and NaN. Plain Adam on the same (averaged) gradients stays
+    finite. QAdam must stay finite and move no coordinate by more than lr per step (its
+    denominator is floored by |m| / (1 - beta1^s): docs/algorithms.md)."""
+    warmup, steps, lr = 3, 30, 0.01
+    n = hvd.size()
+    w = nn.Parameter(torch.zeros(64))
+    q = A.QAdamOptimizer([w], lr=lr, warmup_steps=warmup)
+    opt = hvd.DistributedOptimizer(q, named_parameters=[("w", w)], algorithm=A.QAdamAlgorithm(q))
+    twin = nn.Parameter(torch.zeros(64))
+    adam = torch.optim.Adam([twin], lr=lr)
+    for t in range(steps):
+        before = w.detach().clone()
+        opt.zero_grad()
+        _revival_loss(w, hvd.rank(), t, warmup).backward()
+        opt.step()
+        assert torch.isfinite(w).all(), f"step {t + 1}: non-finite weights {w}"
+        moved = (w.detach() - before).abs().max().item()
+        if t >= warmup:  # (Adam's own steps may exceed lr a little)
+            assert moved <= lr * (1 + 1e-5), f"step {t + 1}: a coordinate moved by {moved:.3g}"
+        # Adam on the average of every rank's loss (the gradient full precision averaging gives).
+        adam.zero_grad()
+        (sum(_revival_loss(twin, r, t, warmup) for r in range(n)) / n).backward()
+        adam.step()
+        assert torch.isfinite(twin).all()
+    # And QAdam still optimises: the curvature pulled the revived coordinates towards 0.
+    assert w.detach()[1::2].abs().max() < 20 * lr
+
+
+@pytest.mark.parametrize("hierarchical", [True, False])
+def test_qadam_bits_do_not_depend_on_when_buckets_become_ready(hierarchical):
+    """Same seed and data, once as fast as possible and once with rank-dependent pauses in the
+    backward pass (the buckets, several per model here, become ready at other times and in
+    other relative orders across ranks): the weights agree bit for bit (docs/algorithms.md,
+    QAdam, "Reproducibility")."""
+    import time
+
+    def run(delays: bool):
+        model = make_model(0)
+        q = A.QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=2)
+        alg = A.QAdamAlgorithm(q, hierarchical=hierarchical)
+        opt = hvd.DistributedOptimizer(q, named_parameters=model.named_parameters(), algorithm=alg)
+        handles = []
+        if delays:
+            for i, p in enumerate(model.parameters()):
+                pause = 0.004 * ((hvd.rank() + i) % 3)
+                handles.append(p.register_hook(lambda g, s=pause: time.sleep(s)))
+        _train(model, opt, steps=6)
+        for h in handles:
+            h.remove()
+        return [p.detach().clone() for p in model.parameters()]
+
+    fast, slow = run(False), run(True)
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert torch.equal(a, b), f"parameter {i} differs by {(a - b).abs().max():.3g}"
