@@ -307,20 +307,7 @@ def test_gradients(mode):
     np.testing.assert_allclose(g, 3.0 * total)
     g = _grad(mode, x, lambda t: hvd.grouped_allreduce([t, t * 2], op=hvd.Sum)[1], up)
     np.testing.assert_allclose(g, 2.0 * total)
-    # allgather: rank r's rows (r + 1 of them) of the Sum-allreduced upstream gradient
-    xr = tf.constant(np.ones((r + 1, 2)))
-    rows = sum(q + 1 for q in range(n))
-    gups = [np.arange(rows * 2, dtype=np.float64).reshape(rows, 2) * (q + 1) for q in range(n)]
-    offset = sum(q + 1 for q in range(r))
-    expect = sum(gups)[offset : offset + r + 1]
-    g = _grad(mode, xr, hvd.allgather, tf.constant(gups[r]))
-    np.testing.assert_allclose(g, expect, err_msg="allgather")
-    g = _grad(mode, xr, lambda t: hvd.grouped_allgather([t])[0], tf.constant(gups[r]))
-    np.testing.assert_allclose(g, expect, err_msg="grouped_allgather")
-    # broadcast: Sum-allreduce of the upstream gradient on the root, zeros elsewhere
-    for root in range(n):
-        g = _grad(mode, x, lambda t, root=root: hvd.broadcast(t, root), up)
-        np.testing.assert_allclose(g, total if r == root else np.zeros((3, 2)))
+    # allgather and broadcast: see test_allgather_and_broadcast_gradients_average
     # alltoall: rows come back along the received splits
     splits = _splits(n)
     xa = tf.constant(np.zeros((sum(splits[r]), 2)))
@@ -347,6 +334,59 @@ def test_gradients(mode):
         tf.constant(rups[r]),
     )  # fmt: skip
     np.testing.assert_allclose(g, gathered * n * 0.5, err_msg="reducescatter sum")
+
+
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_allgather_and_broadcast_gradients_average(mode):
+    """Horovod 0.28.1's _allgather_grad and _broadcast_grad Average-allreduce the upstream
+    gradient: allgather returns this rank's rows of the mean over ranks, broadcast the mean on
+    the root and zeros elsewhere (Sum gave n times that)."""
+    n, r = size(), rank()
+    # Each rank's upstream gradient differs, so the mean over ranks is visible.
+    rows = sum(q + 1 for q in range(n))  # rank q gathers q + 1 rows
+    gups = [np.arange(rows * 2, dtype=np.float64).reshape(rows, 2) * (q + 1) for q in range(n)]
+    offset = sum(q + 1 for q in range(r))
+    expect = np.mean(gups, axis=0)[offset : offset + r + 1]
+    xr = tf.constant(np.ones((r + 1, 2)))
+    g = _grad(mode, xr, hvd.allgather, tf.constant(gups[r]))
+    np.testing.assert_allclose(g, expect, rtol=1e-12, err_msg="allgather")
+    g = _grad(mode, xr, lambda t: hvd.grouped_allgather([t])[0], tf.constant(gups[r]))
+    np.testing.assert_allclose(g, expect, rtol=1e-12, err_msg="grouped_allgather")
+
+    # A grouped allgather of float32 and float64 tensors: each input gets its own slice.
+    x32 = tf.constant(np.ones((r + 1, 3), np.float32))
+    ups32 = [np.full((rows, 3), 2.0 * (q + 1), np.float32) for q in range(n)]
+
+    def body():
+        with tf.GradientTape() as tape:
+            tape.watch([xr, x32])
+            a, b = hvd.grouped_allgather([xr, x32])
+        return tape.gradient([a, b], [xr, x32], output_gradients=[gups[r], ups32[r]])
+
+    g64, g32 = run(mode, body)
+    np.testing.assert_allclose(g64.numpy(), expect, rtol=1e-12, err_msg="grouped[0]")
+    assert g32.dtype == tf.float32
+    np.testing.assert_allclose(
+        g32.numpy(),
+        np.mean(ups32, axis=0)[offset : offset + r + 1],
+        rtol=1e-6,
+        err_msg="grouped[1]",
+    )
+
+    # Horovod's test_horovod_broadcast_grad: ones upstream, for every root, in a loop whose
+    # collectives must stay in step on every rank: 1 on the root, 0 elsewhere.
+    for dtype in (tf.float32, tf.float64):
+        x = tf.ones([5, 5], dtype) * r
+        for root in range(n):
+            g = _grad(mode, x, lambda t, root=root: hvd.broadcast(t, root), tf.ones([5, 5], dtype))
+            np.testing.assert_allclose(g, np.full((5, 5), 1.0 if r == root else 0.0), rtol=1e-6)
+    # Different upstream gradients per rank: the mean of them on the root.
+    ups = [np.full((3, 2), q + 1.0) + np.arange(6).reshape(3, 2) * q for q in range(n)]
+    x = tf.constant(np.arange(6, dtype=np.float64).reshape(3, 2))
+    for root in range(n):
+        g = _grad(mode, x, lambda t, root=root: hvd.broadcast(t, root), tf.constant(ups[r]))
+        expect = np.mean(ups, axis=0) if r == root else np.zeros((3, 2))
+        np.testing.assert_allclose(g, expect, rtol=1e-12, err_msg=f"broadcast root {root}")
 
 
 # ---- errors ------------------------------------------------------------------------------------
