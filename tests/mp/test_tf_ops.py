@@ -159,20 +159,81 @@ def test_grouped_allreduce_and_compression(mode):
     assert n >= 1
 
 
+SPARSE_DTYPES = ["uint8", "int8", "int32", "int64", "float16", "float32", "float64"]
+# Horovod's Average of tf.IndexedSlices is `values / tf.cast(size, dtype)`, TensorFlow's true
+# division: integer values come back as these floating dtypes (floats keep theirs).
+TRUEDIV = {"uint8": np.float32, "int8": np.float32, "int32": np.float64, "int64": np.float64}
+
+
+def sparse_average(values, n, dtype):
+    """Horovod's Average of gathered IndexedSlices values, computed by numpy: the values and
+    the size in the result dtype, divided (numpy's float16 division rounds like TF's)."""
+    out = np.dtype(TRUEDIV.get(dtype, ref.numpy_dtype(dtype)))
+    return values.astype(out) / np.asarray(n, out)
+
+
 @pytest.mark.parametrize("mode", KERNEL_MODES)
-def test_allreduce_indexed_slices(mode):
+@pytest.mark.parametrize("dtype", SPARSE_DTYPES)
+def test_allreduce_indexed_slices(mode, dtype):
+    """allreduce and grouped_allreduce of tf.IndexedSlices (alone and mixed with dense tensors)
+    as Horovod 0.28.1: values and indices allgathered, Average divides the values by the set
+    size in TensorFlow's true division (integers become floating point)."""
     n, r = size(), rank()
-    vals = inputs(("is",), "float32", lambda q: (q + 1, 3))
+    vals = inputs(("is", 0), dtype, lambda q: (q + 1, 3), low=-4, high=9)
+    vals2 = inputs(("is", 1), dtype, lambda q: (2, 2), low=-4, high=9)
+    dense = inputs(("is", 2), dtype, lambda q: (4,), low=1)
     idx = [np.arange(q + 1, dtype=np.int64) + q for q in range(n)]
-    sl = tf.IndexedSlices(to_tf(vals[r], "float32"), tf.constant(idx[r]), tf.constant([9, 3]))
-    for op in (hvd.Sum, hvd.Average):
-        out = run(mode, lambda op=op: hvd.allreduce(sl, op=op))
-        assert isinstance(out, tf.IndexedSlices)
-        factor = 1.0 if op == hvd.Sum else 1.0 / n
-        np.testing.assert_allclose(out.values.numpy(), np.concatenate(vals) * factor, rtol=1e-6)
-        np.testing.assert_array_equal(out.indices.numpy(), np.concatenate(idx))
-    with pytest.raises(NotImplementedError, match="Adasum reduction does not currently support"):
-        hvd.allreduce(sl, op=hvd.Adasum)
+    idx2 = [np.array([q, q + 1], np.int32) for q in range(n)]
+    sl = tf.IndexedSlices(to_tf(vals[r], dtype), tf.constant(idx[r]), tf.constant([9, 3]))
+    sl2 = tf.IndexedSlices(to_tf(vals2[r], dtype), tf.constant(idx2[r]))
+    td = to_tf(dense[r], dtype)
+    ops = (hvd.Sum, hvd.Average)
+    got = run(
+        mode,
+        lambda: [
+            (hvd.allreduce(sl, op=op), hvd.grouped_allreduce([sl, td, sl2], op=op)) for op in ops
+        ],
+    )
+    for op, (single, grouped) in zip(ops, got):
+        what = f"op {op}"
+        for out, v, ix in ((single, vals, idx), (grouped[0], vals, idx), (grouped[2], vals2, idx2)):
+            assert isinstance(out, tf.IndexedSlices), what
+            gathered = np.concatenate(v)
+            expect = gathered if op == hvd.Sum else sparse_average(gathered, n, dtype)
+            assert out.values.dtype.as_numpy_dtype == expect.dtype, (what, out.values.dtype)
+            # Eagerly the division is exact; in a graph Grappler turns x / c into x * (1 / c),
+            # for Horovod as here: one rounding more.
+            rtol = 0 if mode == "eager" or op == hvd.Sum else np.finfo(expect.dtype).eps
+            np.testing.assert_allclose(out.values.numpy(), expect, rtol=rtol, atol=0, err_msg=what)
+            np.testing.assert_array_equal(out.indices.numpy(), np.concatenate(ix), err_msg=what)
+        assert out.dense_shape is None and grouped[0].dense_shape.numpy().tolist() == [9, 3]
+        ref_op = ref.SUM if op == hvd.Sum else ref.AVERAGE
+        check(
+            grouped[1], ref.allreduce(dense, ref_op, dtype), dtype, ref.tolerance(dtype, ref_op, n)
+        )
+
+
+def test_allreduce_indexed_slices_errors():
+    """Horovod raises NotImplementedError for ops other than Sum/Average and for scale factors
+    on tf.IndexedSlices, on every rank before any collective (so the job goes on)."""
+    sl = tf.IndexedSlices(tf.ones([1, 3]), tf.constant([rank()]))
+    dense = tf.ones([2])
+    for mode in MODES:
+        for op in (hvd.Min, hvd.Max, hvd.Product):
+            with pytest.raises(NotImplementedError, match="Only Sum and Average ops are supported"):
+                run(mode, lambda op=op: hvd.allreduce(sl, op=op))
+            with pytest.raises(NotImplementedError, match="Only Sum and Average ops are supported"):
+                run(mode, lambda op=op: hvd.grouped_allreduce([sl, dense], op=op))
+        for fn in (hvd.allreduce, lambda t, **kw: hvd.grouped_allreduce([t, dense], **kw)):
+            with pytest.raises(NotImplementedError, match="Adasum reduction does not currently"):
+                run(mode, lambda fn=fn: fn(sl, op=hvd.Adasum))
+            for kw in ({"prescale_factor": 0.5}, {"postscale_factor": 0.5}):
+                with pytest.raises(
+                    NotImplementedError, match="Pre/postscale_factor are not supported with tf.Ind"
+                ):
+                    run(mode, lambda fn=fn, kw=kw: fn(sl, op=hvd.Sum, **kw))
+    got = hvd.allreduce(sl, op=hvd.Sum)
+    np.testing.assert_array_equal(got.indices.numpy(), np.arange(size()))
 
 
 # ---- allgather / broadcast / alltoall / reducescatter ------------------------------------------
