@@ -298,6 +298,21 @@ def _to_bytes(obj: Any) -> np.ndarray:
     return np.frombuffer(buf.getvalue(), dtype=np.uint8)
 
 
+def _evaluator(session: Any) -> Callable[[tf.Tensor], np.ndarray]:
+    """How the object helpers read a collective's result now: eagerly (also inside tf.function,
+    under ``tf.init_scope``), or in a TF1 graph with ``session`` or the default session, as
+    Horovod's helpers do."""
+    if tf.executing_eagerly():
+        return lambda t: t.numpy()
+    sess = session or tf.compat.v1.get_default_session()
+    if sess is None:
+        raise ValueError(
+            "broadcast_object/allgather_object in a TF1 graph need a session: pass session= "
+            "or call them under a default session (with tf.compat.v1.Session() as sess: ...)"
+        )
+    return sess.run
+
+
 def broadcast_object(
     obj: Any,
     root_rank: int = 0,
@@ -305,23 +320,29 @@ def broadcast_object(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> Any:
-    """Serializes ``obj`` on ``root_rank`` and returns a copy of it on every rank of the set.
+    """Serializes ``obj`` on ``root_rank`` and returns a copy of it on every other rank of the
+    set (the root gets ``obj`` itself).
 
-    Eager only (``session`` is accepted for compatibility and must be None in TF2)."""
-    if not tf.executing_eagerly():
-        raise NotImplementedError(
-            "broadcast_object runs eagerly in bagua_hvd; call it outside tf.function"
-        )
+    The collectives run when called, as Horovod's do: eagerly, inside ``tf.function`` at trace
+    time (the result is a Python object, a constant of the traced graph: retracing runs them
+    again, calling the traced function does not), and in a TF1 graph through ``session`` or the
+    default session."""
     name = name or type(obj).__name__
-    is_root = rank() == root_rank
-    payload = _to_bytes(obj) if is_root else np.zeros(0, dtype=np.uint8)
-    length = broadcast(
-        tf.constant([payload.size], dtype=tf.int64), root_rank, name=f"{name}.sz",
-        process_set=process_set,
-    )  # fmt: skip
-    data = payload if is_root else np.zeros(int(length.numpy()[0]), dtype=np.uint8)
-    data = broadcast(tf.constant(data), root_rank, name=f"{name}.t", process_set=process_set)
-    return _pickle.loads(data.numpy().tobytes())
+    with tf.init_scope():
+        to_numpy = _evaluator(session)
+        is_root = rank() == root_rank
+        payload = _to_bytes(obj) if is_root else np.zeros(0, dtype=np.uint8)
+        length = to_numpy(
+            broadcast(
+                tf.constant([payload.size], dtype=tf.int64), root_rank, name=f"{name}.sz",
+                process_set=process_set,
+            )
+        )  # fmt: skip
+        data = payload if is_root else np.zeros(int(length[0]), dtype=np.uint8)
+        data = to_numpy(
+            broadcast(tf.constant(data), root_rank, name=f"{name}.t", process_set=process_set)
+        )
+    return obj if is_root else _pickle.loads(data.tobytes())
 
 
 def broadcast_object_fn(
@@ -345,17 +366,20 @@ def allgather_object(
     process_set: ProcessSet = global_process_set,
 ) -> List[Any]:
     """Serializes ``obj`` on every rank and returns the list of all ranks' objects (in
-    process-set rank order). Eager only."""
-    if not tf.executing_eagerly():
-        raise NotImplementedError(
-            "allgather_object runs eagerly in bagua_hvd; call it outside tf.function"
-        )
+    process-set rank order). Runs when called, as :func:`broadcast_object`."""
     name = name or type(obj).__name__
-    payload = _to_bytes(obj)
-    sizes = allgather(
-        tf.constant([payload.size], dtype=tf.int64), name=f"{name}.sz", process_set=process_set
-    ).numpy()
-    gathered = allgather(tf.constant(payload), name=f"{name}.t", process_set=process_set).numpy()
+    with tf.init_scope():
+        to_numpy = _evaluator(session)
+        payload = _to_bytes(obj)
+        sizes = to_numpy(
+            allgather(
+                tf.constant([payload.size], dtype=tf.int64), name=f"{name}.sz",
+                process_set=process_set,
+            )
+        )  # fmt: skip
+        gathered = to_numpy(
+            allgather(tf.constant(payload), name=f"{name}.t", process_set=process_set)
+        )
     out, off = [], 0
     for s in sizes:
         out.append(_pickle.loads(gathered[off : off + int(s)].tobytes()))

@@ -649,6 +649,49 @@ def test_join_barrier_objects():
     assert hvd.allgather_object(("x", r)) == [("x", q) for q in range(n)]
 
 
+def test_object_helpers_in_tf_function_and_tf1_graphs():
+    """broadcast_object, broadcast_object_fn and allgather_object inside tf.function (run at
+    trace time: the objects become constants of the graph, between collectives that run in it)
+    and in a TF1 graph through a session (Horovod's graph mode)."""
+    n, r = size(), rank()
+    obj = {"rank": r, "data": [1, 2, r]}
+    expected_obj = {"rank": n - 1, "data": [1, 2, n - 1]}
+    expected_all = [("x", q, {"q": [q] * q}) for q in range(n)]
+    traced = []
+
+    @tf.function
+    def step(x):
+        before = hvd.allreduce(x, op=hvd.Sum, name="obj.before")
+        got = hvd.broadcast_object(obj, root_rank=n - 1)
+        got_fn = hvd.broadcast_object_fn(root_rank=0, name="objfn")(obj)
+        gathered = hvd.allgather_object(("x", r, {"q": [r] * r}))
+        traced.append((got, got_fn, gathered))
+        after = hvd.allreduce(x + got["rank"] + len(gathered), op=hvd.Sum, name="obj.after")
+        return before, after
+
+    for _ in range(2):  # traced once: the second call runs only the graph's collectives
+        before, after = step(tf.constant([float(r), 1.0]))
+        total = sum(range(n))
+        np.testing.assert_array_equal(before.numpy(), [total, n])
+        np.testing.assert_array_equal(after.numpy(), [total + n * (n - 1 + n), n * (2 * n)])
+    assert len(traced) == 1
+    got, got_fn, gathered = traced[0]
+    assert got == expected_obj
+    assert got_fn == {"rank": 0, "data": [1, 2, 0]}
+    assert gathered == expected_all
+
+    with tf.Graph().as_default():
+        with pytest.raises(ValueError, match="need a session"):  # on every rank, before any op
+            hvd.broadcast_object(obj, root_rank=0)
+        with tf.compat.v1.Session() as sess:
+            assert hvd.broadcast_object(obj, root_rank=n - 1) == expected_obj
+            assert hvd.allgather_object(("x", r, {"q": [r] * r})) == expected_all
+        with tf.compat.v1.Session() as sess:
+            assert hvd.broadcast_object(obj, root_rank=0, session=sess)["rank"] == 0
+            assert hvd.allgather_object(r, session=sess) == list(range(n))
+    assert hvd.allgather_object(r) == list(range(n))  # eagerly again
+
+
 @pytest.mark.handles_may_diverge
 def test_process_sets():
     n, r = size(), rank()
