@@ -79,6 +79,33 @@ def _op_or_average(op: int | None, average: bool | None) -> int:
     return handle_average_backwards_compatibility(op, average)
 
 
+def _check_sparse(op: int, prescale_factor: float, postscale_factor: float) -> None:
+    """Horovod's checks for tf.IndexedSlices (on every rank alike, before any collective)."""
+    if op == Adasum:
+        raise NotImplementedError(
+            "The Adasum reduction does not currently support sparse tensors. As a "
+            "workaround please pass sparse_as_dense=True to DistributedOptimizer"
+        )
+    if op not in (Average, Sum):
+        raise NotImplementedError(
+            f"Only Sum and Average ops are supported with tf.IndexedSlices, got op {op}"
+        )
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+
+
+def _sparse_result(
+    values: tf.Tensor, indices: tf.Tensor, dense_shape: Any, op: int, process_set: ProcessSet
+) -> tf.IndexedSlices:
+    """The reduced IndexedSlices from the gathered values and indices. Average: Horovod's
+    ``values / tf.cast(set size, values.dtype)``, TensorFlow's true division (integer values
+    become floating point, no rounding back)."""
+    if op == Average:
+        n = process_set.size() if process_set.process_set_id != 0 else size()
+        values = values / tf.cast(n, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=dense_shape)
+
+
 def allreduce(
     tensor: Any,
     average: bool | None = None,
@@ -97,34 +124,23 @@ def allreduce(
     op: Average (default), Sum, Min, Max, Product or Adasum; ``average`` is the deprecated
     spelling. Dense result: ``postscale * reduce(prescale * tensor)``; the gradient is the same
     allreduce of the upstream gradient. A ``tf.IndexedSlices`` is reduced by two allgathers
-    (values and indices); only Sum and Average apply to it.
+    (values and indices); only Sum and Average apply to it, without scale factors
+    (NotImplementedError, as Horovod). Average divides the gathered values by the set size
+    with TensorFlow's true division, as Horovod does: integer values become float32 (8- and
+    16-bit) or float64 (32- and 64-bit).
     ``device_dense``/``device_sparse`` are accepted for compatibility (tensors are staged
     through host memory).
     """
     op = _op_or_average(op, average)
     if isinstance(tensor, tf.IndexedSlices):
-        if op == Adasum:
-            raise NotImplementedError(
-                "The Adasum reduction does not currently support sparse tensors. As a "
-                "workaround please pass sparse_as_dense=True to DistributedOptimizer"
-            )
-        if op not in (Average, Sum):
-            raise NotImplementedError(
-                f"Only Sum and Average reductions are supported for tf.IndexedSlices, got op {op}"
-            )
-        values = tensor.values
-        if prescale_factor != 1.0:
-            values = values * tf.cast(prescale_factor, values.dtype)
-        values = allgather(values, process_set=process_set, ignore_name_scope=ignore_name_scope)
+        _check_sparse(op, prescale_factor, postscale_factor)
+        values = allgather(
+            tensor.values, process_set=process_set, ignore_name_scope=ignore_name_scope
+        )
         indices = allgather(
             tensor.indices, process_set=process_set, ignore_name_scope=ignore_name_scope
         )
-        scale = postscale_factor
-        if op == Average:
-            scale /= process_set.size() if process_set.process_set_id != 0 else size()
-        if scale != 1.0:
-            values = values * tf.cast(scale, values.dtype)
-        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+        return _sparse_result(values, indices, tensor.dense_shape, op, process_set)
     tensor = _as_tensor(tensor)
     if compression is NoneCompressor:
         return allreduce_dense(
@@ -152,7 +168,8 @@ def grouped_allreduce(
 ) -> List[Any]:
     """Allreduces several dense tensors in one fused core request; returns a list.
 
-    tf.IndexedSlices entries are reduced one by one like :func:`allreduce` does.
+    tf.IndexedSlices entries are reduced as :func:`allreduce` does, their values in one
+    grouped allgather and their indices in another (Horovod's order).
     """
     op = _op_or_average(op, average)
     if not isinstance(tensors, (list, tuple)):
@@ -162,15 +179,22 @@ def grouped_allreduce(
     if not tensors:
         return []
     results: List[Any] = [None] * len(tensors)
-    dense_idx = []
-    for i, t in enumerate(tensors):
-        if isinstance(t, tf.IndexedSlices):
-            results[i] = allreduce(
-                t, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                process_set=process_set, ignore_name_scope=ignore_name_scope,
-            )  # fmt: skip
-        else:
-            dense_idx.append(i)
+    sparse_idx = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    dense_idx = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    if sparse_idx:
+        # Horovod's order: one grouped allgather of all values, one of all indices, then the
+        # dense tensors' grouped allreduce.
+        _check_sparse(op, prescale_factor, postscale_factor)
+        values = grouped_allgather(
+            [tensors[i].values for i in sparse_idx], process_set=process_set,
+            ignore_name_scope=ignore_name_scope,
+        )  # fmt: skip
+        indices = grouped_allgather(
+            [tensors[i].indices for i in sparse_idx], process_set=process_set,
+            ignore_name_scope=ignore_name_scope,
+        )  # fmt: skip
+        for i, v, ix in zip(sparse_idx, values, indices):
+            results[i] = _sparse_result(v, ix, tensors[i].dense_shape, op, process_set)
     if dense_idx:
         compressed, ctxs = zip(*[compression.compress(_as_tensor(tensors[i])) for i in dense_idx])
         reduced = grouped_allreduce_dense(
@@ -274,6 +298,21 @@ def _to_bytes(obj: Any) -> np.ndarray:
     return np.frombuffer(buf.getvalue(), dtype=np.uint8)
 
 
+def _evaluator(session: Any) -> Callable[[tf.Tensor], np.ndarray]:
+    """How the object helpers read a collective's result now: eagerly (also inside tf.function,
+    under ``tf.init_scope``), or in a TF1 graph with ``session`` or the default session, as
+    Horovod's helpers do."""
+    if tf.executing_eagerly():
+        return lambda t: t.numpy()
+    sess = session or tf.compat.v1.get_default_session()
+    if sess is None:
+        raise ValueError(
+            "broadcast_object/allgather_object in a TF1 graph need a session: pass session= "
+            "or call them under a default session (with tf.compat.v1.Session() as sess: ...)"
+        )
+    return sess.run
+
+
 def broadcast_object(
     obj: Any,
     root_rank: int = 0,
@@ -281,23 +320,29 @@ def broadcast_object(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> Any:
-    """Serializes ``obj`` on ``root_rank`` and returns a copy of it on every rank of the set.
+    """Serializes ``obj`` on ``root_rank`` and returns a copy of it on every other rank of the
+    set (the root gets ``obj`` itself).
 
-    Eager only (``session`` is accepted for compatibility and must be None in TF2)."""
-    if not tf.executing_eagerly():
-        raise NotImplementedError(
-            "broadcast_object runs eagerly in bagua_hvd; call it outside tf.function"
-        )
+    The collectives run when called, as Horovod's do: eagerly, inside ``tf.function`` at trace
+    time (the result is a Python object, a constant of the traced graph: retracing runs them
+    again, calling the traced function does not), and in a TF1 graph through ``session`` or the
+    default session."""
     name = name or type(obj).__name__
-    is_root = rank() == root_rank
-    payload = _to_bytes(obj) if is_root else np.zeros(0, dtype=np.uint8)
-    length = broadcast(
-        tf.constant([payload.size], dtype=tf.int64), root_rank, name=f"{name}.sz",
-        process_set=process_set,
-    )  # fmt: skip
-    data = payload if is_root else np.zeros(int(length.numpy()[0]), dtype=np.uint8)
-    data = broadcast(tf.constant(data), root_rank, name=f"{name}.t", process_set=process_set)
-    return _pickle.loads(data.numpy().tobytes())
+    with tf.init_scope():
+        to_numpy = _evaluator(session)
+        is_root = rank() == root_rank
+        payload = _to_bytes(obj) if is_root else np.zeros(0, dtype=np.uint8)
+        length = to_numpy(
+            broadcast(
+                tf.constant([payload.size], dtype=tf.int64), root_rank, name=f"{name}.sz",
+                process_set=process_set,
+            )
+        )  # fmt: skip
+        data = payload if is_root else np.zeros(int(length[0]), dtype=np.uint8)
+        data = to_numpy(
+            broadcast(tf.constant(data), root_rank, name=f"{name}.t", process_set=process_set)
+        )
+    return obj if is_root else _pickle.loads(data.tobytes())
 
 
 def broadcast_object_fn(
@@ -321,17 +366,20 @@ def allgather_object(
     process_set: ProcessSet = global_process_set,
 ) -> List[Any]:
     """Serializes ``obj`` on every rank and returns the list of all ranks' objects (in
-    process-set rank order). Eager only."""
-    if not tf.executing_eagerly():
-        raise NotImplementedError(
-            "allgather_object runs eagerly in bagua_hvd; call it outside tf.function"
-        )
+    process-set rank order). Runs when called, as :func:`broadcast_object`."""
     name = name or type(obj).__name__
-    payload = _to_bytes(obj)
-    sizes = allgather(
-        tf.constant([payload.size], dtype=tf.int64), name=f"{name}.sz", process_set=process_set
-    ).numpy()
-    gathered = allgather(tf.constant(payload), name=f"{name}.t", process_set=process_set).numpy()
+    with tf.init_scope():
+        to_numpy = _evaluator(session)
+        payload = _to_bytes(obj)
+        sizes = to_numpy(
+            allgather(
+                tf.constant([payload.size], dtype=tf.int64), name=f"{name}.sz",
+                process_set=process_set,
+            )
+        )  # fmt: skip
+        gathered = to_numpy(
+            allgather(tf.constant(payload), name=f"{name}.t", process_set=process_set)
+        )
     out, off = [], 0
     for s in sizes:
         out.append(_pickle.loads(gathered[off : off + int(s)].tobytes()))

@@ -565,7 +565,8 @@ def grouped_allgather(
     _prefix: str = "grouped_allgather",
 ) -> List[tf.Tensor]:
     """Concatenates every rank's tensors along dim 0 (one core request; differentiable: the
-    gradient is this rank's rows of the Sum-allreduced upstream gradient)."""
+    gradient is this rank's rows of the Average-allreduced upstream gradient, Horovod's
+    _allgather_grad)."""
     tensors = _as_list(tensors, "grouped_allgather") if _prefix != "allgather" else tensors
     for t in tensors:
         _check_dtype(t.dtype, _MOVE_CODES)
@@ -582,8 +583,8 @@ def grouped_allgather(
 
         def grad(*dys: Any) -> List[tf.Tensor]:
             dys = _zeros_if_none(dys, outs)
-            summed = grouped_allreduce_dense(
-                dys, op=Sum, process_set=process_set, ignore_name_scope=ignore_name_scope,
+            averaged = grouped_allreduce_dense(
+                dys, op=Average, process_set=process_set, ignore_name_scope=ignore_name_scope,
                 prefix="allreduce" if len(dys) == 1 else "grouped_allreduce",
             )  # fmt: skip
             # Every rank's dim-0 sizes, to find this rank's rows.
@@ -591,7 +592,7 @@ def grouped_allgather(
             gathered = allgather(dims, process_set=process_set, ignore_name_scope=True)
             r = _set_rank(process_set)
             offsets = tf.reduce_sum(gathered[:r], axis=0)
-            return [g[offsets[i] : offsets[i] + dims[0, i]] for i, g in enumerate(summed)]
+            return [g[offsets[i] : offsets[i] + dims[0, i]] for i, g in enumerate(averaged)]
 
         return outs, grad
 
@@ -631,10 +632,10 @@ def _broadcast_tensor(
         outs = _execute(fn, xs, [xs[0].dtype], [xs[0].shape], kernel)
 
         def grad(dy: Any) -> List[tf.Tensor]:
-            # Horovod's _broadcast_grad: Sum-allreduce, zero on every rank but the root.
+            # Horovod's _broadcast_grad: Average-allreduce, zero on every rank but the root.
             dy = tf.zeros_like(outs[0]) if dy is None else dy
             reduced = allreduce_dense(
-                dy, op=Sum, process_set=process_set, ignore_name_scope=ignore_name_scope
+                dy, op=Average, process_set=process_set, ignore_name_scope=ignore_name_scope
             )
             return [reduced if rank() == root_rank else reduced * 0]
 

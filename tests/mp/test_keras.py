@@ -393,13 +393,13 @@ def test_sparse_embedding(sparse_as_dense, monkeypatch):
     make_opt = lambda: keras.optimizers.SGD(learning_rate=0.2, momentum=0.5)  # noqa: E731
     ref = reference_fit(embedding_model, make_opt(), x, y, size() * B)
     gathers = []
-    real = hvd_tf.allgather
+    real = hvd_tf.grouped_allgather  # grouped_allreduce's IndexedSlices path (as Horovod)
 
-    def spy(t, *a, **kw):
-        gathers.append(t.dtype)
-        return real(t, *a, **kw)
+    def spy(ts, *a, **kw):
+        gathers.extend(t.dtype for t in ts)
+        return real(ts, *a, **kw)
 
-    monkeypatch.setattr(hvd_tf, "allgather", spy)
+    monkeypatch.setattr(hvd_tf, "grouped_allgather", spy)
     opt = hvd.DistributedOptimizer(make_opt(), sparse_as_dense=sparse_as_dense)
     model, _ = dist_fit(embedding_model, opt, x, y)
     assert_weights(model.get_weights(), ref, what=f"embedding sparse_as_dense={sparse_as_dense}")

@@ -159,20 +159,81 @@ def test_grouped_allreduce_and_compression(mode):
     assert n >= 1
 
 
+SPARSE_DTYPES = ["uint8", "int8", "int32", "int64", "float16", "float32", "float64"]
+# Horovod's Average of tf.IndexedSlices is `values / tf.cast(size, dtype)`, TensorFlow's true
+# division: integer values come back as these floating dtypes (floats keep theirs).
+TRUEDIV = {"uint8": np.float32, "int8": np.float32, "int32": np.float64, "int64": np.float64}
+
+
+def sparse_average(values, n, dtype):
+    """Horovod's Average of gathered IndexedSlices values, computed by numpy: the values and
+    the size in the result dtype, divided (numpy's float16 division rounds like TF's)."""
+    out = np.dtype(TRUEDIV.get(dtype, ref.numpy_dtype(dtype)))
+    return values.astype(out) / np.asarray(n, out)
+
+
 @pytest.mark.parametrize("mode", KERNEL_MODES)
-def test_allreduce_indexed_slices(mode):
+@pytest.mark.parametrize("dtype", SPARSE_DTYPES)
+def test_allreduce_indexed_slices(mode, dtype):
+    """allreduce and grouped_allreduce of tf.IndexedSlices (alone and mixed with dense tensors)
+    as Horovod 0.28.1: values and indices allgathered, Average divides the values by the set
+    size in TensorFlow's true division (integers become floating point)."""
     n, r = size(), rank()
-    vals = inputs(("is",), "float32", lambda q: (q + 1, 3))
+    vals = inputs(("is", 0), dtype, lambda q: (q + 1, 3), low=-4, high=9)
+    vals2 = inputs(("is", 1), dtype, lambda q: (2, 2), low=-4, high=9)
+    dense = inputs(("is", 2), dtype, lambda q: (4,), low=1)
     idx = [np.arange(q + 1, dtype=np.int64) + q for q in range(n)]
-    sl = tf.IndexedSlices(to_tf(vals[r], "float32"), tf.constant(idx[r]), tf.constant([9, 3]))
-    for op in (hvd.Sum, hvd.Average):
-        out = run(mode, lambda op=op: hvd.allreduce(sl, op=op))
-        assert isinstance(out, tf.IndexedSlices)
-        factor = 1.0 if op == hvd.Sum else 1.0 / n
-        np.testing.assert_allclose(out.values.numpy(), np.concatenate(vals) * factor, rtol=1e-6)
-        np.testing.assert_array_equal(out.indices.numpy(), np.concatenate(idx))
-    with pytest.raises(NotImplementedError, match="Adasum reduction does not currently support"):
-        hvd.allreduce(sl, op=hvd.Adasum)
+    idx2 = [np.array([q, q + 1], np.int32) for q in range(n)]
+    sl = tf.IndexedSlices(to_tf(vals[r], dtype), tf.constant(idx[r]), tf.constant([9, 3]))
+    sl2 = tf.IndexedSlices(to_tf(vals2[r], dtype), tf.constant(idx2[r]))
+    td = to_tf(dense[r], dtype)
+    ops = (hvd.Sum, hvd.Average)
+    got = run(
+        mode,
+        lambda: [
+            (hvd.allreduce(sl, op=op), hvd.grouped_allreduce([sl, td, sl2], op=op)) for op in ops
+        ],
+    )
+    for op, (single, grouped) in zip(ops, got):
+        what = f"op {op}"
+        for out, v, ix in ((single, vals, idx), (grouped[0], vals, idx), (grouped[2], vals2, idx2)):
+            assert isinstance(out, tf.IndexedSlices), what
+            gathered = np.concatenate(v)
+            expect = gathered if op == hvd.Sum else sparse_average(gathered, n, dtype)
+            assert out.values.dtype.as_numpy_dtype == expect.dtype, (what, out.values.dtype)
+            # Eagerly the division is exact; in a graph Grappler turns x / c into x * (1 / c),
+            # for Horovod as here: one rounding more.
+            rtol = 0 if mode == "eager" or op == hvd.Sum else np.finfo(expect.dtype).eps
+            np.testing.assert_allclose(out.values.numpy(), expect, rtol=rtol, atol=0, err_msg=what)
+            np.testing.assert_array_equal(out.indices.numpy(), np.concatenate(ix), err_msg=what)
+        assert out.dense_shape is None and grouped[0].dense_shape.numpy().tolist() == [9, 3]
+        ref_op = ref.SUM if op == hvd.Sum else ref.AVERAGE
+        check(
+            grouped[1], ref.allreduce(dense, ref_op, dtype), dtype, ref.tolerance(dtype, ref_op, n)
+        )
+
+
+def test_allreduce_indexed_slices_errors():
+    """Horovod raises NotImplementedError for ops other than Sum/Average and for scale factors
+    on tf.IndexedSlices, on every rank before any collective (so the job goes on)."""
+    sl = tf.IndexedSlices(tf.ones([1, 3]), tf.constant([rank()]))
+    dense = tf.ones([2])
+    for mode in MODES:
+        for op in (hvd.Min, hvd.Max, hvd.Product):
+            with pytest.raises(NotImplementedError, match="Only Sum and Average ops are supported"):
+                run(mode, lambda op=op: hvd.allreduce(sl, op=op))
+            with pytest.raises(NotImplementedError, match="Only Sum and Average ops are supported"):
+                run(mode, lambda op=op: hvd.grouped_allreduce([sl, dense], op=op))
+        for fn in (hvd.allreduce, lambda t, **kw: hvd.grouped_allreduce([t, dense], **kw)):
+            with pytest.raises(NotImplementedError, match="Adasum reduction does not currently"):
+                run(mode, lambda fn=fn: fn(sl, op=hvd.Adasum))
+            for kw in ({"prescale_factor": 0.5}, {"postscale_factor": 0.5}):
+                with pytest.raises(
+                    NotImplementedError, match="Pre/postscale_factor are not supported with tf.Ind"
+                ):
+                    run(mode, lambda fn=fn, kw=kw: fn(sl, op=hvd.Sum, **kw))
+    got = hvd.allreduce(sl, op=hvd.Sum)
+    np.testing.assert_array_equal(got.indices.numpy(), np.arange(size()))
 
 
 # ---- allgather / broadcast / alltoall / reducescatter ------------------------------------------
@@ -307,20 +368,7 @@ def test_gradients(mode):
     np.testing.assert_allclose(g, 3.0 * total)
     g = _grad(mode, x, lambda t: hvd.grouped_allreduce([t, t * 2], op=hvd.Sum)[1], up)
     np.testing.assert_allclose(g, 2.0 * total)
-    # allgather: rank r's rows (r + 1 of them) of the Sum-allreduced upstream gradient
-    xr = tf.constant(np.ones((r + 1, 2)))
-    rows = sum(q + 1 for q in range(n))
-    gups = [np.arange(rows * 2, dtype=np.float64).reshape(rows, 2) * (q + 1) for q in range(n)]
-    offset = sum(q + 1 for q in range(r))
-    expect = sum(gups)[offset : offset + r + 1]
-    g = _grad(mode, xr, hvd.allgather, tf.constant(gups[r]))
-    np.testing.assert_allclose(g, expect, err_msg="allgather")
-    g = _grad(mode, xr, lambda t: hvd.grouped_allgather([t])[0], tf.constant(gups[r]))
-    np.testing.assert_allclose(g, expect, err_msg="grouped_allgather")
-    # broadcast: Sum-allreduce of the upstream gradient on the root, zeros elsewhere
-    for root in range(n):
-        g = _grad(mode, x, lambda t, root=root: hvd.broadcast(t, root), up)
-        np.testing.assert_allclose(g, total if r == root else np.zeros((3, 2)))
+    # allgather and broadcast: see test_allgather_and_broadcast_gradients_average
     # alltoall: rows come back along the received splits
     splits = _splits(n)
     xa = tf.constant(np.zeros((sum(splits[r]), 2)))
@@ -347,6 +395,59 @@ def test_gradients(mode):
         tf.constant(rups[r]),
     )  # fmt: skip
     np.testing.assert_allclose(g, gathered * n * 0.5, err_msg="reducescatter sum")
+
+
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_allgather_and_broadcast_gradients_average(mode):
+    """Horovod 0.28.1's _allgather_grad and _broadcast_grad Average-allreduce the upstream
+    gradient: allgather returns this rank's rows of the mean over ranks, broadcast the mean on
+    the root and zeros elsewhere (Sum gave n times that)."""
+    n, r = size(), rank()
+    # Each rank's upstream gradient differs, so the mean over ranks is visible.
+    rows = sum(q + 1 for q in range(n))  # rank q gathers q + 1 rows
+    gups = [np.arange(rows * 2, dtype=np.float64).reshape(rows, 2) * (q + 1) for q in range(n)]
+    offset = sum(q + 1 for q in range(r))
+    expect = np.mean(gups, axis=0)[offset : offset + r + 1]
+    xr = tf.constant(np.ones((r + 1, 2)))
+    g = _grad(mode, xr, hvd.allgather, tf.constant(gups[r]))
+    np.testing.assert_allclose(g, expect, rtol=1e-12, err_msg="allgather")
+    g = _grad(mode, xr, lambda t: hvd.grouped_allgather([t])[0], tf.constant(gups[r]))
+    np.testing.assert_allclose(g, expect, rtol=1e-12, err_msg="grouped_allgather")
+
+    # A grouped allgather of float32 and float64 tensors: each input gets its own slice.
+    x32 = tf.constant(np.ones((r + 1, 3), np.float32))
+    ups32 = [np.full((rows, 3), 2.0 * (q + 1), np.float32) for q in range(n)]
+
+    def body():
+        with tf.GradientTape() as tape:
+            tape.watch([xr, x32])
+            a, b = hvd.grouped_allgather([xr, x32])
+        return tape.gradient([a, b], [xr, x32], output_gradients=[gups[r], ups32[r]])
+
+    g64, g32 = run(mode, body)
+    np.testing.assert_allclose(g64.numpy(), expect, rtol=1e-12, err_msg="grouped[0]")
+    assert g32.dtype == tf.float32
+    np.testing.assert_allclose(
+        g32.numpy(),
+        np.mean(ups32, axis=0)[offset : offset + r + 1],
+        rtol=1e-6,
+        err_msg="grouped[1]",
+    )
+
+    # Horovod's test_horovod_broadcast_grad: ones upstream, for every root, in a loop whose
+    # collectives must stay in step on every rank: 1 on the root, 0 elsewhere.
+    for dtype in (tf.float32, tf.float64):
+        x = tf.ones([5, 5], dtype) * r
+        for root in range(n):
+            g = _grad(mode, x, lambda t, root=root: hvd.broadcast(t, root), tf.ones([5, 5], dtype))
+            np.testing.assert_allclose(g, np.full((5, 5), 1.0 if r == root else 0.0), rtol=1e-6)
+    # Different upstream gradients per rank: the mean of them on the root.
+    ups = [np.full((3, 2), q + 1.0) + np.arange(6).reshape(3, 2) * q for q in range(n)]
+    x = tf.constant(np.arange(6, dtype=np.float64).reshape(3, 2))
+    for root in range(n):
+        g = _grad(mode, x, lambda t, root=root: hvd.broadcast(t, root), tf.constant(ups[r]))
+        expect = np.mean(ups, axis=0) if r == root else np.zeros((3, 2))
+        np.testing.assert_allclose(g, expect, rtol=1e-12, err_msg=f"broadcast root {root}")
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -546,6 +647,49 @@ def test_join_barrier_objects():
     assert hvd.broadcast_object(obj, root_rank=n - 1) == {"rank": n - 1, "data": [1, 2, n - 1]}
     assert hvd.broadcast_object_fn(root_rank=0)(obj)["rank"] == 0
     assert hvd.allgather_object(("x", r)) == [("x", q) for q in range(n)]
+
+
+def test_object_helpers_in_tf_function_and_tf1_graphs():
+    """broadcast_object, broadcast_object_fn and allgather_object inside tf.function (run at
+    trace time: the objects become constants of the graph, between collectives that run in it)
+    and in a TF1 graph through a session (Horovod's graph mode)."""
+    n, r = size(), rank()
+    obj = {"rank": r, "data": [1, 2, r]}
+    expected_obj = {"rank": n - 1, "data": [1, 2, n - 1]}
+    expected_all = [("x", q, {"q": [q] * q}) for q in range(n)]
+    traced = []
+
+    @tf.function
+    def step(x):
+        before = hvd.allreduce(x, op=hvd.Sum, name="obj.before")
+        got = hvd.broadcast_object(obj, root_rank=n - 1)
+        got_fn = hvd.broadcast_object_fn(root_rank=0, name="objfn")(obj)
+        gathered = hvd.allgather_object(("x", r, {"q": [r] * r}))
+        traced.append((got, got_fn, gathered))
+        after = hvd.allreduce(x + got["rank"] + len(gathered), op=hvd.Sum, name="obj.after")
+        return before, after
+
+    for _ in range(2):  # traced once: the second call runs only the graph's collectives
+        before, after = step(tf.constant([float(r), 1.0]))
+        total = sum(range(n))
+        np.testing.assert_array_equal(before.numpy(), [total, n])
+        np.testing.assert_array_equal(after.numpy(), [total + n * (n - 1 + n), n * (2 * n)])
+    assert len(traced) == 1
+    got, got_fn, gathered = traced[0]
+    assert got == expected_obj
+    assert got_fn == {"rank": 0, "data": [1, 2, 0]}
+    assert gathered == expected_all
+
+    with tf.Graph().as_default():
+        with pytest.raises(ValueError, match="need a session"):  # on every rank, before any op
+            hvd.broadcast_object(obj, root_rank=0)
+        with tf.compat.v1.Session() as sess:
+            assert hvd.broadcast_object(obj, root_rank=n - 1) == expected_obj
+            assert hvd.allgather_object(("x", r, {"q": [r] * r})) == expected_all
+        with tf.compat.v1.Session() as sess:
+            assert hvd.broadcast_object(obj, root_rank=0, session=sess)["rank"] == 0
+            assert hvd.allgather_object(r, session=sess) == list(range(n))
+    assert hvd.allgather_object(r) == list(range(n))  # eagerly again
 
 
 @pytest.mark.handles_may_diverge
