@@ -12,6 +12,7 @@ the result is already there.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -308,9 +309,32 @@ def enqueue(
     return handle_out[0], keep
 
 
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def check_root_rank(root_rank: int) -> None:
+    """A root rank the core's 32-bit field cannot hold is as invalid as any other bad root:
+    the core's ValueError text, not cffi's OverflowError."""
+    if not _INT32_MIN <= root_rank <= _INT32_MAX:
+        raise ValueError(
+            f"broadcast received invalid root rank {root_rank} for provided process set"
+        )
+
+
+def check_scale_factors(prescale: float, postscale: float) -> None:
+    """NaN or infinite factors are refused at the call (the core refuses them too)."""
+    for what, f in (("prescale_factor", prescale), ("postscale_factor", postscale)):
+        if not math.isfinite(f):
+            raise ValueError(f"{what} must be a finite number, got {f!r}")
+
+
 def _set_scalars(req: Any, op_type: int, process_set_id: int, reduce_op: int, root_rank: int,
                  device: int, prescale: float, postscale: float, urgent: bool) -> None:
     """The request's fields shared by the single-tensor fast path and the general path."""
+    if root_rank:
+        check_root_rank(root_rank)
+    if prescale != 1.0 or postscale != 1.0:
+        check_scale_factors(prescale, postscale)
     req.op_type = op_type
     req.process_set_id = process_set_id
     req.reduce_op = reduce_op

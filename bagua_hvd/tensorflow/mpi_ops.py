@@ -402,6 +402,8 @@ def _graph_paths(
     kernels' names alike)."""
     # Horovod's TF ops take the factors as float attributes: every path rounds them to float32
     # as the kernel's attributes do, so a float64 tensor is scaled as in Horovod.
+    if "prescale_factor" in params:
+        _ops.check_scale_factors(params["prescale_factor"], params["postscale_factor"])
     for key in ("prescale_factor", "postscale_factor"):
         if key in params:
             params[key] = float(np.float32(params[key]))
@@ -621,6 +623,10 @@ def _broadcast_tensor(
 ) -> tf.Tensor:
     _check_dtype(tensor.dtype, _MOVE_CODES)
     root_rank = int(root_rank)
+    try:
+        _ops.check_root_rank(root_rank)
+    except ValueError as e:  # the class TF raises for any other bad root
+        raise tf.errors.InvalidArgumentError(None, None, str(e)) from None
 
     def forward(xs: List[tf.Tensor]) -> Tuple[List[tf.Tensor], Callable[..., Any]]:
         core_name = _core_name("broadcast", name, xs[0], "HorovodBroadcast", ignore_name_scope)

@@ -150,3 +150,13 @@ void log_message(LogLevel level, const std::string& msg) {
 }
 
 }  // namespace bagua_hvd
+
+namespace bagua_hvd {
+
+std::string format_seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f", s > 0 ? s : 0.0);
+  return buf;
+}
+
+}  // namespace bagua_hvd

@@ -117,4 +117,8 @@ inline double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+// Seconds in messages: one decimal ("2.5", "30.0"), never negative (a wait whose deadline had
+// already passed waited 0 s, not -0.0 s).
+std::string format_seconds(double s);
+
 }  // namespace bagua_hvd

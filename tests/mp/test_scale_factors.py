@@ -155,3 +155,21 @@ def test_tf_scaled_collectives(dtype, mode):
                                (gr0, rows, "grouped_reducescatter")):  # fmt: skip
             assert got.dtype == tf_dtype, f"{name} {what}: {got.dtype}"
             assert_bits(tf_numpy(got), exp, f"{name} {what}")
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "graph-numpy"])
+def test_tf_refuses_non_finite_factors_and_int32_overflowing_roots(mode):
+    tf = pytest.importorskip("tensorflow")
+    import bagua_hvd.tensorflow as hvd_tf
+
+    x = tf.ones([hvd.size(), 2])
+    for bad in (float("nan"), float("inf")):
+        for key in ("prescale_factor", "postscale_factor"):
+            for fn in (hvd_tf.allreduce, hvd_tf.reducescatter):
+                with pytest.raises(ValueError, match=f"{key} must be a finite number, got {bad}"):
+                    tf_run(mode, lambda fn=fn, key=key, bad=bad: fn(x, op=hvd_tf.Sum, **{key: bad}))
+    for root in (2**31, -(2**31) - 1):
+        text = f"broadcast received invalid root rank {root} for provided process set"
+        with pytest.raises(tf.errors.InvalidArgumentError, match=text):
+            tf_run(mode, lambda root=root: hvd_tf.broadcast(x, root_rank=root))
+    assert tf_numpy(tf_run(mode, lambda: hvd_tf.allreduce(x, op=hvd_tf.Sum)))[0, 0] == hvd.size()

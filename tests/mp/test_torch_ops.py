@@ -7,6 +7,7 @@ deterministic inputs. Run: ``bagua-run -np 2 python -m pytest -x -q tests/mp/tes
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import numpy as np
@@ -647,7 +648,7 @@ def test_alltoall_split_errors():
 
 def test_broadcast_root_errors():
     n = size()
-    for bad in (n, -1):
+    for bad in (n, -1, 2**31, -(2**31) - 1, 2**40):  # beyond int32 too: ValueError, not Overflow
         with pytest.raises(
             ValueError, match=f"broadcast received invalid root rank {bad} for provided process set"
         ):
@@ -671,6 +672,50 @@ def test_unregistered_process_set_errors():
         ):
             fn()
     assert_job_works("ps")
+
+
+def test_scale_factor_errors():
+    """NaN and infinite factors are refused at the call, on every rank, naming the factor."""
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for kw in ({"prescale_factor": bad}, {"postscale_factor": bad}):
+            (key,) = kw
+            with pytest.raises(ValueError, match=f"{key} must be a finite number, got {bad!r}"):
+                hvd.allreduce(torch.ones(3), op=hvd.Sum, name="nan.scale", **kw)
+            with pytest.raises(ValueError, match=f"{key} must be a finite number"):
+                hvd.reducescatter(torch.ones(size(), 2), op=hvd.Sum, **kw)
+    assert_job_works("nan-scale")
+
+
+def test_duplicate_name_outcome_does_not_depend_on_timing():
+    """A name stays taken until its caller has seen the first request complete (synchronize, or
+    a poll that returned True), not merely until the background thread has finished it: the
+    second enqueue is then refused on every rank, whether or not the op has completed there.
+
+    Each round one rank submits late; by the time it tries the duplicate, the op has completed
+    in its core (every peer had submitted long before), while on the others it is still pending
+    when they try theirs. Horovod's rule (refuse only while pending) accepted the duplicate on
+    the late rank alone, and the job hung on it."""
+    t = torch.ones(5)
+    for late in range(size()):
+        name = f"dup.timing.{late}"
+        if rank() == late:
+            time.sleep(0.3)
+        h = hvd.allreduce_async(t, name=name, op=hvd.Sum)
+        if rank() == late:
+            time.sleep(0.3)  # the op completes in the core meanwhile; nobody looks at it
+        with pytest.raises(ValueError, match=DUPLICATE_NAME.replace(".", r"\.")):
+            hvd.allreduce_async(t, name=name, op=hvd.Sum)
+        assert torch.equal(hvd.synchronize(h), t * size())
+        # Seen complete: the name is free again on every rank.
+        assert torch.equal(hvd.allreduce(t, name=name, op=hvd.Sum), t * size())
+        # A poll() that returned True counts as seen too.
+        h = hvd.allreduce_async(t, name=name, op=hvd.Sum)
+        while not hvd.poll(h):
+            time.sleep(0.001)
+        h2 = hvd.allreduce_async(t, name=name, op=hvd.Sum)
+        assert torch.equal(hvd.synchronize(h2), t * size())
+        assert torch.equal(hvd.synchronize(h), t * size())
+    assert_job_works("dup-timing")
 
 
 @needs_peers()

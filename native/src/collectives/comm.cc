@@ -39,12 +39,6 @@ inline void cpu_relax() {
 #endif
 }
 
-std::string format_seconds(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g", s);
-  return buf;
-}
-
 struct Lane {
   int peer;                 // set rank
   bool send;                // direction

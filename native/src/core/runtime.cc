@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -196,6 +197,7 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
       comms_[kv.first] = std::make_unique<Comm>(*transport_, kv.second);
     }
     table_.clear();
+    reserved_.clear();
     queue_.clear();
     urgent_queue_.clear();
     shutdown_requested_ = false;
@@ -240,6 +242,7 @@ Status Runtime::shutdown() {
     comms_.clear();
     hierarchies_.clear();
     table_.clear();
+    reserved_.clear();
     queue_.clear();
     urgent_queue_.clear();
     coordinator_.reset();
@@ -405,6 +408,13 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
                                    " is not a member of the provided process set.");
   const int set_size = static_cast<int>(ranks.size());
   if (Status s = check_algorithm_request(req, title); !s.ok()) return s;
+  // A NaN factor would also never match itself in negotiation: refuse it here, on every path.
+  for (auto [what, f] : {std::pair<const char*, double>{"prescale_factor", req.prescale_factor},
+                         {"postscale_factor", req.postscale_factor}}) {
+    if (!std::isfinite(f))
+      return Status::InvalidArgument(std::string(what) + " must be a finite number, got " +
+                                     (std::isnan(f) ? "nan" : (f > 0 ? "inf" : "-inf")));
+  }
   if (t == BHVD_OP_BROADCAST && !std::binary_search(ranks.begin(), ranks.end(), req.root_rank))
     return Status::InvalidArgument("broadcast received invalid root rank " +
                                    std::to_string(req.root_rank) + " for provided process set");
@@ -484,7 +494,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
         }
       }
     }
-    if (table_.count(tensor_key(r.process_set_id, r.name)))
+    if (reserved_.count(tensor_key(r.process_set_id, r.name)))
       return Status::InvalidArgument(kDuplicateName);
     for (const auto& o : reqs)
       if (o.name == r.name) return Status::InvalidArgument(kDuplicateName);
@@ -517,6 +527,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
     e.request = std::move(reqs[i]);
     queue_.push_back(key);
     table_.emplace(key, std::move(e));
+    reserved_.insert(key);
   }
   handles_[id] = h;
   *handle_out = id;
@@ -572,7 +583,9 @@ int Runtime::poll(int64_t handle) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = handles_.find(handle);
   if (it == handles_.end()) return -1;
-  return it->second->done ? 1 : 0;
+  if (!it->second->done) return 0;
+  mark_seen_locked(*it->second);
+  return 1;
 }
 
 Status Runtime::wait(int64_t handle, int64_t timeout_ms) {
@@ -604,6 +617,7 @@ Status Runtime::wait(int64_t handle, int64_t timeout_ms) {
   } else if (!h->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), pred)) {
     return Status::Error(StatusType::TIMED_OUT, "timed out waiting for handle");
   }
+  mark_seen_locked(*h);
   return h->status;
 }
 
@@ -629,6 +643,7 @@ Status Runtime::on_done(int64_t handle, std::function<void(const Status&)> fn) {
       return Status::OK();
     }
     final_status = h.status;
+    mark_seen_locked(h);
   }
   fn(final_status);
   return Status::OK();
@@ -636,7 +651,10 @@ Status Runtime::on_done(int64_t handle, std::function<void(const Status&)> fn) {
 
 void Runtime::release(int64_t handle) {
   std::lock_guard<std::mutex> lock(mu_);
-  handles_.erase(handle);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return;
+  mark_seen_locked(*it->second);  // a pending request keeps its name in table_ until it ends
+  handles_.erase(it);
 }
 
 std::map<int32_t, std::vector<int32_t>> Runtime::process_sets() {
@@ -1209,6 +1227,15 @@ void Runtime::complete_locked(Handle& h, std::vector<std::function<void()>>* cal
   if (h.on_done) {
     callbacks->push_back([fn = std::move(h.on_done), status = h.status] { fn(status); });
     h.on_done = nullptr;
+    mark_seen_locked(h);  // the callback is its caller
+  }
+}
+
+void Runtime::mark_seen_locked(Handle& h) {
+  if (h.seen) return;
+  h.seen = true;
+  for (const auto& name : h.names) {
+    if (!table_.count(name)) reserved_.erase(name);
   }
 }
 
@@ -1220,6 +1247,7 @@ void Runtime::finish(const std::string& name, const Status& s) {
     if (it == table_.end()) return;
     auto h = it->second.handle;
     table_.erase(it);
+    if (h->seen) reserved_.erase(name);  // released while pending
     if (!s.ok() && h->status.ok()) h->status = s;
     if (--h->remaining <= 0) complete_locked(*h, &callbacks);
   }
@@ -1236,6 +1264,7 @@ void Runtime::fail_all(const Status& s) {
       complete_locked(*h, &callbacks);
     }
     table_.clear();
+    reserved_.clear();
     queue_.clear();
     urgent_queue_.clear();
     stopped_ = true;
@@ -1306,7 +1335,7 @@ void Runtime::send_message(int peer, const std::string& payload) {
     // Keep draining what the peer sends us so two full channels cannot deadlock.
     fill_channel(peer);
     if (seconds_since(last) > cfg_.timeout_s)
-      throw TransportError("timed out after " + std::to_string(static_cast<int>(cfg_.timeout_s)) +
+      throw TransportError("timed out after " + format_seconds(cfg_.timeout_s) +
                            " s sending a negotiation message to rank " + std::to_string(peer));
     p.check_alive();
     transport_->wait(std::chrono::microseconds(1000));

@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "collectives/comm.h"
@@ -26,6 +27,7 @@ struct Handle {
   int64_t id = 0;
   int remaining = 0;  // tensors not yet finished
   bool done = false;
+  bool seen = false;  // its caller has seen it complete (poll, wait, callback) or released it
   bool urgent = false;
   Status status;
   std::vector<std::string> names;
@@ -123,6 +125,7 @@ class Runtime {
   // Marks h done (mu_ held); its on_done callback, if any, moves to *callbacks to run after
   // mu_ is released.
   void complete_locked(Handle& h, std::vector<std::function<void()>>* callbacks);
+  void mark_seen_locked(Handle& h);
   void send_message(int peer, const std::string& payload);
   bool poll_message(int peer, std::string* out);
   void fill_channel(int peer);
@@ -143,6 +146,10 @@ class Runtime {
   std::mutex mu_;
   std::unordered_map<int64_t, std::shared_ptr<Handle>> handles_;
   std::unordered_map<std::string, Entry> table_;  // pending tensors by name
+  // Names from enqueue until their caller has seen the handle complete. A name may be reused
+  // only then: the duplicate check depends on the program's order alone, the same on every
+  // rank, not on whether the background thread happened to finish the first request yet.
+  std::unordered_set<std::string> reserved_;
   std::deque<std::string> queue_;                 // names not yet sent to the coordinator
   std::vector<std::string> urgent_queue_;         // sent names whose caller now blocks
   std::map<int32_t, std::vector<int32_t>> sets_;

@@ -155,9 +155,7 @@ void ShmSegment::wait_all_joined(Deadline deadline, const std::vector<int>& glob
       for (int i = 0; i < local_size_; ++i) {
         if (pid(i) == 0) missing += (missing.empty() ? "" : ", ") + std::to_string(globals[i]);
       }
-      char secs[32];
-      std::snprintf(secs, sizeof(secs), "%.1f", seconds_since(start));
-      throw TransportError("timed out after " + std::string(secs) +
+      throw TransportError("timed out after " + format_seconds(seconds_since(start)) +
                            "s waiting for rank(s) " + missing +
                            " on this host to attach shared memory segment " + name_);
     }

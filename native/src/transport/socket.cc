@@ -274,16 +274,8 @@ Fd connect_tcp(const std::string& host, int port, Deadline deadline, const std::
     backoff = std::min(backoff * 2, std::chrono::milliseconds(250));
     if (seconds_left(deadline) <= 0) break;
   }
-  char secs[32];
-  std::snprintf(secs, sizeof(secs), "%.1f", seconds_since(start));
   throw TransportError("could not connect to " + what + " at " + format_endpoint(host, port) +
-                       " within " + secs + "s (last error: " + last_error + ")");
-}
-
-static std::string seconds_text(Deadline deadline, Clock::time_point start) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.1fs", std::chrono::duration<double>(deadline - start).count());
-  return buf;
+                       " within " + format_seconds(seconds_since(start)) + "s (last error: " + last_error + ")");
 }
 
 void send_all(int fd, const void* buf, size_t len, Deadline deadline, const std::string& what) {
@@ -302,7 +294,7 @@ void send_all(int fd, const void* buf, size_t len, Deadline deadline, const std:
     }
     int ms = poll_ms_left(deadline);
     if (ms <= 0) {
-      throw TransportError("timed out after " + seconds_text(deadline, start) + " sending to " +
+      throw TransportError("timed out after " + format_seconds(seconds_since(start)) + "s sending to " +
                            what);
     }
     pollfd pfd{fd, POLLOUT, 0};
@@ -327,8 +319,8 @@ void recv_all(int fd, void* buf, size_t len, Deadline deadline, const std::strin
     }
     int ms = poll_ms_left(deadline);
     if (ms <= 0) {
-      throw TransportError("timed out after " + seconds_text(deadline, start) +
-                           " waiting for data from " + what);
+      throw TransportError("timed out after " + format_seconds(seconds_since(start)) +
+                           "s waiting for data from " + what);
     }
     pollfd pfd{fd, POLLIN, 0};
     poll(&pfd, 1, ms);

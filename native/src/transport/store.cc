@@ -11,12 +11,6 @@
 namespace bagua_hvd {
 namespace {
 
-std::string fmt_seconds(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g", std::round(s * 10) / 10);
-  return buf;
-}
-
 std::string printable(const std::string& key) {
   std::string out;
   for (unsigned char c : key.substr(0, 200)) {
@@ -96,7 +90,7 @@ std::string TcpStore::get(const std::string& key, double timeout_s) {
   std::string resp = request(req, deadline_after(timeout_s + std::max(5.0, io_timeout_s_)));
   if (resp[0] == 'V') return resp.substr(1);
   if (resp == "T") {
-    throw TransportError("timed out after " + fmt_seconds(timeout_s) +
+    throw TransportError("timed out after " + format_seconds(timeout_s) +
                          "s waiting for rendezvous key '" + printable(key) + "' in " + what_);
   }
   throw TransportError("unexpected reply from " + what_ + " to reading key '" + printable(key) +
@@ -141,7 +135,7 @@ std::unique_ptr<Store> connect_tcp_store(const std::string& host, int port,
     usleep(50 * 1000);
   } while (seconds_left(deadline) > 0);
   throw TransportError("could not complete the handshake with " + where + " within " +
-                       fmt_seconds(timeout_s) + "s: " + last);
+                       format_seconds(timeout_s) + "s: " + last);
 }
 
 }  // namespace bagua_hvd

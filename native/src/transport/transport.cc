@@ -240,12 +240,6 @@ std::string hex(const std::string& bytes) {
   return out;
 }
 
-std::string fmt_seconds(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.1f", s);
-  return buf;
-}
-
 // The source address the kernel would use to reach host:port (a UDP connect sends nothing).
 std::string route_ip(const std::string& host, int port) {
   addrinfo hints{};
@@ -362,7 +356,7 @@ std::string NetTransport::get_key(Store& store, const std::string& key, Deadline
                                   const std::string& what) {
   double left = seconds_left(deadline);
   if (left <= 0) {
-    throw TransportError("timed out after " + fmt_seconds(seconds_since(start_)) +
+    throw TransportError("timed out after " + format_seconds(seconds_since(start_)) +
                          "s connecting rank " + std::to_string(rank_) + ": still waiting for " +
                          what + " (rendezvous key '" + key + "')");
   }
@@ -455,7 +449,7 @@ NetTransport::NetTransport(const BootstrapConfig& cfg, Store& store)
   BHVD_LOG(DEBUG, "rank " + std::to_string(rank_) + " connected to " +
                       std::to_string(size_ - 1) + " peers (" + std::to_string(locals.size()) +
                       " local ranks on shared memory) in " +
-                      fmt_seconds(seconds_since(start_)) + "s");
+                      format_seconds(seconds_since(start_)) + "s");
 }
 
 bool NetTransport::setup_shm(const BootstrapConfig& cfg, Store& store, const std::string& host,
@@ -607,7 +601,7 @@ void NetTransport::setup_tcp(const BootstrapConfig& cfg, Listener& listener,
                          ")";
             }
           }
-          throw TransportError("timed out after " + fmt_seconds(seconds_since(start_)) +
+          throw TransportError("timed out after " + format_seconds(seconds_since(start_)) +
                                "s waiting for rank(s) " + missing + " to connect to " + me);
         }
       } catch (...) {
