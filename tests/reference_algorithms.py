@@ -64,9 +64,9 @@ Arithmetic
   bitwise equal to it. Compression stage (the spec gives math, not an order), torch ops in the
   parameter's dtype: ``g = g.add(x, alpha=wd)`` (if wd), ``m.mul_(b1).add_(g, alpha=1 - b1)``,
   ByteGrad of the m buckets (n > 1), ``m.masked_fill_(v == 0, 0)``,
-  ``denom = torch.maximum(v.sqrt() / (1 - b2**W) ** 0.5, m.abs() / (1 - b1**s)).add_(eps)``,
-  ``x.addcdiv_(m, denom, value=-lr / (1 - b1**s))`` (torch.optim.Adam's expressions; W =
-  ``warmup_steps``, where v and its bias correction froze).
+  ``denom = torch.maximum(v.sqrt() / (1 - b2**s) ** 0.5, m.abs() / (1 - b1**s)).add_(eps)``,
+  ``x.addcdiv_(m, denom, value=-lr / (1 - b1**s))`` (torch.optim.Adam's expressions; the floor
+  by ``|m|`` is bagua_hvd's, docs/algorithms.md).
 * At n = 1 nothing communicates or compresses (QAdam still freezes v after warm-up).
 * Gradients: a parameter without a gradient gets zeros before a gradient algorithm runs (the
   DistributedOptimizer fills zeros, since other ranks may have one).
@@ -583,12 +583,12 @@ class QAdamReference:
 
     @torch.no_grad()
     def frozen_v_update(self) -> None:
-        """Compression stage, after communication, with v and its bias correction frozen at
-        the warm-up's last step W: x <- x - lr/bc1 * m / (max(sqrt(v/bc2(W)), |m|/bc1) + eps)."""
+        """Compression stage, after communication, with v frozen:
+        x <- x - lr/bc1 * m / (max(sqrt(v/bc2), |m|/bc1) + eps)."""
         s = float(self.step_count)
         beta1, beta2 = self.betas
         bc1 = 1 - beta1**s
-        bc2 = 1 - beta2 ** float(self.warmup_steps)
+        bc2 = 1 - beta2**s
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
             # torch.optim.Adam's expressions (docs/algorithms.md), with v frozen and the
             # denominator floored by |m| / bc1 (no coordinate moves by more than lr);

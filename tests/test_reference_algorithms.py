@@ -609,8 +609,8 @@ def test_qadam_warmup_is_torch_adam(n: int, weight_decay: float) -> None:
 
 def test_qadam_compression_stage_freezes_v() -> None:
     # n = 1: Adam for the warm-up W steps, then m <- b1 m + (1 - b1)(g + wd x) and
-    # x <- x - lr / (1 - b1^s) m / (max(sqrt(v / (1 - b2^W)), |m| / (1 - b1^s)) + eps) with
-    # v (and its bias correction) from the warm-up.
+    # x <- x - lr / (1 - b1^s) m / (max(sqrt(v / (1 - b2^s)), |m| / (1 - b1^s)) + eps) with
+    # v from the warm-up (BAGUA's bias correction, with the current s).
     warmup, steps, lr, wd, (b1, b2), eps = 4, 10, 0.01, 0.05, (0.9, 0.999), 1e-8
     batch = batch_fn(15)
     res = ra.run_reference(
@@ -640,7 +640,7 @@ def test_qadam_compression_stage_freezes_v() -> None:
             g = p.grad.double() + wd * x[i]
             m[i] = b1 * m[i] + (1 - b1) * g
             floor = m[i].abs() / (1 - b1**s)
-            denom = torch.maximum(torch.sqrt(v[i] / (1 - b2**warmup)), floor) + eps
+            denom = torch.maximum(torch.sqrt(v[i] / (1 - b2**s)), floor) + eps
             x[i] = x[i] - lr / (1 - b1**s) * m[i] / denom
         with torch.no_grad():
             for p, xi in zip(ps, x):

@@ -37,7 +37,7 @@ FRONTEND_EXPORTS = [
     "from_name",
     "from_environment",
 ]
-__all__ = [*FRONTEND_EXPORTS, "register_frontend", "register_qadam_optimizer", "qadam_v_step"]
+__all__ = [*FRONTEND_EXPORTS, "register_frontend", "register_qadam_optimizer"]
 
 ALGORITHM_ENV = "BAGUA_HVD_ALGORITHM"
 
@@ -178,14 +178,6 @@ class QAdamAlgorithm(Algorithm):
 
     def compresses_gradients(self, step: int) -> bool:
         return not self.optimizer.in_warmup()
-
-
-def qadam_v_step(step: int, warmup_steps: int) -> int:
-    """The step count in the bias correction of QAdam's second moment at Adam step ``step``
-    (counted from 1): ``step`` during warm-up, then ``warmup_steps``, the step v was frozen at
-    (BAGUA keeps counting: every denominator then shrinks over training, down to
-    ``sqrt(1 - beta2**warmup_steps)`` times its value at the switch; docs/algorithms.md)."""
-    return min(step, warmup_steps)
 
 
 class AsyncModelAverage(Algorithm):

@@ -80,9 +80,9 @@ class QAdamOptimizer(tf.keras.optimizers.Optimizer):
     """BAGUA's QAdam for Keras/TensorFlow: Adam during ``warmup_steps`` (the gradients averaged
     by ``QAdamAlgorithm``), then the second moment is frozen and the momentum is averaged
     through the 8-bit compressed allreduce (docs/algorithms.md). Unlike BAGUA, ``weight_decay``
-    (L2, added to the gradient) is applied in both stages, and after warm-up v's bias
-    correction stays at the warm-up's last step and the denominator is floored by
-    ``|m| / (1 - beta1**s)`` (no coordinate moves by more than the learning rate per step).
+    (L2, added to the gradient) is applied in both stages, and after warm-up the denominator is
+    floored by ``|m| / (1 - beta1**s)`` (no coordinate moves by more than the learning rate per
+    step).
 
     The update repeats ``torch.optim.Adam``'s CPU expressions (fused multiply-adds included),
     so it agrees with bagua_hvd's torch QAdamOptimizer and the reference. Without
@@ -167,7 +167,7 @@ class QAdamOptimizer(tf.keras.optimizers.Optimizer):
         m_warm = _fma(g_wd - m, 1 - b1, m)  # m.lerp_(g, 1 - b1)
         v_warm = _fma(tf.cast(_F32(1 - b2), dt) * g_wd, g_wd, v * tf.cast(_F32(b2), dt))
         # Compression stage: the averaged momentum (or this rank's, without communication);
-        # v and its bias correction frozen; coordinates with v == 0 get m = 0 and stay put;
+        # v frozen; coordinates with v == 0 get m = 0 and stay put;
         # the denominator is floored by |m| / bc1 (docs/algorithms.md).
         m_local = _fma(g_wd, 1 - b1, m * tf.cast(_F32(b1), dt))  # m.mul(b1).add_(g, alpha)
         m_comp = tf.where(self._momentum_in_grad > 0, g, m_local)
@@ -176,9 +176,7 @@ class QAdamOptimizer(tf.keras.optimizers.Optimizer):
         v_new = tf.where(warm, v_warm, v)
         lr = tf.cast(learning_rate, tf.float64)
         bc1 = 1.0 - tf.pow(tf.constant(b1, tf.float64), s)
-        # _common.qadam_v_step: v's bias correction stops at the warm-up's last step.
-        s_v = tf.minimum(s, tf.constant(float(self.warmup_steps), tf.float64))
-        bc2 = 1.0 - tf.pow(tf.constant(b2, tf.float64), s_v)
+        bc2 = 1.0 - tf.pow(tf.constant(b2, tf.float64), s)
         denom = tf.sqrt(v_new) / tf.cast(tf.sqrt(bc2), dt)
         denom = tf.where(warm, denom, tf.maximum(denom, tf.abs(m_new) / tf.cast(bc1, dt)))
         denom = denom + tf.cast(self.eps, dt)

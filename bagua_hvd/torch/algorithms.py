@@ -51,10 +51,10 @@ class QAdamOptimizer(torch.optim.Optimizer):
     """BAGUA's QAdam: Adam during ``warmup_steps``, then the second moment is frozen and the
     momentum is averaged through the 8-bit compressed allreduce (with ``QAdamAlgorithm``).
 
-    Unlike BAGUA, weight decay is applied in both stages, and after warm-up v's bias correction
-    stays at the warm-up's last step and the denominator is floored by ``|m| / (1 - beta1**s)``,
-    so no coordinate moves by more than ``lr`` per step: a tiny frozen v no longer turns the
-    momentum's quantization error into a divergence (docs/algorithms.md)."""
+    Unlike BAGUA, weight decay is applied in both stages, and after warm-up the denominator is
+    floored by ``|m| / (1 - beta1**s)``, so no coordinate moves by more than ``lr`` per step: a
+    tiny frozen v no longer turns the momentum's quantization error into a divergence
+    (docs/algorithms.md)."""
 
     def __init__(
         self,
@@ -129,8 +129,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
                 bc1 = 1 - beta1**s
-                # v stops at warm-up's last step, and so does its bias correction.
-                bc2 = 1 - beta2 ** _common.qadam_v_step(s, self.warmup_steps)
+                bc2 = 1 - beta2**s
                 if warm:
                     # torch.optim.Adam's single-tensor update, operation for operation.
                     grad = p.grad if wd == 0 else p.grad.add(p, alpha=wd)
