@@ -702,10 +702,19 @@ _in_flight: List[Tuple[Any, List[int], Any]] = []
 
 
 def _sweep_in_flight() -> None:
-    """Releases the finished exchanges of implementations that were dropped."""
+    """Waits for every other implementation's exchange, and releases those whose implementation
+    was dropped. Waits rather than polls, and whether or not the owner is still alive: a name
+    stays taken until its handle is seen complete, and whether it has completed, or whether the
+    garbage collector has freed its owner yet, may differ between ranks, while this point of the
+    program is the same on all."""
     keep = []
     for owner, handles, buffers in _in_flight:
-        if owner() is None and all(_ops.poll(h) for h in handles):
+        for h in handles:
+            try:
+                _ops.wait(h, "a low-precision decentralized exchange")
+            except Exception:  # noqa: BLE001  (its owner reports it in its own flush)
+                pass
+        if owner() is None:
             for h in handles:
                 _ops.release(h)
         else:

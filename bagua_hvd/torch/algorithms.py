@@ -284,6 +284,13 @@ class _DecentralizedImpl(_WeightImpl):
                 flat.copy_(avg)
 
 
+# The exchanges still running in the background, of every low-precision decentralized optimizer
+# of this process. A name stays taken until its handle is waited for (docs/design-core.md), so an
+# optimizer dropped with its last exchange in flight would block a later one's bucket names: each
+# new optimizer first waits for them all, at the same point of the program on every rank.
+_lp_pending: List[int] = []
+
+
 class _LowPrecisionDecentralizedImpl(_WeightImpl):
     """After the local update, the compressed ring step of the core on every weight bucket."""
 
@@ -301,6 +308,7 @@ class _LowPrecisionDecentralizedImpl(_WeightImpl):
         """self = x, left/right = the ring neighbours' x, exchanged by the core."""
         from bagua_hvd.torch import mpi_ops
 
+        self.flush()  # an earlier optimizer's last exchange, if it was dropped in flight
         opt = self.opt_ref()
         out = [[torch.empty_like(f) for _ in range(3)] for f in self.weights().flats]
         handles = [
@@ -377,7 +385,7 @@ class _LowPrecisionDecentralizedImpl(_WeightImpl):
             )
             if status != _ops.OK:
                 raise _ops.exception_for_status(status, _last_error())
-        self.pending = [
+        _lp_pending.extend(
             mpi_ops._primitive_async(
                 _ops.OP_LP_DECENTRALIZED,
                 c,
@@ -387,13 +395,15 @@ class _LowPrecisionDecentralizedImpl(_WeightImpl):
                 aux=self.replicas[i][1:],
             )
             for i, c in enumerate(self._diffs)
-        ]
+        )
 
     def flush(self) -> None:
-        """Waits for the last exchange: afterwards the replicas are final."""
+        """Waits for the last exchanges (of every such optimizer): afterwards the replicas are
+        final."""
         from bagua_hvd.torch import mpi_ops
 
-        pending, self.pending = getattr(self, "pending", []), []
+        pending = list(_lp_pending)
+        _lp_pending.clear()
         for h in pending:
             mpi_ops.synchronize(h)
 

@@ -485,3 +485,22 @@ def test_qadam_bits_do_not_depend_on_when_buckets_become_ready(hierarchical):
     fast, slow = run(False), run(True)
     for i, (a, b) in enumerate(zip(fast, slow)):
         assert torch.equal(a, b), f"parameter {i} differs by {(a - b).abs().max():.3g}"
+
+
+def test_new_low_precision_optimizer_after_one_dropped_mid_exchange():
+    """An optimizer's last exchange runs on after step() returns; dropping the optimizer leaves
+    it in flight under its bucket names. A new optimizer over the same parameters (same names)
+    must still work on every rank: it waits for the leftover exchange first (a name stays taken
+    until its handle is waited for, the same on every rank)."""
+    if hvd.size() == 1:
+        pytest.skip("one rank has no neighbours: nothing is exchanged")
+    model = make_model(hvd.rank())
+    for _ in range(3):
+        opt = hvd.DistributedOptimizer(
+            sgd(model.parameters()),
+            named_parameters=model.named_parameters(),
+            algorithm=A.LowPrecisionDecentralized(),
+        )
+        _train(model, opt, steps=2)
+        del opt  # its second step's exchange may still be running
+    assert all(torch.isfinite(p).all() for p in model.parameters())
