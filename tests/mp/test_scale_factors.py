@@ -96,7 +96,9 @@ def test_torch_reducescatter(dtype):
 
 
 # ---- TensorFlow: eagerly, in tf.function through the kernels and through numpy_function -----
-TF_DTYPES = ["uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+# One dtype per rule (integer, 16-bit float, float32, float64): tracing dominates the cost, and
+# the torch tests above cover every dtype of the shared core.
+TF_DTYPES = ["int32", "float16", "float32", "float64"]
 
 
 def tf_run(mode, fn):
