@@ -32,12 +32,11 @@ else plain allreduce) replaces the allreduce by a BAGUA algorithm of
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, List, Sequence
 
 import tensorflow as tf
 
-from bagua_hvd.common.algorithms import ALGORITHM_ENV
+from bagua_hvd.common import config
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.tensorflow.mpi_ops import rank
 from bagua_hvd.tensorflow.optimizer import LocalGradientAggregationHelper, _tf_var
@@ -81,7 +80,7 @@ def _check_not_xla() -> None:
 
 def _resolve_algorithm(algorithm: Any) -> Any:
     if algorithm is None:
-        algorithm = os.environ.get(ALGORITHM_ENV) or None
+        algorithm = config.algorithm_name()
     return algorithm
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 from pathlib import Path
 
 import cffi
+
+from bagua_hvd.common import config
 
 _PKG = Path(__file__).resolve().parent.parent
 _lock = threading.Lock()
@@ -35,9 +36,9 @@ def _header_text() -> str:
 
 
 def _library_path() -> Path:
-    override = os.environ.get("BAGUA_HVD_LIBRARY")
-    if override:
-        return Path(override)
+    override = config.library_override()
+    if override is not None:
+        return override
     path = _PKG / "_lib" / "libbagua_hvd.so"
     if not path.exists():
         raise ImportError(

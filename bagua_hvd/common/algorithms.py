@@ -18,10 +18,10 @@ This module imports no framework. Frontend hooks:
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from bagua_hvd.common import config
 from bagua_hvd.common import ops as _ops
 
 # The public names every frontend's algorithms module re-exports (each adds its QAdamOptimizer).
@@ -39,7 +39,7 @@ FRONTEND_EXPORTS = [
 ]
 __all__ = [*FRONTEND_EXPORTS, "register_frontend", "register_qadam_optimizer"]
 
-ALGORITHM_ENV = "BAGUA_HVD_ALGORITHM"
+ALGORITHM_ENV = config.ALGORITHM_ENV
 
 # (owner type, factory(algorithm, owner) -> implementation), in registration order.
 _FRONTENDS: List[Tuple[type, Callable[[Any, Any], Any]]] = []
@@ -252,7 +252,7 @@ def from_name(name: str) -> Algorithm:
 
 def from_environment() -> Optional[Algorithm]:
     """``from_name(BAGUA_HVD_ALGORITHM)``, or None when the variable is unset or empty."""
-    name = os.environ.get(ALGORITHM_ENV)
+    name = config.algorithm_name()
     return from_name(name) if name else None
 
 
@@ -264,21 +264,11 @@ def check_interval(communication_interval: int) -> None:
 
 
 # ---- helpers shared by the frontends -------------------------------------------------------------
-BUCKET_MB_ENV = "BAGUA_HVD_BUCKET_MB"
-DEFAULT_BUCKET_MB = 25.0
+BUCKET_MB_ENV = config.BUCKET_MB_ENV
+DEFAULT_BUCKET_MB = config.DEFAULT_BUCKET_MB
 
 
-def bucket_bytes() -> int:
-    """The bucket cap in bytes from ``BAGUA_HVD_BUCKET_MB`` (default 25 MiB; 0: one bucket per
-    tensor), as the torch DistributedOptimizer reads it."""
-    value = os.environ.get(BUCKET_MB_ENV, "")
-    try:
-        mb = float(value) if value else DEFAULT_BUCKET_MB
-    except ValueError:
-        raise ValueError(f"{BUCKET_MB_ENV} must be a number of MiB, got {value!r}") from None
-    if mb < 0:
-        raise ValueError(f"{BUCKET_MB_ENV} must be >= 0, got {value!r}")
-    return int(mb * (1 << 20))
+bucket_bytes = config.bucket_bytes
 
 
 def bucket_layout(infos: List[Tuple[int, Any, int]], cap: int) -> List[List[int]]:

@@ -7,13 +7,12 @@ All frontends talk to the same core library, so the state lives in the core and 
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import threading
 import warnings
 from typing import Any, Sequence, Union
 
-from bagua_hvd.common import _native, ops
+from bagua_hvd.common import _native, config, ops
 from bagua_hvd.common import process_sets as _ps
 from bagua_hvd.common.process_sets import ProcessSet
 
@@ -42,7 +41,7 @@ _timeline_warned = False
 
 
 def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return config.flag(name)
 
 
 class HorovodBasics:
@@ -94,7 +93,7 @@ class HorovodBasics:
             )
         if process_sets == "dynamic":
             process_sets = []
-            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+            config.set_dynamic_process_sets()
         elif process_sets is None:
             process_sets = []
         elif isinstance(process_sets, str):
@@ -145,7 +144,7 @@ class HorovodBasics:
 
     def _check_timeline_env(self) -> None:
         global _timeline_warned
-        timeline = os.environ.get("HOROVOD_TIMELINE", "")
+        timeline = config.timeline()
         if timeline and timeline != "DYNAMIC" and not _timeline_warned:
             _timeline_warned = True
             warnings.warn(
@@ -217,7 +216,7 @@ class HorovodBasics:
     def _timeline_checks(self) -> None:
         if not self.is_initialized():
             raise ValueError(NOT_INITIALIZED_ERROR)
-        if os.environ.get("HOROVOD_TIMELINE", "") != "DYNAMIC":
+        if config.timeline() != "DYNAMIC":
             raise ValueError(TIMELINE_NOT_DYNAMIC_ERROR)
 
     # ---- build facts ---------------------------------------------------------------------

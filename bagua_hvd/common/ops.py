@@ -13,13 +13,12 @@ the result is already there.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 import warnings
 from typing import Any, List, Sequence, Tuple
 
-from bagua_hvd.common import _native
+from bagua_hvd.common import _native, config
 from bagua_hvd.common.exceptions import HorovodInternalError
 
 # enum bhvd_status
@@ -81,14 +80,6 @@ NOT_INITIALIZED_ERROR = "Horovod has not been initialized; use hvd.init()."
 TensorDesc = Tuple[int, int, Tuple[int, ...]]
 
 _WAIT_SLICE_MS = 100  # wait in slices so that Ctrl-C is handled promptly
-
-
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name, "")
-    try:
-        return float(value) if value else default
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
 
 
 def exception_for_status(status: int, message: str) -> Exception:
@@ -238,8 +229,17 @@ def enqueue(
                 s.out_shape[0:ond] = oshape
                 o.shape = s.out_shape
                 req.outputs = s.tout
-            _set_scalars(req, op_type, process_set_id, reduce_op, root_rank, device,
-                         prescale_factor, postscale_factor, urgent)
+            _set_scalars(
+                req,
+                op_type,
+                process_set_id,
+                reduce_op,
+                root_rank,
+                device,
+                prescale_factor,
+                postscale_factor,
+                urgent,
+            )
             req.compression = compression
             req.peer_mode = peer_mode
             req.step = step
@@ -285,8 +285,17 @@ def enqueue(
         cname = newp(n.char_t, name.encode("utf-8"))
         keep.append(cname)
         req.name = cname
-    _set_scalars(req, op_type, process_set_id, reduce_op, root_rank, device, prescale_factor,
-                 postscale_factor, urgent)
+    _set_scalars(
+        req,
+        op_type,
+        process_set_id,
+        reduce_op,
+        root_rank,
+        device,
+        prescale_factor,
+        postscale_factor,
+        urgent,
+    )
     req.num_tensors = num
     req.compression = compression
     req.peer_mode = peer_mode
@@ -328,8 +337,17 @@ def check_scale_factors(prescale: float, postscale: float) -> None:
             raise ValueError(f"{what} must be a finite number, got {f!r}")
 
 
-def _set_scalars(req: Any, op_type: int, process_set_id: int, reduce_op: int, root_rank: int,
-                 device: int, prescale: float, postscale: float, urgent: bool) -> None:
+def _set_scalars(
+    req: Any,
+    op_type: int,
+    process_set_id: int,
+    reduce_op: int,
+    root_rank: int,
+    device: int,
+    prescale: float,
+    postscale: float,
+    urgent: bool,
+) -> None:
     """The request's fields shared by the single-tensor fast path and the general path."""
     if root_rank:
         check_root_rank(root_rank)
@@ -390,8 +408,8 @@ def wait(handle: int, what: str = "operation") -> None:
 
 
 def _wait_long(n: _Native, handle: int, what: str) -> int:
-    limit = _env_float("BAGUA_HVD_OP_TIMEOUT_SECONDS", 0.0)
-    warn_every = _env_float("BAGUA_HVD_WAIT_WARNING_SECONDS", 60.0)
+    limit = config.op_timeout_seconds()
+    warn_every = config.wait_warning_seconds()
     start = time.monotonic()
     next_warning = start + warn_every if warn_every > 0 else float("inf")
     while True:

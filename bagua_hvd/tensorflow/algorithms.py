@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from bagua_hvd.common import _native
+from bagua_hvd.common import _native, config
 from bagua_hvd.common import algorithms as _common
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
@@ -958,9 +958,7 @@ def tape_impl(algorithm: Algorithm, process_set: ProcessSet) -> _Impl:
 def environment_algorithm() -> Optional[Algorithm]:
     """``from_environment()``, the same object for every call with the same value (a tape
     built each step keeps the algorithm's state)."""
-    import os
-
-    name = os.environ.get(ALGORITHM_ENV)
+    name = config.algorithm_name()
     if not name:
         return None
     alg = _env_algorithms.get(name)

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-from bagua_hvd.common import _native
+from bagua_hvd.common import _native, config
 from bagua_hvd.common import ops as _ops
 
 _SOURCE = Path(__file__).with_name("kernels.cc")
@@ -44,11 +44,7 @@ _loaded: list = []  # [module or None] once tried
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("BAGUA_HVD_CACHE_DIR")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg or Path.home() / ".cache") / "bagua_hvd"
+    return config.cache_dir()
 
 
 def _core() -> Path:
@@ -58,7 +54,7 @@ def _core() -> Path:
 
 
 def _build(target: Path) -> None:
-    cxx = shlex.split(os.environ.get("CXX", "g++"))
+    cxx = shlex.split(config.compiler())
     core = _core()
     cmd = [
         *cxx, "-std=c++17", "-shared", "-fPIC", "-O2", "-w", str(_SOURCE), "-o", str(target),
@@ -108,7 +104,7 @@ def load() -> Optional[Any]:
     with _lock:
         if not _loaded:
             module = None
-            if os.environ.get("BAGUA_HVD_TF_KERNELS", "1") != "0":
+            if config.tf_kernels_enabled():
                 try:
                     module = tf.load_op_library(str(_library_path()))
                 except Exception as e:  # noqa: BLE001 - any failure means: fall back

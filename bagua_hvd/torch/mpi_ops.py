@@ -26,12 +26,12 @@ the calling rank; mismatches between ranks, lost peers and shutdown raise Horovo
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 import torch
 
+from bagua_hvd.common import config
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.exceptions import HorovodInternalError
 from bagua_hvd.common.process_sets import (
@@ -225,7 +225,7 @@ _core_cuda = False
 
 def _refresh_core_facts() -> None:
     global _core_cuda
-    wanted = os.environ.get("BAGUA_HVD_CUDA_DEVICE_POINTERS", "0") == "1"
+    wanted = config.cuda_device_pointers()
     _core_cuda = wanted and bool(_ops.native().lib.bhvd_device_pointers_supported())
 
 

@@ -31,7 +31,6 @@ Semantics are Horovod's (names, defaults, messages, hooks, ``synchronize``/``ski
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -40,6 +39,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 from bagua_hvd.common import algorithms as _alg_common
+from bagua_hvd.common import config
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.common.util import check_predivide_and_groups, split_list
@@ -235,7 +235,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bucket_cap = _alg_common.bucket_bytes()
         self._cast_dtype = _CAST_COMPRESSORS.get(compression, False)
 
-        if self.process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
+        if self.process_set.included() and (size() > 1 or config.elastic()):
             if algorithm is not None:
                 self._algo_impl = algorithm.reify(self)
             self._register_hooks()

@@ -1,0 +1,120 @@
+"""The one place the Python package reads its configuration from the environment.
+
+Every variable the frontends consult is read here, by name, through a function that parses and
+validates it; other modules call these functions and never touch ``os.environ`` themselves
+(the launcher, ``bagua_hvd.runner``, builds the environment of its workers and is the
+exception). The core reads its own variables in one C++ place (native/src/config.cc).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+ALGORITHM_ENV = "BAGUA_HVD_ALGORITHM"
+BUCKET_MB_ENV = "BAGUA_HVD_BUCKET_MB"
+DEFAULT_BUCKET_MB = 25.0
+OP_TIMEOUT_ENV = "BAGUA_HVD_OP_TIMEOUT_SECONDS"
+WAIT_WARNING_ENV = "BAGUA_HVD_WAIT_WARNING_SECONDS"
+DEFAULT_WAIT_WARNING_S = 60.0
+TIMELINE_ENV = "HOROVOD_TIMELINE"
+DYNAMIC_PROCESS_SETS_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
+
+
+def _text(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def flag(name: str) -> bool:
+    """A boolean variable: unset, empty, ``0``, ``false``, ``no`` and ``off`` mean False."""
+    return _text(name).lower() not in ("", "0", "false", "no", "off")
+
+
+def seconds(name: str, default: float) -> float:
+    """A duration in seconds (a number), ``default`` when unset or empty."""
+    value = _text(name)
+    try:
+        return float(value) if value else default
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+
+
+def op_timeout_seconds() -> float:
+    """``BAGUA_HVD_OP_TIMEOUT_SECONDS``: a wait on one operation fails after this long (0: no
+    limit)."""
+    return seconds(OP_TIMEOUT_ENV, 0.0)
+
+
+def wait_warning_seconds() -> float:
+    """``BAGUA_HVD_WAIT_WARNING_SECONDS``: a wait still blocked after this long warns."""
+    return seconds(WAIT_WARNING_ENV, DEFAULT_WAIT_WARNING_S)
+
+
+def algorithm_name() -> Optional[str]:
+    """``BAGUA_HVD_ALGORITHM`` (set by ``bagua-run --algorithm``), None when unset or empty."""
+    return _text(ALGORITHM_ENV) or None
+
+
+def bucket_bytes() -> int:
+    """The bucket cap in bytes from ``BAGUA_HVD_BUCKET_MB`` (default 25 MiB; 0: one bucket per
+    tensor)."""
+    value = _text(BUCKET_MB_ENV)
+    try:
+        mb = float(value) if value else DEFAULT_BUCKET_MB
+    except ValueError:
+        raise ValueError(f"{BUCKET_MB_ENV} must be a number of MiB, got {value!r}") from None
+    if mb < 0:
+        raise ValueError(f"{BUCKET_MB_ENV} must be >= 0, got {value!r}")
+    return int(mb * (1 << 20))
+
+
+def timeline() -> str:
+    """``HOROVOD_TIMELINE`` as set ("" when unset)."""
+    return os.environ.get(TIMELINE_ENV, "")
+
+
+def dynamic_process_sets() -> bool:
+    """``HOROVOD_DYNAMIC_PROCESS_SETS``."""
+    return flag(DYNAMIC_PROCESS_SETS_ENV)
+
+
+def set_dynamic_process_sets() -> None:
+    """``hvd.init(process_sets="dynamic")``: the core reads the variable at init."""
+    os.environ[DYNAMIC_PROCESS_SETS_ENV] = "1"
+
+
+def elastic() -> bool:
+    """``HOROVOD_ELASTIC=1``: the job runs under an elastic driver."""
+    return _text("HOROVOD_ELASTIC") == "1"
+
+
+def library_override() -> Optional[Path]:
+    """``BAGUA_HVD_LIBRARY``: a core library to load instead of the package's."""
+    value = _text("BAGUA_HVD_LIBRARY")
+    return Path(value) if value else None
+
+
+def cuda_device_pointers() -> bool:
+    """``BAGUA_HVD_CUDA_DEVICE_POINTERS=1``: hand CUDA tensors' device pointers to the core."""
+    return _text("BAGUA_HVD_CUDA_DEVICE_POINTERS") == "1"
+
+
+def tf_kernels_enabled() -> bool:
+    """``BAGUA_HVD_TF_KERNELS`` (default 1; 0 selects the numpy_function fallback)."""
+    return _text("BAGUA_HVD_TF_KERNELS") != "0"
+
+
+def cache_dir() -> Path:
+    """``$BAGUA_HVD_CACHE_DIR``, else ``$XDG_CACHE_HOME/bagua_hvd``, else
+    ``~/.cache/bagua_hvd``."""
+    root = _text("BAGUA_HVD_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = _text("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "bagua_hvd"
+
+
+def compiler() -> str:
+    """``$CXX`` (default ``g++``), the compiler of the TensorFlow kernels."""
+    return _text("CXX") or "g++"
