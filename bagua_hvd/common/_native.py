@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 from pathlib import Path
+from typing import Dict
 
 import cffi
 
@@ -13,6 +14,7 @@ from bagua_hvd.common import config
 _PKG = Path(__file__).resolve().parent.parent
 _lock = threading.Lock()
 _lib = None
+_declared = False
 ffi = cffi.FFI()
 
 
@@ -48,13 +50,31 @@ def _library_path() -> Path:
     return path
 
 
+def _declare() -> None:
+    """Reads the header into ``ffi`` (once): its types and enums, no library needed."""
+    global _declared
+    if not _declared:
+        with _lock:
+            if not _declared:
+                ffi.cdef(_header_text())
+                _declared = True
+
+
+def enum(name: str, prefix: str) -> Dict[str, int]:
+    """The members of ``enum name`` of c_api.h, without ``prefix``:
+    ``enum("bhvd_status", "BHVD_")["OK"] == 0``. The header is the one source of these values."""
+    _declare()
+    members = ffi.typeof(f"enum {name}").relements
+    return {k[len(prefix) :]: v for k, v in members.items() if k.startswith(prefix)}
+
+
 def lib():
     """The loaded core library (cffi ABI-mode handle); loaded on first use."""
     global _lib
     if _lib is None:
+        _declare()
         with _lock:
             if _lib is None:
-                ffi.cdef(_header_text())
                 _lib = ffi.dlopen(str(_library_path()))
     return _lib
 

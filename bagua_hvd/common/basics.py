@@ -14,9 +14,9 @@ from typing import Any, Sequence, Union
 
 from bagua_hvd.common import _native, config, ops
 from bagua_hvd.common import process_sets as _ps
+from bagua_hvd.common.exceptions import NOT_INITIALIZED_ERROR
 from bagua_hvd.common.process_sets import ProcessSet
 
-NOT_INITIALIZED_ERROR = "Horovod has not been initialized; use hvd.init()."
 INIT_FAILED_ERROR = (
     "Horovod initialization failed. Please check log messages above for a more descriptive error."
 )

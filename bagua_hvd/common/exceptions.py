@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# Horovod's text for any use before hvd.init() (common.h's NOT_INITIALIZED_ERROR): the one copy.
+NOT_INITIALIZED_ERROR = "Horovod has not been initialized; use hvd.init()."
+
 
 class HorovodInternalError(RuntimeError):
     """A collective failed (cross-rank mismatch, lost peer, shutdown).

@@ -18,63 +18,57 @@ import time
 import warnings
 from typing import Any, List, Sequence, Tuple
 
-from bagua_hvd.common import _native, config
+from bagua_hvd.common import _native, config, exceptions
 from bagua_hvd.common.exceptions import HorovodInternalError
 
-# enum bhvd_status
-OK = 0
-UNKNOWN_ERROR = 1
-PRECONDITION_ERROR = 2
-ABORTED = 3
-INVALID_ARGUMENT = 4
-IN_PROGRESS = 5
-TIMED_OUT = 6
-NOT_IMPLEMENTED = 7
+# The C header's enums (read from c_api.h through cffi: the header is the one source).
+_STATUS = _native.enum("bhvd_status", "BHVD_")
+OK = _STATUS["OK"]
+UNKNOWN_ERROR = _STATUS["UNKNOWN_ERROR"]
+PRECONDITION_ERROR = _STATUS["PRECONDITION_ERROR"]
+ABORTED = _STATUS["ABORTED"]
+INVALID_ARGUMENT = _STATUS["INVALID_ARGUMENT"]
+IN_PROGRESS = _STATUS["IN_PROGRESS"]
+TIMED_OUT = _STATUS["TIMED_OUT"]
+NOT_IMPLEMENTED = _STATUS["NOT_IMPLEMENTED"]
 
-# enum bhvd_dtype
-UINT8, INT8, UINT16, INT16, INT32, INT64 = 0, 1, 2, 3, 4, 5
-FLOAT16, FLOAT32, FLOAT64, BOOL, BFLOAT16 = 6, 7, 8, 9, 10
-DTYPE_NAMES = {
-    UINT8: "uint8",
-    INT8: "int8",
-    UINT16: "uint16",
-    INT16: "int16",
-    INT32: "int32",
-    INT64: "int64",
-    FLOAT16: "float16",
-    FLOAT32: "float32",
-    FLOAT64: "float64",
-    BOOL: "bool",
-    BFLOAT16: "bfloat16",
+_DTYPE = _native.enum("bhvd_dtype", "BHVD_")
+UINT8, INT8, UINT16, INT16 = _DTYPE["UINT8"], _DTYPE["INT8"], _DTYPE["UINT16"], _DTYPE["INT16"]
+INT32, INT64, BOOL = _DTYPE["INT32"], _DTYPE["INT64"], _DTYPE["BOOL"]
+FLOAT16, FLOAT32, FLOAT64 = _DTYPE["FLOAT16"], _DTYPE["FLOAT32"], _DTYPE["FLOAT64"]
+BFLOAT16 = _DTYPE["BFLOAT16"]
+DTYPE_NAMES = {code: name.lower() for name, code in _DTYPE.items()}
+
+_OP = _native.enum("bhvd_op_type", "BHVD_OP_")
+OP_ALLREDUCE = _OP["ALLREDUCE"]
+OP_ALLGATHER = _OP["ALLGATHER"]
+OP_BROADCAST = _OP["BROADCAST"]
+OP_JOIN = _OP["JOIN"]
+OP_ADASUM = _OP["ADASUM"]
+OP_ALLTOALL = _OP["ALLTOALL"]
+OP_BARRIER = _OP["BARRIER"]
+OP_REDUCESCATTER = _OP["REDUCESCATTER"]
+OP_DECENTRALIZED = _OP["DECENTRALIZED"]
+OP_LP_DECENTRALIZED = _OP["LP_DECENTRALIZED"]
+
+_COMPRESSION = _native.enum("bhvd_compression", "BHVD_COMPRESSION_")
+COMPRESSION_NONE = _COMPRESSION["NONE"]
+COMPRESSION_MINMAX_UINT8 = _COMPRESSION["MINMAX_UINT8"]
+PEER_MODES = {
+    name.lower(): code for name, code in _native.enum("bhvd_peer_mode", "BHVD_PEER_").items()
 }
 
-# enum bhvd_op_type
-OP_ALLREDUCE = 0
-OP_ALLGATHER = 1
-OP_BROADCAST = 2
-OP_JOIN = 3
-OP_ADASUM = 4
-OP_ALLTOALL = 5
-OP_BARRIER = 6
-OP_REDUCESCATTER = 7
-OP_DECENTRALIZED = 8
-OP_LP_DECENTRALIZED = 9
-
-# enum bhvd_compression, enum bhvd_peer_mode
-COMPRESSION_NONE = 0
-COMPRESSION_MINMAX_UINT8 = 1
-PEER_MODES = {"all": 0, "shift_one": 1, "ring": 2}
-
 # Reduce ops: Horovod's values (hvd.Average == 0, ...).
-Average = 0
-Sum = 1
-Adasum = 2
-Min = 3
-Max = 4
-Product = 5
-REDUCE_OP_NAMES = {0: "Average", 1: "Sum", 2: "Adasum", 3: "Min", 4: "Max", 5: "Product"}
+_REDUCE = _native.enum("bhvd_reduce_op", "BHVD_")
+Average = _REDUCE["AVERAGE"]
+Sum = _REDUCE["SUM"]
+Adasum = _REDUCE["ADASUM"]
+Min = _REDUCE["MIN"]
+Max = _REDUCE["MAX"]
+Product = _REDUCE["PRODUCT"]
+REDUCE_OP_NAMES = {code: name.title() for name, code in _REDUCE.items()}
 
-NOT_INITIALIZED_ERROR = "Horovod has not been initialized; use hvd.init()."
+NOT_INITIALIZED_ERROR = exceptions.NOT_INITIALIZED_ERROR
 
 # A tensor as the core sees it: (data pointer or 0, dtype enum, shape).
 TensorDesc = Tuple[int, int, Tuple[int, ...]]

@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Dict, List, Sequence, Union
 
 from bagua_hvd.common import _native
-
-NOT_INITIALIZED_ERROR = "Horovod has not been initialized; use hvd.init()."
+from bagua_hvd.common.exceptions import NOT_INITIALIZED_ERROR
 
 
 class ProcessSet:
