@@ -1,5 +1,6 @@
-"""AsyncModelAverage stops cleanly without a manual abort(): at hvd.shutdown() and at
-interpreter exit, with ranks that stop at different times, float32 and float16 weights."""
+"""Background algorithm work ends cleanly when ranks stop at different times: AsyncModelAverage
+without a manual abort() (float32 and float16 weights), and LowPrecisionDecentralized's last ring
+exchange, at hvd.shutdown() and at interpreter exit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "async_exit.py"
+LP_WORKER = ROOT / "tests" / "workers" / "lp_exit.py"
+LP_WORKER_TF = ROOT / "tests" / "workers" / "lp_exit_tf.py"
 
 pytest.importorskip("torch")
 
@@ -27,9 +30,21 @@ def test_async_stops_without_abort(how: str, dtype: str):
     args = [how] + (["fp16"] if dtype == "float16" else [])
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "2", sys.executable,
-         str(WORKER), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "bagua_hvd.runner.launch",
+            "-np",
+            "2",
+            sys.executable,
+            str(WORKER),
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     elapsed = time.monotonic() - start
     text = proc.stdout + proc.stderr
@@ -37,6 +52,28 @@ def test_async_stops_without_abort(how: str, dtype: str):
     rounds = [int(r) for r in re.findall(r"rank \d rounds (\d+)", text)]
     assert len(rounds) == 2 and min(rounds) >= 3, text  # background averaging did run
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end\n{text}"
+    if how == "shutdown":
+        took = [float(t) for t in re.findall(r"shutdown took ([\d.]+) s", text)]
+        assert len(took) == 2 and max(took) < 10, text
+
+
+@pytest.mark.parametrize("how", ["shutdown", "exit"])
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_low_precision_decentralized_last_exchange(framework: str, how: str):
+    """Rank 0 ends while its last exchange waits for the slower rank 1: the exchange completes
+    on both ranks (shutdown and exit wait for it) instead of failing rank 1's last step with
+    "Horovod has been shut down"."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), BAGUA_HVD_OP_TIMEOUT_SECONDS="60")
+    for key in [k for k in env if k.startswith("HOROVOD_")]:
+        del env[key]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "2", sys.executable,
+         str(LP_WORKER if framework == "torch" else LP_WORKER_TF), how],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert sorted(re.findall(r"rank (\d) done", text)) == ["0", "1"], text
     if how == "shutdown":
         took = [float(t) for t in re.findall(r"shutdown took ([\d.]+) s", text)]
         assert len(took) == 2 and max(took) < 10, text

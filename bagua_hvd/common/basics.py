@@ -10,7 +10,7 @@ import atexit
 import sys
 import threading
 import warnings
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 from bagua_hvd.common import _native, config, ops
 from bagua_hvd.common import process_sets as _ps
@@ -37,6 +37,17 @@ Product = ops.Product
 
 _atexit_lock = threading.Lock()
 _atexit_registered = False
+# Called by shutdown() (hvd.shutdown() or at exit) before the core stops: work an algorithm left
+# running in the background (a low-precision ring exchange) completes first, on every rank.
+_before_shutdown: list = []
+
+
+def before_shutdown(fn: Callable[[], None]) -> None:
+    """Runs ``fn()`` at every shutdown while the job is still up (registered once per ``fn``)."""
+    if fn not in _before_shutdown:
+        _before_shutdown.append(fn)
+
+
 _timeline_warned = False
 
 
@@ -159,6 +170,11 @@ class HorovodBasics:
             return  # never loaded: nothing to stop (e.g. at exit)
         lib = self.lib
         if lib.bhvd_is_initialized():
+            for fn in list(_before_shutdown):
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001 - the shutdown itself must go on
+                    warnings.warn(f"bagua_hvd: before shutdown: {e}", RuntimeWarning, stacklevel=2)
             status = lib.bhvd_shutdown()
             if status != ops.OK:
                 raise RuntimeError(f"Horovod shutdown failed: {_native.last_error()}")

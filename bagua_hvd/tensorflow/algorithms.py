@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from bagua_hvd.common import _native, config
 from bagua_hvd.common import algorithms as _common
+from bagua_hvd.common import basics as _basics
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.tensorflow import mpi_ops as _mpi
@@ -594,6 +595,8 @@ class _LowPrecisionDecentralizedImpl(_WeightImpl):
         self.replicas: Optional[List[List[np.ndarray]]] = None  # per bucket: self, left, right
         self.pending: List[Tuple[int, Any, str]] = []
         self._diffs: List[np.ndarray] = []
+        # A faster rank must not stop the job while a slower one's last exchange needs it.
+        _basics.before_shutdown(_sweep_in_flight)
 
     def _reduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
         self._weights_op(self._init_replicas, variables)

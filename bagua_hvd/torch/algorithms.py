@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from bagua_hvd.common import algorithms as _common
+from bagua_hvd.common import basics as _basics
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common._native import ffi as _ffi
 from bagua_hvd.common._native import last_error as _last_error
@@ -291,12 +292,24 @@ class _DecentralizedImpl(_WeightImpl):
 _lp_pending: List[int] = []
 
 
+def _flush_lp_pending() -> None:
+    """Waits for every exchange still in flight (at shutdown: a faster rank must not stop the
+    job while a slower one's last exchange still needs it)."""
+    from bagua_hvd.torch import mpi_ops
+
+    pending = list(_lp_pending)
+    _lp_pending.clear()
+    for h in pending:
+        mpi_ops.synchronize(h)
+
+
 class _LowPrecisionDecentralizedImpl(_WeightImpl):
     """After the local update, the compressed ring step of the core on every weight bucket."""
 
     def __init__(self, alg: LowPrecisionDecentralized, opt: Any) -> None:
         super().__init__(alg, opt)
         self.replicas: Optional[List[List[torch.Tensor]]] = None  # per bucket: self, left, right
+        _basics.before_shutdown(_flush_lp_pending)
 
     def synchronize(self) -> None:
         # Before the first update: replicas from the weights as they are on every rank. One
@@ -400,12 +413,7 @@ class _LowPrecisionDecentralizedImpl(_WeightImpl):
     def flush(self) -> None:
         """Waits for the last exchanges (of every such optimizer): afterwards the replicas are
         final."""
-        from bagua_hvd.torch import mpi_ops
-
-        pending = list(_lp_pending)
-        _lp_pending.clear()
-        for h in pending:
-            mpi_ops.synchronize(h)
+        _flush_lp_pending()
 
 
 class _QAdamImpl(_Impl):
