@@ -67,84 +67,22 @@ const char* op_type_name(OpType t) {
   return "UNKNOWN";
 }
 
-// ---- environment --------------------------------------------------------------------------
-static const char* env_lookup(const char* suffix) {
-  std::string a = std::string("HOROVOD_") + suffix;
-  if (const char* v = std::getenv(a.c_str()); v && *v) return v;
-  std::string b = std::string("BAGUA_HVD_") + suffix;
-  if (const char* v = std::getenv(b.c_str()); v && *v) return v;
-  return nullptr;
-}
-
-std::string env_str(const char* suffix, const std::string& fallback) {
-  const char* v = env_lookup(suffix);
-  return v ? std::string(v) : fallback;
-}
-
-int64_t env_int(const char* suffix, int64_t fallback) {
-  const char* v = env_lookup(suffix);
-  if (!v) return fallback;
-  char* end = nullptr;
-  long long x = std::strtoll(v, &end, 10);
-  if (end == v) {
-    BHVD_LOG(WARNING, std::string("ignoring non-integer value '") + v + "' of " + suffix);
-    return fallback;
-  }
-  return x;
-}
-
-double env_double(const char* suffix, double fallback) {
-  const char* v = env_lookup(suffix);
-  if (!v) return fallback;
-  char* end = nullptr;
-  double x = std::strtod(v, &end);
-  if (end == v) {
-    BHVD_LOG(WARNING, std::string("ignoring non-numeric value '") + v + "' of " + suffix);
-    return fallback;
-  }
-  return x;
-}
-
-bool env_bool(const char* suffix, bool fallback) {
-  const char* v = env_lookup(suffix);
-  if (!v) return fallback;
-  std::string s(v);
-  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (s == "1" || s == "true" || s == "yes" || s == "on") return true;
-  if (s == "0" || s == "false" || s == "no" || s == "off") return false;
-  return fallback;
-}
-
 // ---- logging ------------------------------------------------------------------------------
-LogLevel log_level() {
-  static const LogLevel level = [] {
-    std::string s = env_str("LOG_LEVEL", "warning");
-    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-    if (s == "trace") return LogLevel::TRACE;
-    if (s == "debug") return LogLevel::DEBUG;
-    if (s == "info") return LogLevel::INFO;
-    if (s == "error") return LogLevel::ERROR;
-    if (s == "fatal") return LogLevel::FATAL;
-    return LogLevel::WARNING;
-  }();
-  return level;
-}
-
 void log_message(LogLevel level, const std::string& msg) {
   static const char* names[] = {"TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"};
   static std::mutex mu;
-  static const bool hide_time = env_bool("LOG_HIDE_TIME", false);
-  const char* rank = std::getenv("HOROVOD_RANK");
+  static const bool hide_time = log_hide_time();
+  const std::string rank = log_rank();
   std::lock_guard<std::mutex> lock(mu);
   if (hide_time) {
     std::fprintf(stderr, "[bagua_hvd %s rank %s] %s\n", names[static_cast<int>(level)],
-                 rank ? rank : "0", msg.c_str());
+                 rank.c_str(), msg.c_str());
   } else {
     std::time_t now = std::time(nullptr);
     char ts[32];
     std::strftime(ts, sizeof(ts), "%Y-%m-%d %H:%M:%S", std::localtime(&now));
     std::fprintf(stderr, "[%s bagua_hvd %s rank %s] %s\n", ts, names[static_cast<int>(level)],
-                 rank ? rank : "0", msg.c_str());
+                 rank.c_str(), msg.c_str());
   }
   std::fflush(stderr);
 }

@@ -1,4 +1,4 @@
-// Shared vocabulary of the core: data types, reduce ops, status, errors, logging, environment.
+// Shared vocabulary of the core: data types, reduce ops, status, errors, logging.
 #pragma once
 
 #include <chrono>
@@ -91,7 +91,11 @@ class TransportError : public std::runtime_error {
 
 // ---- logging (HOROVOD_LOG_LEVEL / BAGUA_HVD_LOG_LEVEL; default warning) -------------------
 enum class LogLevel : int { TRACE = 0, DEBUG = 1, INFO = 2, WARNING = 3, ERROR = 4, FATAL = 5 };
+// The settings come from the environment, read by config.cc: HOROVOD_LOG_LEVEL,
+// HOROVOD_LOG_HIDE_TIME, and HOROVOD_RANK for the rank a line names.
 LogLevel log_level();
+bool log_hide_time();
+std::string log_rank();
 void log_message(LogLevel level, const std::string& msg);
 #define BHVD_LOG(level, msg)                                                   \
   do {                                                                         \
@@ -99,12 +103,17 @@ void log_message(LogLevel level, const std::string& msg);
       ::bagua_hvd::log_message(::bagua_hvd::LogLevel::level, (msg));           \
   } while (0)
 
-// ---- environment: Horovod's name first, then the BAGUA_HVD_ alias --------------------------
-// e.g. env_str("FUSION_THRESHOLD") reads HOROVOD_FUSION_THRESHOLD, then BAGUA_HVD_FUSION_THRESHOLD.
-std::string env_str(const char* suffix, const std::string& fallback = "");
-int64_t env_int(const char* suffix, int64_t fallback);
-double env_double(const char* suffix, double fallback);
-bool env_bool(const char* suffix, bool fallback);
+// The environment is read in one place: config.h.
+
+// Horovod's text, the one "not initialized" message of the core (an INVALID_ARGUMENT status,
+// which the frontends raise as ValueError like Horovod).
+inline constexpr const char* kNotInitialized = "Horovod has not been initialized; use hvd.init().";
+
+inline int64_t num_elements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
 
 using Clock = std::chrono::steady_clock;
 // Rows of dimension 0 that set rank k receives from a reducescatter of dim0 rows over n ranks

@@ -9,7 +9,7 @@
 
 #include "common.h"
 #include "compression/minmax_uint8.h"
-#include "core/c_api_report.h"
+#include "core/c_api_guard.h"
 
 namespace {
 
@@ -34,18 +34,16 @@ Status check(int32_t dtype, int64_t n, int32_t n_chunks) {
   return Status::OK();
 }
 
-// Runs f after checking the arguments; exceptions become statuses.
+// Runs f after checking the arguments; exceptions become statuses (c_api_guard.h).
 template <typename F>
-int guarded(int32_t dtype, int64_t n, int32_t n_chunks, bool null_pointer, F&& f) {
-  Status s = check(dtype, n, n_chunks);
-  if (s.ok() && null_pointer) s = Status::InvalidArgument("MinMaxUInt8 compression: NULL buffer");
-  if (!s.ok()) return c_api_report(s);
-  try {
+int checked(int32_t dtype, int64_t n, int32_t n_chunks, bool null_pointer, F&& f) noexcept {
+  return bagua_hvd::guarded([&]() -> int {
+    Status s = check(dtype, n, n_chunks);
+    if (s.ok() && null_pointer) s = Status::InvalidArgument("MinMaxUInt8 compression: NULL buffer");
+    if (!s.ok()) return c_api_report(s);
     f(static_cast<DataType>(dtype), static_cast<size_t>(n), static_cast<size_t>(n_chunks));
-  } catch (const std::exception& e) {
-    return c_api_report(Status::Error(bagua_hvd::StatusType::UNKNOWN_ERROR, e.what()));
-  }
-  return c_api_report(Status::OK());
+    return c_api_report(Status::OK());
+  });
 }
 
 }  // namespace
@@ -53,18 +51,20 @@ int guarded(int32_t dtype, int64_t n, int32_t n_chunks, bool null_pointer, F&& f
 extern "C" {
 
 int64_t bhvd_minmax_uint8_size(int32_t dtype, int64_t n, int32_t n_chunks) {
-  const Status s = check(dtype, n, n_chunks);
-  if (!s.ok()) {
-    c_api_report(s);
-    return -1;
-  }
-  return static_cast<int64_t>(bagua_hvd::minmax_uint8_bytes(
-      static_cast<DataType>(dtype), static_cast<size_t>(n), static_cast<size_t>(n_chunks)));
+  return bagua_hvd::guarded_value<int64_t>(-1, [&]() -> int64_t {
+    const Status s = check(dtype, n, n_chunks);
+    if (!s.ok()) {
+      c_api_report(s);
+      return -1;
+    }
+    return static_cast<int64_t>(bagua_hvd::minmax_uint8_bytes(
+        static_cast<DataType>(dtype), static_cast<size_t>(n), static_cast<size_t>(n_chunks)));
+  });
 }
 
 int bhvd_minmax_uint8_compress(const void* in, int32_t dtype, int64_t n, int32_t n_chunks,
                                uint8_t* out) {
-  return guarded(dtype, n, n_chunks, in == nullptr || out == nullptr,
+  return checked(dtype, n, n_chunks, in == nullptr || out == nullptr,
                  [&](DataType t, size_t nn, size_t k) {
                    bagua_hvd::minmax_uint8_compress(in, t, nn, k, out);
                  });
@@ -72,7 +72,7 @@ int bhvd_minmax_uint8_compress(const void* in, int32_t dtype, int64_t n, int32_t
 
 int bhvd_minmax_uint8_decompress(const uint8_t* in, int32_t dtype, int64_t n, int32_t n_chunks,
                                  void* out) {
-  return guarded(dtype, n, n_chunks, in == nullptr || out == nullptr,
+  return checked(dtype, n, n_chunks, in == nullptr || out == nullptr,
                  [&](DataType t, size_t nn, size_t k) {
                    bagua_hvd::minmax_uint8_decompress(in, t, nn, k, out);
                  });

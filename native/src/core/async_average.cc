@@ -3,15 +3,16 @@
 #include <cstring>
 
 #include "collectives/collectives.h"
-#include "core/runtime.h"
 
 namespace bagua_hvd {
 
-AsyncAverager::AsyncAverager(Runtime& rt, std::string name, std::vector<Weights> weights,
-                             int32_t set_id, int64_t interval_ms)
-    : rt_(rt), name_(std::move(name)), set_id_(set_id), interval_(interval_ms) {
-  auto sets = rt_.process_sets();
-  if (auto it = sets.find(set_id); it != sets.end()) set_size_ = static_cast<int>(it->second.size());
+AsyncAverager::AsyncAverager(RunRequest run_request, std::string name, std::vector<Weights> weights,
+                             int32_t set_id, int set_size, int64_t interval_ms)
+    : run_(std::move(run_request)),
+      name_(std::move(name)),
+      set_id_(set_id),
+      interval_(interval_ms),
+      set_size_(set_size) {
   for (auto& w : weights) {
     Buffer b;
     b.count = 1;
@@ -51,12 +52,7 @@ Status AsyncAverager::allreduce(const std::string& name, void* in, void* out, Da
   req.num_tensors = 1;
   req.inputs = &ti;
   req.outputs = &to;
-  int64_t h = 0;
-  Status s = rt_.enqueue(req, &h);
-  if (!s.ok()) return s;
-  s = rt_.wait(h, -1);  // bounded by the core: peers failing or the runtime stopping end it
-  rt_.release(h);
-  return s;
+  return run_(req);  // bounded by the core: peers failing or the runtime stopping end it
 }
 
 void AsyncAverager::run() {

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -19,8 +20,6 @@
 
 namespace bagua_hvd {
 
-class Runtime;
-
 class AsyncAverager {
  public:
   struct Weights {
@@ -28,8 +27,13 @@ class AsyncAverager {
     DataType dtype;
     std::vector<int64_t> shape;
   };
-  AsyncAverager(Runtime& rt, std::string name, std::vector<Weights> weights, int32_t set_id,
-                int64_t interval_ms);
+  // What an averager needs from the runtime: run one request through negotiation (enqueue, wait
+  // for it, release it) and return its status. Keeps this file independent of the runtime, which
+  // stops the averagers at shutdown.
+  using RunRequest = std::function<Status(const bhvd_request& req)>;
+  // set_size: the number of ranks of process set set_id.
+  AsyncAverager(RunRequest run_request, std::string name, std::vector<Weights> weights, int32_t set_id,
+                int set_size, int64_t interval_ms);
   ~AsyncAverager();  // stops (without the collective agreement if it must) and joins
   AsyncAverager(const AsyncAverager&) = delete;
   AsyncAverager& operator=(const AsyncAverager&) = delete;
@@ -56,7 +60,7 @@ class AsyncAverager {
   Status allreduce(const std::string& name, void* in, void* out, DataType dtype,
                    const std::vector<int64_t>& shape, int32_t reduce_op);
 
-  Runtime& rt_;
+  RunRequest run_;
   const std::string name_;
   const int32_t set_id_;
   const std::chrono::milliseconds interval_;

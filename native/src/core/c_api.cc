@@ -1,4 +1,5 @@
-// The C API: thin wrappers that translate between C types and the runtime.
+// The C API: thin wrappers that translate between C types and the runtime. Every entry point
+// runs through guarded()/guarded_value() (core/c_api_guard.h): no exception escapes into C.
 #pragma GCC visibility push(default)
 #include "bagua_hvd/c_api.h"
 #pragma GCC visibility pop
@@ -10,7 +11,7 @@
 
 #include "collectives/collectives.h"
 #include "core/async_average.h"
-#include "core/c_api_report.h"
+#include "core/c_api_guard.h"
 #include "core/runtime.h"
 #include "transport/hmac.h"
 
@@ -23,286 +24,405 @@ thread_local std::string g_last_error;
 thread_local std::string g_handle_error;
 std::mutex g_init_mu;  // init and shutdown may race from different frontend threads
 
-int report(const Status& s) {
-  if (!s.ok()) g_last_error = s.reason;
-  return static_cast<int>(s.type);
-}
-
 }  // namespace
 
 namespace bagua_hvd {
-int c_api_report(const Status& s) { return report(s); }
+
+int c_api_report(const Status& s) noexcept {
+  if (!s.ok()) {
+    try {
+      g_last_error = s.reason;
+    } catch (...) {  // out of memory for the message: the status still tells
+    }
+  }
+  return static_cast<int>(s.type);
+}
+
+int c_api_report_exception(const char* what) noexcept {
+  try {
+    g_last_error = what;
+  } catch (...) {
+  }
+  return BHVD_UNKNOWN_ERROR;
+}
+
 }  // namespace bagua_hvd
+
+namespace {
+int report(const Status& s) { return bagua_hvd::c_api_report(s); }
+}  // namespace
+
+using bagua_hvd::guarded;
+using bagua_hvd::guarded_value;
 
 extern "C" {
 
 int bhvd_init(const int32_t* set_ranks, const int32_t* set_sizes, int32_t num_sets,
               int32_t dynamic_process_sets) {
-  std::lock_guard<std::mutex> lock(g_init_mu);
-  std::vector<std::vector<int32_t>> sets;
-  const int32_t* p = set_ranks;
-  for (int32_t i = 0; i < num_sets; ++i) {
-    if (set_sizes[i] < 0) return report(Status::InvalidArgument("negative process set size"));
-    sets.emplace_back(p, p + set_sizes[i]);
-    p += set_sizes[i];
-  }
-  return report(Runtime::get().init(sets, dynamic_process_sets != 0));
+  return guarded([&]() -> int {
+    std::lock_guard<std::mutex> lock(g_init_mu);
+    std::vector<std::vector<int32_t>> sets;
+    const int32_t* p = set_ranks;
+    for (int32_t i = 0; i < num_sets; ++i) {
+      if (set_sizes[i] < 0) return report(Status::InvalidArgument("negative process set size"));
+      sets.emplace_back(p, p + set_sizes[i]);
+      p += set_sizes[i];
+    }
+    return report(Runtime::get().init(sets, dynamic_process_sets != 0));
+  });
 }
 
 int bhvd_shutdown(void) {
-  std::lock_guard<std::mutex> lock(g_init_mu);
-  return report(Runtime::get().shutdown());
+  return guarded([&]() -> int {
+    std::lock_guard<std::mutex> lock(g_init_mu);
+    return report(Runtime::get().shutdown());
+  });
 }
 
-int bhvd_is_initialized(void) { return Runtime::get().initialized() ? 1 : 0; }
-const char* bhvd_last_error(void) { return g_last_error.c_str(); }
-const char* bhvd_version(void) { return BHVD_VERSION; }
+int bhvd_is_initialized(void) {
+  return guarded_value<int>(0, [&]() -> int { return Runtime::get().initialized() ? 1 : 0; });
+}
+const char* bhvd_last_error(void) {
+  return guarded_value<const char*>("", [&]() -> const char* { return g_last_error.c_str(); });
+}
+const char* bhvd_version(void) {
+  return guarded_value<const char*>("", [&]() -> const char* { return BHVD_VERSION; });
+}
 
-int bhvd_rank(void) { return Runtime::get().initialized() ? Runtime::get().config().rank : -1; }
-int bhvd_size(void) { return Runtime::get().initialized() ? Runtime::get().config().size : -1; }
+int bhvd_rank(void) {
+  return guarded_value<int>(-1, [&]() -> int {
+    return Runtime::get().initialized() ? Runtime::get().config().rank : -1;
+  });
+}
+int bhvd_size(void) {
+  return guarded_value<int>(-1, [&]() -> int {
+    return Runtime::get().initialized() ? Runtime::get().config().size : -1;
+  });
+}
 int bhvd_local_rank(void) {
-  return Runtime::get().initialized() ? Runtime::get().config().local_rank : -1;
+  return guarded_value<int>(-1, [&]() -> int {
+    return Runtime::get().initialized() ? Runtime::get().config().local_rank : -1;
+  });
 }
 int bhvd_local_size(void) {
-  return Runtime::get().initialized() ? Runtime::get().config().local_size : -1;
+  return guarded_value<int>(-1, [&]() -> int {
+    return Runtime::get().initialized() ? Runtime::get().config().local_size : -1;
+  });
 }
 int bhvd_cross_rank(void) {
-  return Runtime::get().initialized() ? Runtime::get().config().cross_rank : -1;
+  return guarded_value<int>(-1, [&]() -> int {
+    return Runtime::get().initialized() ? Runtime::get().config().cross_rank : -1;
+  });
 }
 int bhvd_cross_size(void) {
-  return Runtime::get().initialized() ? Runtime::get().config().cross_size : -1;
+  return guarded_value<int>(-1, [&]() -> int {
+    return Runtime::get().initialized() ? Runtime::get().config().cross_size : -1;
+  });
 }
 int bhvd_is_homogeneous(void) {
-  if (!Runtime::get().initialized()) return -1;
-  const auto& c = Runtime::get().config();
-  return c.local_size * c.cross_size == c.size ? 1 : 0;
+  return guarded_value<int>(-1, [&]() -> int {
+    if (!Runtime::get().initialized()) return -1;
+    const auto& c = Runtime::get().config();
+    return c.local_size * c.cross_size == c.size ? 1 : 0;
+  });
 }
 
 int bhvd_cuda_built(void) {
+  return guarded_value<int>(0, [&]() -> int {
 #ifdef BHVD_CUDA_BUILT
-  return 1;
+    return 1;
 #else
-  return 0;
+    return 0;
 #endif
+  });
 }
-int bhvd_nccl_built(void) { return 0; }
-int bhvd_device_pointers_supported(void) { return 0; }
+int bhvd_nccl_built(void) {
+  return guarded_value<int>(0, [&]() -> int { return 0; });
+}
+int bhvd_device_pointers_supported(void) {
+  return guarded_value<int>(0, [&]() -> int { return 0; });
+}
 
 const char* bhvd_transport_name(int32_t peer_rank) {
-  return Runtime::get().initialized() ? Runtime::get().transport_kind(peer_rank) : "";
+  return guarded_value<const char*>("", [&]() -> const char* {
+    return Runtime::get().initialized() ? Runtime::get().transport_kind(peer_rank) : "";
+  });
 }
 
 int bhvd_process_set_ids(int32_t* ids_out, int32_t capacity) {
-  auto sets = Runtime::get().process_sets();
-  int32_t i = 0;
-  for (const auto& kv : sets) {
-    if (i < capacity) ids_out[i] = kv.first;
-    ++i;
-  }
-  return i;
+  return guarded_value<int>(-1, [&]() -> int {
+    auto sets = Runtime::get().process_sets();
+    int32_t i = 0;
+    for (const auto& kv : sets) {
+      if (i < capacity) ids_out[i] = kv.first;
+      ++i;
+    }
+    return i;
+  });
 }
 
 int bhvd_process_set_ranks(int32_t id, int32_t* ranks_out, int32_t capacity) {
-  auto sets = Runtime::get().process_sets();
-  auto it = sets.find(id);
-  if (it == sets.end()) return -1;
-  for (size_t i = 0; i < it->second.size() && static_cast<int32_t>(i) < capacity; ++i)
-    ranks_out[i] = it->second[i];
-  return static_cast<int>(it->second.size());
+  return guarded_value<int>(-1, [&]() -> int {
+    auto sets = Runtime::get().process_sets();
+    auto it = sets.find(id);
+    if (it == sets.end()) return -1;
+    for (size_t i = 0; i < it->second.size() && static_cast<int32_t>(i) < capacity; ++i)
+      ranks_out[i] = it->second[i];
+    return static_cast<int>(it->second.size());
+  });
 }
 
 int bhvd_process_set_rank(int32_t id) {
-  auto sets = Runtime::get().process_sets();
-  auto it = sets.find(id);
-  if (it == sets.end()) return -2;
-  int me = Runtime::get().config().rank;
-  for (size_t i = 0; i < it->second.size(); ++i)
-    if (it->second[i] == me) return static_cast<int>(i);
-  return -1;
+  return guarded_value<int>(-2, [&]() -> int {
+    auto sets = Runtime::get().process_sets();
+    auto it = sets.find(id);
+    if (it == sets.end()) return -2;
+    int me = Runtime::get().config().rank;
+    for (size_t i = 0; i < it->second.size(); ++i)
+      if (it->second[i] == me) return static_cast<int>(i);
+    return -1;
+  });
 }
 
 int bhvd_add_process_set(const int32_t* ranks, int32_t n, int32_t* id_out) {
-  std::vector<int32_t> v(ranks, ranks + n);
-  std::sort(v.begin(), v.end());
-  return report(Runtime::get().run_internal(bagua_hvd::kOpAddProcessSet, v, id_out));
+  return guarded([&]() -> int {
+    std::vector<int32_t> v(ranks, ranks + n);
+    std::sort(v.begin(), v.end());
+    return report(Runtime::get().run_internal(bagua_hvd::kOpAddProcessSet, v, id_out));
+  });
 }
 
 int bhvd_remove_process_set(int32_t id) {
-  int32_t out = -1;
-  return report(Runtime::get().run_internal(bagua_hvd::kOpRemoveProcessSet, {id}, &out));
+  return guarded([&]() -> int {
+    int32_t out = -1;
+    return report(Runtime::get().run_internal(bagua_hvd::kOpRemoveProcessSet, {id}, &out));
+  });
 }
 
 int bhvd_enqueue(const bhvd_request* request, int64_t* handle_out) {
-  if (!request || !handle_out) return report(Status::InvalidArgument("NULL request"));
-  return report(Runtime::get().enqueue(*request, handle_out));
+  return guarded([&]() -> int {
+    if (!request || !handle_out) return report(Status::InvalidArgument("NULL request"));
+    return report(Runtime::get().enqueue(*request, handle_out));
+  });
 }
 
 int64_t bhvd_reducescatter_rows(int32_t process_set_id, int64_t dim0) {
-  const int size = bhvd_process_set_ranks(process_set_id, nullptr, 0);
-  const int rank = bhvd_process_set_rank(process_set_id);
-  if (size <= 0 || rank < 0) return -1;
-  return bagua_hvd::reducescatter_rows(dim0, size, rank);
+  return guarded_value<int64_t>(int64_t{-1}, [&]() -> int64_t {
+    const int size = bhvd_process_set_ranks(process_set_id, nullptr, 0);
+    const int rank = bhvd_process_set_rank(process_set_id);
+    if (size <= 0 || rank < 0) return -1;
+    return bagua_hvd::reducescatter_rows(dim0, size, rank);
+  });
 }
 
-int bhvd_poll(int64_t handle) { return Runtime::get().poll(handle); }
+int bhvd_poll(int64_t handle) {
+  return guarded_value<int>(-1, [&]() -> int { return Runtime::get().poll(handle); });
+}
 
 int bhvd_wait(int64_t handle, int64_t timeout_ms) {
-  return report(Runtime::get().wait(handle, timeout_ms));
+  return guarded([&]() -> int { return report(Runtime::get().wait(handle, timeout_ms)); });
 }
 
 int bhvd_on_done(int64_t handle, bhvd_done_fn fn, void* arg) {
-  if (!fn) return report(Status::InvalidArgument("NULL callback"));
-  return report(Runtime::get().on_done(
-      handle, [handle, fn, arg](const Status& s) { fn(handle, static_cast<int32_t>(s.type), arg); }));
+  return guarded([&]() -> int {
+    if (!fn) return report(Status::InvalidArgument("NULL callback"));
+    return report(Runtime::get().on_done(
+        handle,
+        [handle, fn, arg](const Status& s) { fn(handle, static_cast<int32_t>(s.type), arg); }));
+  });
 }
 
 const char* bhvd_handle_error(int64_t handle) {
-  auto h = Runtime::get().find(handle);
-  g_handle_error = h ? h->status.reason : std::string("unknown handle");
-  return g_handle_error.c_str();
+  return guarded_value<const char*>("", [&]() -> const char* {
+    auto h = Runtime::get().find(handle);
+    g_handle_error = h ? h->status.reason : std::string("unknown handle");
+    return g_handle_error.c_str();
+  });
 }
 
 int bhvd_output_ndim(int64_t handle, int32_t index) {
-  auto h = Runtime::get().find(handle);
-  if (!h || index < 0 || index >= static_cast<int32_t>(h->output_shapes.size())) return -1;
-  return static_cast<int>(h->output_shapes[index].size());
+  return guarded_value<int>(-1, [&]() -> int {
+    auto h = Runtime::get().find(handle);
+    if (!h || index < 0 || index >= static_cast<int32_t>(h->output_shapes.size())) return -1;
+    return static_cast<int>(h->output_shapes[index].size());
+  });
 }
 
 int bhvd_output_shape(int64_t handle, int32_t index, int64_t* shape_out) {
-  auto h = Runtime::get().find(handle);
-  if (!h || index < 0 || index >= static_cast<int32_t>(h->output_shapes.size()))
-    return report(Status::InvalidArgument("unknown handle or output index"));
-  const auto& s = h->output_shapes[index];
-  std::copy(s.begin(), s.end(), shape_out);
-  return BHVD_OK;
+  return guarded([&]() -> int {
+    auto h = Runtime::get().find(handle);
+    if (!h || index < 0 || index >= static_cast<int32_t>(h->output_shapes.size()))
+      return report(Status::InvalidArgument("unknown handle or output index"));
+    const auto& s = h->output_shapes[index];
+    std::copy(s.begin(), s.end(), shape_out);
+    return BHVD_OK;
+  });
 }
 
 int bhvd_output_copy(int64_t handle, int32_t index, void* dst) {
-  auto h = Runtime::get().find(handle);
-  if (!h || index < 0 || index >= static_cast<int32_t>(h->outputs.size()))
-    return report(Status::InvalidArgument("unknown handle or output index"));
-  const auto& o = h->outputs[index];
-  if (!o.empty()) std::memcpy(dst, o.data(), o.size());
-  return BHVD_OK;
+  return guarded([&]() -> int {
+    auto h = Runtime::get().find(handle);
+    if (!h || index < 0 || index >= static_cast<int32_t>(h->outputs.size()))
+      return report(Status::InvalidArgument("unknown handle or output index"));
+    const auto& o = h->outputs[index];
+    if (!o.empty()) std::memcpy(dst, o.data(), o.size());
+    return BHVD_OK;
+  });
 }
 
 int bhvd_received_splits(int64_t handle, int32_t* splits_out, int32_t capacity) {
-  auto h = Runtime::get().find(handle);
-  if (!h) return -1;
-  int32_t n = static_cast<int32_t>(h->received_splits.size());
-  for (int32_t i = 0; i < n && i < capacity; ++i) splits_out[i] = h->received_splits[i];
-  return n;
+  return guarded_value<int>(-1, [&]() -> int {
+    auto h = Runtime::get().find(handle);
+    if (!h) return -1;
+    int32_t n = static_cast<int32_t>(h->received_splits.size());
+    for (int32_t i = 0; i < n && i < capacity; ++i) splits_out[i] = h->received_splits[i];
+    return n;
+  });
 }
 
 int bhvd_join_result(int64_t handle) {
-  auto h = Runtime::get().find(handle);
-  return h ? h->result : -1;
+  return guarded_value<int>(-1, [&]() -> int {
+    auto h = Runtime::get().find(handle);
+    return h ? h->result : -1;
+  });
 }
 
 int bhvd_release(int64_t handle) {
-  Runtime::get().release(handle);
-  return BHVD_OK;
+  return guarded([&]() -> int {
+    Runtime::get().release(handle);
+    return BHVD_OK;
+  });
 }
 
 int64_t bhvd_stat(const char* key) {
-  auto& s = Runtime::get().stats();
-  std::string k = key ? key : "";
-  if (k == "responses") return s.responses;
-  if (k == "fused_tensors") return s.fused_tensors;
-  if (k == "cycles") return s.cycles;
-  if (k == "cache_hits") return s.cache_hits;
-  if (k == "fusion_buffer_bytes") return s.fusion_buffer_bytes;
-  if (k == "exec_ns") return s.exec_ns;
-  if (k == "bytes_sent") return bagua_hvd::Comm::bytes_sent();
-  return -1;
+  return guarded_value<int64_t>(int64_t{-1}, [&]() -> int64_t {
+    auto& s = Runtime::get().stats();
+    std::string k = key ? key : "";
+    if (k == "responses") return s.responses;
+    if (k == "fused_tensors") return s.fused_tensors;
+    if (k == "cycles") return s.cycles;
+    if (k == "cache_hits") return s.cache_hits;
+    if (k == "fusion_buffer_bytes") return s.fusion_buffer_bytes;
+    if (k == "exec_ns") return s.exec_ns;
+    if (k == "bytes_sent") return bagua_hvd::Comm::bytes_sent();
+    return -1;
+  });
 }
 
 int bhvd_lp_decentralized_local(void* x, void* self, const void* left, const void* right,
                                 int32_t dtype, int64_t count, uint8_t* c_out) {
-  if (!bagua_hvd::dtype_valid(dtype) || count < 0 || (count > 0 && (!x || !self || !left ||
-                                                                     !right || !c_out)))
-    return report(Status::InvalidArgument("low-precision decentralized: invalid buffers"));
-  try {
-    bagua_hvd::lp_decentralized_local(x, self, left, right, static_cast<size_t>(count),
-                                      static_cast<bagua_hvd::DataType>(dtype), c_out);
-  } catch (const std::exception& e) {
-    return report(Status::InvalidArgument(e.what()));
-  }
-  return BHVD_OK;
+  return guarded([&]() -> int {
+    if (!bagua_hvd::dtype_valid(dtype) || count < 0 || (count > 0 && (!x || !self || !left ||
+                                                                       !right || !c_out)))
+      return report(Status::InvalidArgument("low-precision decentralized: invalid buffers"));
+    try {
+      bagua_hvd::lp_decentralized_local(x, self, left, right, static_cast<size_t>(count),
+                                        static_cast<bagua_hvd::DataType>(dtype), c_out);
+    } catch (const std::exception& e) {
+      return report(Status::InvalidArgument(e.what()));
+    }
+    return BHVD_OK;
+  });
 }
 
 int bhvd_compression_group_size(int32_t process_set_id, int32_t hierarchical) {
-  if (!Runtime::get().initialized()) return -1;
-  return Runtime::get().group_size(process_set_id, hierarchical != 0);
+  return guarded_value<int>(-1, [&]() -> int {
+    if (!Runtime::get().initialized()) return -1;
+    return Runtime::get().group_size(process_set_id, hierarchical != 0);
+  });
 }
 
 int bhvd_async_start(const char* name, const bhvd_tensor* weights, int32_t num_tensors,
                      int32_t process_set_id, int64_t interval_ms, int64_t* id_out) {
-  using bagua_hvd::AsyncAverager;
-  auto& rt = Runtime::get();
-  if (!rt.initialized()) return report(Status::InvalidArgument("bagua_hvd has not been initialized; use hvd.init()."));
-  if (!name || !*name) return report(Status::InvalidArgument("async model averaging: a name is required"));
-  if (num_tensors < 1 || !weights)
-    return report(Status::InvalidArgument("async model averaging: no weight buffers"));
-  if (interval_ms < 0)
-    return report(Status::InvalidArgument("async model averaging: sync_interval_ms must be >= 0"));
-  auto sets = rt.process_sets();
-  auto it = sets.find(process_set_id);
-  if (it == sets.end() ||
-      !std::binary_search(it->second.begin(), it->second.end(), rt.config().rank))
-    return report(Status::InvalidArgument(
-        "async model averaging: this rank is not a member of process set " +
-        std::to_string(process_set_id)));
-  std::vector<AsyncAverager::Weights> ws;
-  for (int32_t i = 0; i < num_tensors; ++i) {
-    const bhvd_tensor& t = weights[i];
-    if (t.dtype != BHVD_FLOAT32 && t.dtype != BHVD_FLOAT16 && t.dtype != BHVD_BFLOAT16 &&
-        t.dtype != BHVD_FLOAT64)
+  return guarded([&]() -> int {
+    using bagua_hvd::AsyncAverager;
+    auto& rt = Runtime::get();
+    if (!rt.initialized()) return report(Status::InvalidArgument(bagua_hvd::kNotInitialized));
+    if (!name || !*name)
+      return report(Status::InvalidArgument("async model averaging: a name is required"));
+    if (num_tensors < 1 || !weights)
+      return report(Status::InvalidArgument("async model averaging: no weight buffers"));
+    if (interval_ms < 0)
+      return report(
+          Status::InvalidArgument("async model averaging: sync_interval_ms must be >= 0"));
+    auto sets = rt.process_sets();
+    auto it = sets.find(process_set_id);
+    if (it == sets.end() ||
+        !std::binary_search(it->second.begin(), it->second.end(), rt.config().rank))
       return report(Status::InvalidArgument(
-          "async model averaging: weights must be float32, float16, bfloat16 or float64"));
-    if (t.ndim < 0 || (t.ndim > 0 && !t.shape))
-      return report(Status::InvalidArgument("async model averaging: invalid tensor shape"));
-    std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
-    int64_t n = 1;
-    for (auto d : shape) n *= d;
-    if (n > 0 && !t.data)
-      return report(Status::InvalidArgument("async model averaging: null weight buffer"));
-    ws.push_back({t.data, static_cast<bagua_hvd::DataType>(t.dtype), std::move(shape)});
-  }
-  *id_out = bagua_hvd::AsyncRegistry::get().add(std::make_unique<AsyncAverager>(
-      rt, name, std::move(ws), process_set_id, interval_ms));
-  return BHVD_OK;
+          "async model averaging: this rank is not a member of process set " +
+          std::to_string(process_set_id)));
+    std::vector<AsyncAverager::Weights> ws;
+    for (int32_t i = 0; i < num_tensors; ++i) {
+      const bhvd_tensor& t = weights[i];
+      if (t.dtype != BHVD_FLOAT32 && t.dtype != BHVD_FLOAT16 && t.dtype != BHVD_BFLOAT16 &&
+          t.dtype != BHVD_FLOAT64)
+        return report(Status::InvalidArgument(
+            "async model averaging: weights must be float32, float16, bfloat16 or float64"));
+      if (t.ndim < 0 || (t.ndim > 0 && !t.shape))
+        return report(Status::InvalidArgument("async model averaging: invalid tensor shape"));
+      std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
+      int64_t n = 1;
+      for (auto d : shape) n *= d;
+      if (n > 0 && !t.data)
+        return report(Status::InvalidArgument("async model averaging: null weight buffer"));
+      ws.push_back({t.data, static_cast<bagua_hvd::DataType>(t.dtype), std::move(shape)});
+    }
+    // Through negotiation like a frontend's request: enqueue, wait, release.
+    auto run = [](const bhvd_request& req) {
+      int64_t h = 0;
+      Status s = Runtime::get().enqueue(req, &h);
+      if (!s.ok()) return s;
+      s = Runtime::get().wait(h, -1);
+      Runtime::get().release(h);
+      return s;
+    };
+    *id_out = bagua_hvd::AsyncRegistry::get().add(std::make_unique<AsyncAverager>(
+        run, name, std::move(ws), process_set_id, static_cast<int>(it->second.size()),
+        interval_ms));
+    return BHVD_OK;
+  });
 }
 
 int bhvd_async_step(int64_t id) {
-  auto a = bagua_hvd::AsyncRegistry::get().find(id);
-  if (!a) return report(Status::InvalidArgument("unknown async averager " + std::to_string(id)));
-  a->step();
-  return BHVD_OK;
+  return guarded([&]() -> int {
+    auto a = bagua_hvd::AsyncRegistry::get().find(id);
+    if (!a) return report(Status::InvalidArgument("unknown async averager " + std::to_string(id)));
+    a->step();
+    return BHVD_OK;
+  });
 }
 
 int bhvd_async_abort(int64_t id, int64_t timeout_ms) {
-  auto a = bagua_hvd::AsyncRegistry::get().find(id);
-  if (!a) return BHVD_OK;  // already stopped and released (e.g. by shutdown)
-  return report(a->abort(timeout_ms));
+  return guarded([&]() -> int {
+    auto a = bagua_hvd::AsyncRegistry::get().find(id);
+    if (!a) return BHVD_OK;  // already stopped and released (e.g. by shutdown)
+    return report(a->abort(timeout_ms));
+  });
 }
 
 int bhvd_async_release(int64_t id) {
-  bagua_hvd::AsyncRegistry::get().release(id);
-  return BHVD_OK;
+  return guarded([&]() -> int {
+    bagua_hvd::AsyncRegistry::get().release(id);
+    return BHVD_OK;
+  });
 }
 
 int64_t bhvd_async_rounds(int64_t id) {
-  auto a = bagua_hvd::AsyncRegistry::get().find(id);
-  return a ? a->rounds() : -1;
+  return guarded_value<int64_t>(int64_t{-1}, [&]() -> int64_t {
+    auto a = bagua_hvd::AsyncRegistry::get().find(id);
+    return a ? a->rounds() : -1;
+  });
 }
 
 int bhvd_hmac_sha256(const uint8_t* key, int32_t key_len, const uint8_t* msg, int32_t msg_len,
                      uint8_t* out) {
-  auto mac = bagua_hvd::hmac_sha256(key, static_cast<size_t>(key_len), msg,
-                                    static_cast<size_t>(msg_len));
-  std::memcpy(out, mac.data(), mac.size());
-  return BHVD_OK;
+  return guarded([&]() -> int {
+    auto mac = bagua_hvd::hmac_sha256(key, static_cast<size_t>(key_len), msg,
+                                      static_cast<size_t>(msg_len));
+    std::memcpy(out, mac.data(), mac.size());
+    return BHVD_OK;
+  });
 }
 
 }  // extern "C"

@@ -21,18 +21,6 @@ std::string num_str(double v) {
   return os.str();
 }
 
-int64_t num_elements(const std::vector<int64_t>& s) {
-  int64_t n = 1;
-  for (auto d : s) n *= d;
-  return n;
-}
-
-bool cacheable(int32_t type) {
-  // Shapes are identical on every rank only for these.
-  return type == BHVD_OP_ALLREDUCE || type == BHVD_OP_BROADCAST ||
-         type == BHVD_OP_REDUCESCATTER;
-}
-
 const char* type_name(int32_t type) {
   if (type == kOpAddProcessSet) return "ADD_PROCESS_SET";
   if (type == kOpRemoveProcessSet) return "REMOVE_PROCESS_SET";
@@ -46,8 +34,9 @@ Coordinator::Coordinator(int world_size, const std::map<int32_t, std::vector<int
     : world_size_(world_size),
       sets_(sets),
       params_(params),
+      fusion_{params.fusion_threshold, params.no_fuse_bytes},
       joined_(world_size, 0),
-      acked_(world_size, 0) {
+      cache_(params.cache_capacity, world_size) {
   for (const auto& kv : sets_) next_set_id_ = std::max(next_set_id_, kv.first + 1);
 }
 
@@ -65,8 +54,7 @@ int Coordinator::set_rank_of(int32_t set_id, int32_t global_rank) const {
 
 void Coordinator::add(const RequestList& list, int from_rank) {
   if (list.shutdown) shutdown_requested_ = true;
-  if (from_rank >= 0 && from_rank < world_size_)
-    acked_[from_rank] = std::max(acked_[from_rank], list.acked_seq);
+  cache_.ack(from_rank, list.acked_seq);
   for (const auto& r : list.requests) {
     Request copy = r;
     copy.rank = from_rank;
@@ -74,12 +62,7 @@ void Coordinator::add(const RequestList& list, int from_rank) {
   }
   for (size_t i = 0; i < list.cached.size(); ++i) {
     int32_t id = list.cached[i];
-    const Request* tmpl = nullptr;
-    if (auto it = cache_.find(id); it != cache_.end()) {
-      tmpl = &it->second.tmpl;
-    } else if (auto dt = dead_templates_.find(id); dt != dead_templates_.end()) {
-      tmpl = &dt->second;
-    }
+    const Request* tmpl = cache_.find(id);
     if (!tmpl) throw TransportError("rank " + std::to_string(from_rank) +
                                     " referred to unknown response-cache entry " +
                                     std::to_string(id));
@@ -331,61 +314,6 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
   return resp;
 }
 
-void Coordinator::assign_cache_ids(Response& r) {
-  if (params_.cache_capacity <= 0 || r.kind != Response::OP || !cacheable(r.type)) return;
-  for (size_t i = 0; i < r.names.size(); ++i) {
-    const std::string& name = r.names[i];
-    const std::string key = tensor_key(r.process_set_id, name);
-    auto it = cache_by_name_.find(key);
-    // The template is rebuilt from the response, which carries every parameter of the request.
-    Request tmpl;
-    tmpl.type = r.type;
-    tmpl.dtype = r.dtype;
-    tmpl.name = name;
-    tmpl.process_set_id = r.process_set_id;
-    tmpl.reduce_op = r.reduce_op;
-    tmpl.root_rank = r.root_rank;
-    tmpl.device = r.device;
-    tmpl.prescale = r.prescale;
-    tmpl.postscale = r.postscale;
-    tmpl.compression = r.compression;
-    tmpl.peer_mode = r.peer_mode;
-    tmpl.step = r.step;
-    tmpl.hierarchical = r.hierarchical;
-    tmpl.shape = r.shapes[i];
-    const Request* req = &tmpl;
-    if (it != cache_by_name_.end()) {
-      auto& e = cache_.at(it->second);
-      if (e.tmpl.same_params(*req)) {
-        lru_.splice(lru_.begin(), lru_, e.lru);
-        r.cache_ids[i] = it->second;
-        continue;
-      }
-      // Parameters changed: retire the old id.
-      int32_t old = it->second;
-      dead_templates_[old] = e.tmpl;
-      lru_.erase(e.lru);
-      cache_.erase(old);
-      cache_by_name_.erase(it);
-      pending_evictions_.push_back(old);
-    }
-    if (static_cast<int64_t>(cache_.size()) >= params_.cache_capacity) {
-      int32_t victim = lru_.back();
-      lru_.pop_back();
-      auto& ve = cache_.at(victim);
-      cache_by_name_.erase(tensor_key(ve.tmpl.process_set_id, ve.tmpl.name));
-      dead_templates_[victim] = std::move(ve.tmpl);
-      cache_.erase(victim);
-      pending_evictions_.push_back(victim);
-    }
-    int32_t id = next_cache_id_++;
-    lru_.push_front(id);
-    cache_[id] = CacheEntry{*req, lru_.begin()};
-    cache_by_name_[key] = id;
-    r.cache_ids[i] = id;
-  }
-}
-
 void Coordinator::stall_check(Clock::time_point now, ResponseList& out,
                               Clock::time_point* wake_at) {
   if (params_.stall_warning_s <= 0 && params_.stall_shutdown_s <= 0) return;
@@ -496,33 +424,9 @@ ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_a
       if (used[i]) continue;
       used[i] = 1;
       Response r = std::move(singles[i]);
-      const int64_t esize = static_cast<int64_t>(dtype_size(r.dtype));
-      int64_t bytes = r.kind == Response::OP ? num_elements(r.shapes[0]) * esize : 0;
-      // Compressed allreduces are not fused: their chunking and error-feedback state are per
-      // tensor (a bucket of the frontend).
-      if (r.kind == Response::OP && r.type == BHVD_OP_ALLREDUCE && r.compression == 0 &&
-          r.hierarchical == 0 &&
-          params_.fusion_threshold > 0 && bytes < params_.no_fuse_bytes) {
-        for (size_t j = i + 1; j < singles.size(); ++j) {
-          Response& c = singles[j];
-          if (used[j] || c.kind != Response::OP || c.type != r.type ||
-              c.process_set_id != r.process_set_id || c.dtype != r.dtype ||
-              c.reduce_op != r.reduce_op || c.prescale != r.prescale ||
-              c.postscale != r.postscale || c.device != r.device || c.compression != 0 ||
-              c.hierarchical != 0)
-            continue;
-          int64_t cb = num_elements(c.shapes[0]) * esize;
-          if (cb >= params_.no_fuse_bytes || bytes + cb > params_.fusion_threshold) continue;
-          bytes += cb;
-          used[j] = 1;
-          r.names.push_back(std::move(c.names[0]));
-          r.shapes.push_back(std::move(c.shapes[0]));
-          r.per_rank.push_back(std::move(c.per_rank[0]));
-          r.cache_ids.push_back(-1);
-        }
-      }
+      fuse_into(r, singles, i, used, fusion_);
       // Responses completed with zeros from joined ranks are not cached: their requests differ.
-      if (joined_count_ == 0) assign_cache_ids(r);
+      if (joined_count_ == 0) cache_.assign(r);
       out.responses.push_back(std::move(r));
     }
   }
@@ -544,19 +448,12 @@ ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_a
   stall_check(now, out, wake_at);
 
   // Retire evicted cache templates once every rank has seen the eviction.
-  uint64_t min_acked = seq_;
-  for (int r = 1; r < world_size_; ++r) min_acked = std::min(min_acked, acked_[r]);
-  while (!tombstones_.empty() && tombstones_.begin()->first <= min_acked) {
-    for (int32_t id : tombstones_.begin()->second) dead_templates_.erase(id);
-    tombstones_.erase(tombstones_.begin());
-  }
+  cache_.retire(seq_);
 
-  if (!out.responses.empty() || !pending_evictions_.empty() || shutdown_requested_) {
+  if (!out.responses.empty() || cache_.has_evictions() || shutdown_requested_) {
     out.seq = ++seq_;
     out.shutdown = shutdown_requested_;
-    out.evicted = std::move(pending_evictions_);
-    pending_evictions_.clear();
-    if (!out.evicted.empty()) tombstones_[out.seq] = out.evicted;
+    out.evicted = cache_.take_evictions(out.seq);
   }
   return out;
 }

@@ -1,9 +1,9 @@
 // The coordinator (global rank 0): collects every rank's requests, decides when a tensor is
 // ready on all members of its process set, validates the requests against each other with
-// Horovod's error texts, fuses ready allreduces, and emits one totally ordered ResponseList.
+// Horovod's error texts, fuses ready allreduces (ops/fusion.cc), assigns response-cache ids
+// (core/response_cache.cc), and emits one totally ordered ResponseList.
 #pragma once
 
-#include <list>
 #include <map>
 #include <string>
 #include <unordered_map>
@@ -11,6 +11,8 @@
 
 #include "common.h"
 #include "core/message.h"
+#include "core/response_cache.h"
+#include "ops/fusion.h"
 
 namespace bagua_hvd {
 
@@ -60,12 +62,12 @@ class Coordinator {
   bool member_joined(const Pending& p) const;
   const std::vector<int32_t>* set_ranks(int32_t id) const;
   int set_rank_of(int32_t set_id, int32_t global_rank) const;
-  void assign_cache_ids(Response& r);
   void stall_check(Clock::time_point now, ResponseList& out, Clock::time_point* wake_at);
 
   int world_size_;
   const std::map<int32_t, std::vector<int32_t>>& sets_;
   CoordinatorParams params_;
+  FusionParams fusion_;
 
   std::unordered_map<std::string, Pending> table_;
   std::vector<std::string> ready_;  // names in the order they became ready
@@ -78,20 +80,7 @@ class Coordinator {
   uint64_t seq_ = 0;
   int32_t next_set_id_ = 1;
 
-  // Response cache: name -> id for requests whose parameters are known to every rank; templates
-  // outlive eviction until every worker has acknowledged the ResponseList that evicted them.
-  struct CacheEntry {
-    Request tmpl;
-    std::list<int32_t>::iterator lru;
-  };
-  std::unordered_map<int32_t, CacheEntry> cache_;
-  std::unordered_map<std::string, int32_t> cache_by_name_;
-  std::list<int32_t> lru_;  // front: most recent
-  std::map<uint64_t, std::vector<int32_t>> tombstones_;  // eviction seq -> ids
-  std::unordered_map<int32_t, Request> dead_templates_;
-  std::vector<uint64_t> acked_;
-  std::vector<int32_t> pending_evictions_;
-  int32_t next_cache_id_ = 0;
+  ResponseCache cache_;
 
  public:
   // Exposed for tests through bhvd_stat.

@@ -1,5 +1,8 @@
 // The runtime: one per process. Frontend threads enqueue requests and wait on handles; one
-// background thread owns the transport, talks to the coordinator and runs the collectives.
+// background thread owns the transport, talks to the coordinator (over the control channel,
+// transport/control_channel.h) and runs each response through its op executor (ops/). Request
+// validation: core/validate.cc; configuration: config.cc; the response cache:
+// core/response_cache.cc; host hierarchies: collectives/hierarchy.cc.
 #pragma once
 
 #include <atomic>
@@ -16,42 +19,30 @@
 #include <vector>
 
 #include "collectives/comm.h"
+#include "collectives/hierarchy.h"
 #include "common.h"
 #include "core/coordinator.h"
+#include "core/handle.h"
 #include "core/message.h"
+#include "core/response_cache.h"
+#include "ops/fusion.h"
+#include "transport/control_channel.h"
 #include "transport/transport.h"
 
 namespace bagua_hvd {
 
-struct Handle {
-  int64_t id = 0;
-  int remaining = 0;  // tensors not yet finished
-  bool done = false;
-  bool seen = false;  // its caller has seen it complete (poll, wait, callback) or released it
-  bool urgent = false;
-  Status status;
-  std::vector<std::string> names;
-  // Core-allocated outputs (allgather, alltoall) and their shapes.
-  std::vector<std::vector<unsigned char>> outputs;
-  std::vector<std::vector<int64_t>> output_shapes;
-  std::vector<int32_t> received_splits;
-  int32_t result = -1;  // join: last joined rank; add process set: new id
-  std::condition_variable cv;
-  // Set by on_done(): run once, outside mu_, when the handle completes.
-  std::function<void(const Status&)> on_done;
-};
-
-// One tensor of a handle, waiting for its response.
-struct Entry {
-  std::shared_ptr<Handle> handle;
-  int index = 0;
-  Request request;
-  const void* input = nullptr;
-  void* output = nullptr;
-  std::vector<void*> aux;  // algorithm state buffers (residuals, replicas)
-  size_t aux_count = 0;    // elements of aux[0]
-  DataType aux_dtype = DataType::FLOAT32;
-};
+// Horovod's texts.
+inline constexpr const char* kShutDown =
+    "Horovod has been shut down. This was caused by an exception on one of the ranks or an "
+    "attempt to allreduce, allgather or broadcast a tensor after one of the ranks finished "
+    "execution. If the shutdown was caused by an exception, you should see the exception in the "
+    "log before the first shutdown message.";
+inline constexpr const char* kDuplicateName =
+    "Requested to allreduce, allgather, or broadcast a tensor with the same name as another "
+    "tensor that is currently being processed.  If you want to request another tensor, use a "
+    "different tensor name.";
+// A response of this type with shutdown set carries the reason a rank gave up.
+inline constexpr int32_t kAbortType = -1;
 
 struct RuntimeStats {
   std::atomic<int64_t> responses{0}, fused_tensors{0}, cycles{0}, cache_hits{0};
@@ -88,51 +79,32 @@ class Runtime {
 
   RuntimeStats& stats() { return stats_; }
 
- private:
-  Runtime() = default;
-  void loop();
-  void loop_once_coordinator(bool* active);
-  void loop_once_worker(bool* active);
-  void drain_local(RequestList* out, bool* any);
-  void apply(const ResponseList& list);
-  void execute(const Response& r);
-  void execute_allreduce(const Response& r, Comm& comm, std::vector<Entry*>& entries);
-  void execute_allgather(const Response& r, Comm& comm, std::vector<Entry*>& entries);
-  void execute_broadcast(const Response& r, Comm& comm, std::vector<Entry*>& entries);
-  void execute_alltoall(const Response& r, Comm& comm, std::vector<Entry*>& entries);
-  void execute_reducescatter(const Response& r, Comm& comm, std::vector<Entry*>& entries);
-  // The two levels of a process set for hierarchical algorithms (docs/algorithms.md): its ranks
-  // on this host, and one leader (the lowest rank) per host. Built on first use (background
-  // thread only).
-  struct Hierarchy {
-    bool active = false;  // several hosts, and some host with several ranks of the set
-    bool leader = false;
-    std::unique_ptr<Comm> intra, leaders;
-  };
-  Hierarchy* hierarchy_for(const Response& r, Comm& comm);
- public:
   // Ranks that take part in a (compressed) collective of the set: the set's size, or with
   // hierarchical=1 on several hosts with a crowded host, its number of hosts. Sizes the
   // error-feedback residuals. -1 for an unknown set. Caller must not hold mu_.
   int group_size(int32_t set_id, bool hierarchical);
 
  private:
+  Runtime() = default;
+  void loop();
+  // Negotiation (core/negotiation.cc).
+  void loop_once_coordinator(bool* active);
+  void loop_once_worker(bool* active);
+  void drain_local(RequestList* out, bool* any);
+  void apply(const ResponseList& list);
+  // Execution of one response (core/dispatch.cc).
+  void execute(const Response& r);
   int group_size_locked(int32_t set_id, bool hierarchical);
-  Status check_algorithm_request(const bhvd_request& req, const std::string& title);
-  void execute_decentralized(const Response& r, Comm& comm, std::vector<Entry*>& entries);
   void finish(const std::string& name, const Status& s);
   void fail_all(const Status& s);
   // Marks h done (mu_ held); its on_done callback, if any, moves to *callbacks to run after
   // mu_ is released.
   void complete_locked(Handle& h, std::vector<std::function<void()>>* callbacks);
   void mark_seen_locked(Handle& h);
-  void send_message(int peer, const std::string& payload);
-  bool poll_message(int peer, std::string* out);
-  void fill_channel(int peer);
-  unsigned char* fusion(size_t bytes);
   Comm* comm_for(int32_t set_id);
   void register_set(int32_t id, std::vector<int32_t> ranks);
 
+  RuntimeStats stats_;  // before fusion_, which reports into it
   BootstrapConfig cfg_;
   std::atomic<bool> initialized_{false};
   bool dynamic_sets_ = false;
@@ -154,7 +126,7 @@ class Runtime {
   std::vector<std::string> urgent_queue_;         // sent names whose caller now blocks
   std::map<int32_t, std::vector<int32_t>> sets_;
   std::map<int32_t, std::unique_ptr<Comm>> comms_;
-  std::map<int32_t, Hierarchy> hierarchies_;  // background thread only
+  Hierarchies hierarchies_;  // background thread only
   bool shutdown_requested_ = false;
   bool stopped_ = false;  // background thread finished: no more work is accepted
   Status stop_status_;
@@ -164,22 +136,16 @@ class Runtime {
 
   // Background-thread state.
   std::unique_ptr<Coordinator> coordinator_;
-  std::unordered_map<std::string, std::pair<int32_t, Request>> cache_;  // name -> (id, request)
-  std::unordered_map<int32_t, std::string> cache_names_;
+  ResponseCache::Mirror cache_;
   uint64_t acked_seq_ = 0;
   bool sent_shutdown_ = false;
-  std::vector<std::string> inbox_;        // per-peer partial control frames
-  std::vector<std::string> inbox_error_;  // per-peer failure seen after buffered frames
-  std::vector<unsigned char> fusion_;
-  double cycle_time_s_ = 1e-3;
+  std::unique_ptr<ControlChannel> ctrl_;
+  FusionBuffer fusion_{stats_.fusion_buffer_bytes};
   std::atomic<int> waiters_{0};            // frontend threads blocked in wait()
   std::atomic<int> callbacks_pending_{0};  // on_done callbacks not yet run (a caller waits)
   bool oversubscribed_ = false;            // more local ranks than cores
   std::chrono::microseconds spin_{1000};  // BAGUA_HVD_SPIN_US: poll this long before sleeping
   Clock::time_point wake_at_ = Clock::time_point::max();
-  int64_t fusion_threshold_ = 128 << 20;
-
-  RuntimeStats stats_;
 };
 
 }  // namespace bagua_hvd

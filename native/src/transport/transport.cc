@@ -264,8 +264,7 @@ std::string this_hostname() {
   return buf;
 }
 
-uint64_t data_ring_bytes(int local_size) {
-  const int64_t explicit_bytes = env_int("SHM_RING_BYTES", 0);
+uint64_t data_ring_bytes(int local_size, int64_t explicit_bytes) {
   uint64_t want = explicit_bytes > 0 ? static_cast<uint64_t>(explicit_bytes)
                                      : kDefaultShmDataRingBytes;
   if (explicit_bytes <= 0) {
@@ -462,7 +461,7 @@ bool NetTransport::setup_shm(const BootstrapConfig& cfg, Store& store, const std
     const std::string name = "/bhvd_" + sanitize(cfg.job_id, 64) + "_e" +
                              std::to_string(cfg.epoch) + "_" + hex(random_bytes(6));
     try {
-      shm_ = ShmSegment::create(name, n, data_ring_bytes(n), kShmCtrlRingBytes);
+      shm_ = ShmSegment::create(name, n, data_ring_bytes(n, cfg.shm_ring_bytes), kShmCtrlRingBytes);
     } catch (const TransportError& e) {
       BHVD_LOG(WARNING, std::string(e.what()) + "; the ranks on this host use TCP instead");
       store.set(key, "none");

@@ -68,6 +68,7 @@ struct BootstrapConfig {
   bool force_tcp = false;    // BAGUA_HVD_TRANSPORT=tcp
   double timeout_s = 30;     // HOROVOD_GLOO_TIMEOUT_SECONDS / BAGUA_HVD_TIMEOUT_SECONDS
   std::string iface;         // HOROVOD_GLOO_IFACE: interface whose address peers connect to
+  int64_t shm_ring_bytes = 0;  // BAGUA_HVD_SHM_RING_BYTES: shm data ring size; <= 0 picks one
 };
 
 // All pairs of one job. For every other rank there are two pairs: "ctrl" carries negotiation

@@ -1,0 +1,35 @@
+// The one place the core reads its environment: every variable, parsed and validated once per
+// hvd.init() into a Config that the runtime, the coordinator and the transport take. Horovod's
+// name comes first, then the BAGUA_HVD_ alias (HOROVOD_FUSION_THRESHOLD, then
+// BAGUA_HVD_FUSION_THRESHOLD). The Python side has its own one place
+// (bagua_hvd/common/config.py).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+#include "core/coordinator.h"
+#include "transport/transport.h"
+
+namespace bagua_hvd {
+
+struct Config {
+  // False without HOROVOD_GLOO_RENDEZVOUS_ADDR: a job of size 1, bootstrap holds its defaults.
+  bool distributed = false;
+  BootstrapConfig bootstrap;    // rank, size, hosts, rendezvous, secret, timeout, transport
+  CoordinatorParams coordinator;  // fusion, cycle time, response cache, stall inspector
+  int64_t fusion_threshold = int64_t(128) << 20;  // HOROVOD_FUSION_THRESHOLD (bytes)
+  double cycle_time_s = 1e-3;                     // HOROVOD_CYCLE_TIME (ms in the environment)
+  int64_t spin_us = 1000;  // BAGUA_HVD_SPIN_US: poll this long before sleeping
+};
+
+// Reads and validates the environment (the messages are those hvd.init() raises). epoch goes
+// into bootstrap.epoch. On error *out is unspecified.
+Status load_config(int epoch, Config* out);
+
+// Also defined in config.cc, declared in common.h: log_level() and log_hide_time() (read on
+// first use), log_rank() (HOROVOD_RANK, read at each call: log lines name the rank even before
+// hvd.init()).
+
+}  // namespace bagua_hvd

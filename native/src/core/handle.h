@@ -1,0 +1,47 @@
+// Handles (what a frontend waits on) and entries (one tensor of a handle, pending in the
+// runtime's table until its response has run). Shared by the runtime and the op executors.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "core/message.h"
+
+namespace bagua_hvd {
+
+struct Handle {
+  int64_t id = 0;
+  int remaining = 0;  // tensors not yet finished
+  bool done = false;
+  bool seen = false;  // its caller has seen it complete (poll, wait, callback) or released it
+  bool urgent = false;
+  Status status;
+  std::vector<std::string> names;
+  // Core-allocated outputs (allgather, alltoall) and their shapes.
+  std::vector<std::vector<unsigned char>> outputs;
+  std::vector<std::vector<int64_t>> output_shapes;
+  std::vector<int32_t> received_splits;
+  int32_t result = -1;  // join: last joined rank; add process set: new id
+  std::condition_variable cv;
+  // Set by on_done(): run once, outside the runtime's lock, when the handle completes.
+  std::function<void(const Status&)> on_done;
+};
+
+// One tensor of a handle, waiting for its response.
+struct Entry {
+  std::shared_ptr<Handle> handle;
+  int index = 0;
+  Request request;
+  const void* input = nullptr;
+  void* output = nullptr;
+  std::vector<void*> aux;  // algorithm state buffers (residuals, replicas)
+  size_t aux_count = 0;    // elements of aux[0]
+  DataType aux_dtype = DataType::FLOAT32;
+};
+
+}  // namespace bagua_hvd

@@ -1,0 +1,99 @@
+// The runtime's negotiation cycle (core/runtime.h): drain this rank's queued requests (as cache
+// ids where the response cache knows them), exchange RequestLists and ResponseLists with the
+// coordinator over the control channel, and apply each ResponseList in its total order.
+#include "core/runtime.h"
+
+#include <algorithm>
+
+namespace bagua_hvd {
+
+void Runtime::drain_local(RequestList* out, bool* any) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& name : queue_) {
+    auto it = table_.find(name);
+    if (it == table_.end()) continue;
+    const Request& r = it->second.request;
+    if (const int32_t id = cache_.find(name, r); id >= 0) {
+      out->cached.push_back(id);
+      out->cached_urgent.push_back(r.urgent ? 1 : 0);
+      stats_.cache_hits++;
+    } else {
+      out->requests.push_back(r);
+    }
+    *any = true;
+  }
+  queue_.clear();
+  if (!urgent_queue_.empty()) {
+    out->urgent = std::move(urgent_queue_);
+    urgent_queue_.clear();
+    *any = true;
+  }
+  if (shutdown_requested_ && !sent_shutdown_) {
+    out->shutdown = true;
+    sent_shutdown_ = true;
+    *any = true;
+  }
+}
+
+void Runtime::loop_once_coordinator(bool* active) {
+  RequestList own;
+  bool any = false;
+  drain_local(&own, &any);
+  if (any) {
+    coordinator_->add(own, 0);
+    *active = true;
+  }
+  std::string msg;
+  for (int w = 1; w < cfg_.size; ++w) {
+    while (ctrl_->poll(w, &msg)) {
+      coordinator_->add(decode_request_list(msg), w);
+      *active = true;
+    }
+  }
+  ResponseList out = coordinator_->build(Clock::now(), &wake_at_);
+  if (out.responses.empty() && !out.shutdown && out.evicted.empty()) return;
+  std::string payload = encode(out);
+  for (int w = 1; w < cfg_.size; ++w) ctrl_->send(w, payload);
+  apply(out);
+  *active = true;
+}
+
+void Runtime::loop_once_worker(bool* active) {
+  RequestList rl;
+  bool any = false;
+  drain_local(&rl, &any);
+  if (any) {
+    rl.acked_seq = acked_seq_;
+    ctrl_->send(0, encode(rl));
+    *active = true;
+  }
+  std::string msg;
+  while (ctrl_->poll(0, &msg)) {
+    apply(decode_response_list(msg));
+    *active = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;
+  }
+}
+
+void Runtime::apply(const ResponseList& list) {
+  cache_.evict(list.evicted);
+  std::string abort_reason;
+  for (const auto& r : list.responses) {
+    if (r.kind == Response::ERROR && r.type == kAbortType) {
+      abort_reason = r.error;
+      continue;
+    }
+    execute(r);
+  }
+  stats_.cycles++;
+  if (list.seq) acked_seq_ = list.seq;
+  if (list.shutdown) {
+    fail_all(Status::Aborted(abort_reason.empty() ? kShutDown : abort_reason));
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    if (!abort_reason.empty()) stop_status_ = Status::Aborted(abort_reason);
+  }
+}
+
+}  // namespace bagua_hvd

@@ -1,0 +1,40 @@
+// Validation of a frontend's request (bhvd_request) before it is queued: the checks that need
+// only the request, then those against its process set, then each tensor's, with Horovod's
+// error texts. The runtime calls them in this order under its lock where state is involved;
+// the checks of requests against each other (shapes, dtypes across ranks) are the
+// coordinator's.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "core/message.h"
+
+namespace bagua_hvd {
+
+// "Allreduce", "Allgather", ... as Horovod's per-op messages spell them.
+std::string op_title(int32_t type);
+// The base of an unnamed op's name: "allreduce", "grouped_allreduce", ...
+std::string op_prefix(int32_t type, bool grouped);
+
+int64_t tensor_elements(const bhvd_tensor& t);
+
+// The checks that need nothing but the request (known op type, tensors present, reduce op,
+// host tensors).
+Status validate_request(const bhvd_request& req, const std::string& title);
+
+// The checks against the request's process set (sorted global ranks, which must hold me):
+// membership, BAGUA's algorithm arguments (group_size: the ranks of its compressed collective,
+// called only when needed), finite scale factors, the broadcast root.
+Status validate_for_set(const bhvd_request& req, const std::string& title,
+                        const std::vector<int32_t>& ranks, int me,
+                        const std::function<int()>& group_size);
+
+// Tensor i of req: fills r's dtype, shape and (alltoall) splits.
+Status validate_tensor(const bhvd_request& req, int i, const std::string& title, int set_size,
+                       Request* r);
+
+}  // namespace bagua_hvd

@@ -1,0 +1,53 @@
+// The data engine: how an op executor moves and reduces the bytes of one device kind over a
+// Comm. The seam for a second device and a second data engine (CUDA tensors with NCCL): the op
+// executors call only this, so adding one is a new implementation, not branches in every op.
+// Today there is one, the CPU engine (ops/cpu_engine.cc), over the collectives of collectives/.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "collectives/collectives.h"
+#include "collectives/comm.h"
+#include "common.h"
+
+namespace bagua_hvd {
+
+class DataEngine {
+ public:
+  virtual ~DataEngine() = default;
+  virtual const char* name() const = 0;
+
+  // Local memory operations on buffers of this engine's device.
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void zero(void* dst, size_t bytes) = 0;
+  virtual void scale(void* buf, size_t count, DataType dtype, double factor) = 0;
+
+  // Collectives (semantics: collectives/collectives.h).
+  virtual void allreduce(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op) = 0;
+  virtual void allgatherv(Comm& comm, const void* in, void* out,
+                          const std::vector<size_t>& bytes_per_rank) = 0;
+  virtual void broadcast(Comm& comm, void* buf, size_t bytes, int root) = 0;
+  virtual void alltoallv(Comm& comm, const void* in, const std::vector<size_t>& send_bytes,
+                         void* out, const std::vector<size_t>& recv_bytes) = 0;
+  virtual void reducescatterv(Comm& comm, void* buf, void* out, const std::vector<size_t>& counts,
+                              DataType dtype, ReduceOp op) = 0;
+
+  // BAGUA's primitives (docs/algorithms.md).
+  virtual void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype,
+                                      bool average, void* ef_worker, void* ef_server) = 0;
+  virtual void decentralized_average(Comm& comm, const void* in, void* out, size_t count,
+                                     DataType dtype, PeerMode mode, int64_t step) = 0;
+  virtual void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right,
+                                size_t count, DataType dtype) = 0;
+  virtual void lp_decentralized_init(Comm& comm, const void* x, void* self, void* left,
+                                     void* right, size_t count, DataType dtype) = 0;
+  virtual void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* right,
+                                         size_t count, DataType dtype) = 0;
+};
+
+// The engine for host memory (device < 0). Process-wide, stateless.
+DataEngine& cpu_engine();
+
+}  // namespace bagua_hvd

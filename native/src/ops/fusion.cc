@@ -1,0 +1,46 @@
+// Tensor fusion (ops/fusion.h).
+#include "ops/fusion.h"
+
+namespace bagua_hvd {
+
+void fuse_into(Response& r, std::vector<Response>& singles, size_t i, std::vector<char>& used,
+               const FusionParams& params) {
+  const int64_t esize = static_cast<int64_t>(dtype_size(r.dtype));
+  int64_t bytes = r.kind == Response::OP ? num_elements(r.shapes[0]) * esize : 0;
+  // Compressed allreduces are not fused: their chunking and error-feedback state are per
+  // tensor (a bucket of the frontend).
+  if (!(r.kind == Response::OP && r.type == BHVD_OP_ALLREDUCE && r.compression == 0 &&
+        r.hierarchical == 0 && params.threshold > 0 && bytes < params.no_fuse_bytes))
+    return;
+  for (size_t j = i + 1; j < singles.size(); ++j) {
+    Response& c = singles[j];
+    if (used[j] || c.kind != Response::OP || c.type != r.type ||
+        c.process_set_id != r.process_set_id || c.dtype != r.dtype ||
+        c.reduce_op != r.reduce_op || c.prescale != r.prescale || c.postscale != r.postscale ||
+        c.device != r.device || c.compression != 0 || c.hierarchical != 0)
+      continue;
+    int64_t cb = num_elements(c.shapes[0]) * esize;
+    if (cb >= params.no_fuse_bytes || bytes + cb > params.threshold) continue;
+    bytes += cb;
+    used[j] = 1;
+    r.names.push_back(std::move(c.names[0]));
+    r.shapes.push_back(std::move(c.shapes[0]));
+    r.per_rank.push_back(std::move(c.per_rank[0]));
+    r.cache_ids.push_back(-1);
+  }
+}
+
+unsigned char* FusionBuffer::get(size_t bytes) {
+  if (buf_.size() < bytes) {
+    buf_.resize(bytes);
+    bytes_stat_ = static_cast<int64_t>(buf_.size());
+  }
+  return buf_.data();
+}
+
+void FusionBuffer::release() {
+  std::vector<unsigned char>().swap(buf_);
+  bytes_stat_ = 0;
+}
+
+}  // namespace bagua_hvd

@@ -1,0 +1,54 @@
+// Op executors: the execution of one negotiated response on this rank, one op type per file
+// (ops/allreduce.cc, ops/allgather.cc, ...). The runtime resolves the context (the process
+// set's Comm, this rank's entries, the data engine of the tensors' device) and calls the
+// executor of the response's type on the background thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <vector>
+
+#include "collectives/comm.h"
+#include "collectives/hierarchy.h"
+#include "core/handle.h"
+#include "core/message.h"
+#include "ops/data_engine.h"
+#include "ops/fusion.h"
+
+namespace bagua_hvd {
+
+struct ExecContext {
+  const Response& r;
+  Comm& comm;
+  // Per tensor of r: this rank's entry, or null (a joined rank, which contributes zeros).
+  std::vector<Entry*>& entries;
+  DataEngine& engine;
+  FusionBuffer& fusion;
+  // The set's host hierarchy when r is hierarchical on several crowded hosts, else null.
+  Hierarchy* hierarchy;
+  // Guards the handles' core-allocated outputs, which frontend threads read.
+  std::mutex& handles_mu;
+};
+
+using OpExecutor = void (*)(ExecContext& ctx);
+
+// The executor of a tensor op type (BHVD_OP_*), or null for types the runtime runs itself (join,
+// barrier, process-set changes) and unknown ones.
+OpExecutor op_executor(int32_t type);
+
+// The executors (one file each).
+void execute_allreduce(ExecContext& ctx);
+void execute_allgather(ExecContext& ctx);
+void execute_broadcast(ExecContext& ctx);
+void execute_alltoall(ExecContext& ctx);
+void execute_reducescatter(ExecContext& ctx);
+void execute_decentralized(ExecContext& ctx);
+void execute_lp_decentralized(ExecContext& ctx);
+
+// Hierarchical decentralized step (ctx.hierarchy set): the host's average into e->output, then
+// among_leaders on the hosts' leaders, then the leader's result to the host (ops/decentralized.cc).
+void host_average_then(ExecContext& ctx, Entry* e, size_t count,
+                       const std::function<void(Comm& leaders)>& among_leaders);
+
+}  // namespace bagua_hvd

@@ -1,0 +1,41 @@
+// The control channel: length-prefixed negotiation frames (u32 little-endian length | payload,
+// docs/protocol.md) over the transport's ctrl pairs, one inbox per peer. Background thread only.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace bagua_hvd {
+
+class ControlChannel {
+ public:
+  // Frames over this many bytes mean the channel carries garbage.
+  static constexpr uint32_t kMaxFrame = 256u << 20;
+
+  ControlChannel(Transport& transport, double timeout_s);
+
+  // Takes one complete frame from peer into *out; false when none is complete yet. Throws
+  // TransportError when the peer failed (after delivering the frames it sent before) or sent an
+  // oversized frame.
+  bool poll(int peer, std::string* out);
+  // Sends one frame, draining the peer's frames meanwhile so that two full channels cannot
+  // deadlock. Throws TransportError after timeout_s without progress.
+  void send(int peer, const std::string& payload);
+  // One non-blocking attempt (the abort notice of a failing rank); errors are ignored.
+  void send_best_effort(int peer, const std::string& payload);
+
+  static std::string frame(const std::string& payload);
+
+ private:
+  void fill(int peer);
+
+  Transport& transport_;
+  double timeout_s_;
+  std::vector<std::string> inbox_;        // per-peer partial frames
+  std::vector<std::string> inbox_error_;  // per-peer failure seen after buffered frames
+};
+
+}  // namespace bagua_hvd

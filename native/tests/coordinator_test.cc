@@ -1,0 +1,250 @@
+// The coordinator's negotiation table (core/coordinator.cc): requests of N simulated ranks in,
+// responses or Horovod's error texts out; readiness, validation, fusion grouping, cache ids.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/coordinator.h"
+
+namespace bagua_hvd {
+namespace {
+
+Request req(const std::string& name, int32_t type, DataType dtype, std::vector<int64_t> shape) {
+  Request r;
+  r.name = name;
+  r.type = type;
+  r.dtype = dtype;
+  r.shape = std::move(shape);
+  r.reduce_op = ReduceOp::SUM;
+  return r;
+}
+
+Request allreduce(const std::string& name, std::vector<int64_t> shape,
+                  DataType dtype = DataType::FLOAT32) {
+  return req(name, BHVD_OP_ALLREDUCE, dtype, std::move(shape));
+}
+
+class Negotiation : public ::testing::Test {
+ protected:
+  explicit Negotiation(int n = 3) : n_(n) {
+    std::vector<int32_t> all;
+    for (int r = 0; r < n; ++r) all.push_back(r);
+    sets_[0] = all;
+    params_.cycle_time_s = 0;     // flush as soon as something is ready
+    params_.stall_warning_s = 0;  // no stall inspector in these tests
+    params_.fusion_threshold = 1 << 20;
+    params_.no_fuse_bytes = 1 << 16;
+  }
+  void start() { coord_ = std::make_unique<Coordinator>(n_, sets_, params_); }
+  void submit(int rank, const Request& r) {
+    RequestList l;
+    l.requests.push_back(r);
+    coord_->add(l, rank);
+  }
+  void submit_all(const Request& r) {
+    for (int k = 0; k < n_; ++k) submit(k, r);
+  }
+  ResponseList build() {
+    Clock::time_point wake;
+    return coord_->build(Clock::now(), &wake);
+  }
+  // The error of the single response of the next build.
+  std::string error() {
+    ResponseList out = build();
+    EXPECT_EQ(out.responses.size(), 1u);
+    if (out.responses.empty()) return "";
+    EXPECT_EQ(out.responses[0].kind, Response::ERROR);
+    return out.responses[0].error;
+  }
+
+  int n_;
+  std::map<int32_t, std::vector<int32_t>> sets_;
+  CoordinatorParams params_;
+  std::unique_ptr<Coordinator> coord_;
+};
+
+TEST_F(Negotiation, ReadyOnlyWhenEveryRankSubmitted) {
+  start();
+  submit(0, allreduce("a", {4}));
+  EXPECT_TRUE(build().responses.empty());
+  submit(2, allreduce("a", {4}));
+  EXPECT_TRUE(build().responses.empty());
+  submit(1, allreduce("a", {4}));
+  ResponseList out = build();
+  ASSERT_EQ(out.responses.size(), 1u);
+  const Response& r = out.responses[0];
+  EXPECT_EQ(r.kind, Response::OP);
+  EXPECT_EQ(r.type, BHVD_OP_ALLREDUCE);
+  EXPECT_EQ(r.names, std::vector<std::string>{"a"});
+  EXPECT_EQ(r.shapes, (std::vector<std::vector<int64_t>>{{4}}));
+  EXPECT_GT(out.seq, 0u);
+  EXPECT_TRUE(build().responses.empty());  // answered once
+}
+
+TEST_F(Negotiation, ProcessSetNeedsOnlyItsMembers) {
+  sets_[1] = {0, 2};
+  start();
+  Request r = allreduce("s", {2});
+  r.process_set_id = 1;
+  submit(0, r);
+  EXPECT_TRUE(build().responses.empty());
+  submit(2, r);
+  ResponseList out = build();
+  ASSERT_EQ(out.responses.size(), 1u);
+  EXPECT_EQ(out.responses[0].process_set_id, 1);
+  EXPECT_EQ(out.responses[0].kind, Response::OP);
+}
+
+TEST_F(Negotiation, MismatchedShapes) {
+  start();
+  submit(0, allreduce("a", {2, 3}));
+  submit(1, allreduce("a", {2, 3}));
+  submit(2, allreduce("a", {3, 2}));
+  EXPECT_EQ(error(),
+            "Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape [2, 3], but "
+            "another rank sent a tensor of shape [3, 2].");
+}
+
+TEST_F(Negotiation, MismatchedDataTypes) {
+  start();
+  submit(0, allreduce("a", {2}, DataType::FLOAT32));
+  submit(1, allreduce("a", {2}, DataType::INT32));
+  submit(2, allreduce("a", {2}, DataType::FLOAT32));
+  EXPECT_EQ(error(),
+            "Mismatched data types: One rank had type float32, but another rank had type int32.");
+}
+
+TEST_F(Negotiation, MismatchedOperations) {
+  start();
+  submit(0, allreduce("a", {2}));
+  submit(1, req("a", BHVD_OP_BROADCAST, DataType::FLOAT32, {2}));
+  submit(2, allreduce("a", {2}));
+  EXPECT_EQ(error(),
+            "Mismatched operations: One rank did an ALLREDUCE, but another rank did an "
+            "BROADCAST.");
+}
+
+TEST_F(Negotiation, MismatchedRootRanks) {
+  start();
+  Request b = req("b", BHVD_OP_BROADCAST, DataType::FLOAT32, {2});
+  submit(0, b);
+  submit(1, b);
+  b.root_rank = 1;
+  submit(2, b);
+  EXPECT_EQ(error(),
+            "Mismatched BROADCAST root ranks: One rank specified root rank 0, but another rank "
+            "specified root rank 1.");
+}
+
+TEST_F(Negotiation, MismatchedReduceOps) {
+  start();
+  Request a = allreduce("a", {2});
+  submit(0, a);
+  submit(1, a);
+  a.reduce_op = ReduceOp::MAX;
+  submit(2, a);
+  EXPECT_EQ(error(),
+            "Mismatched reduction operation: One rank sent reduction op 1, but another rank sent "
+            "reduction op 4.");
+}
+
+TEST_F(Negotiation, AllgatherCollectsEveryRanksFirstDimension) {
+  start();
+  for (int k = 0; k < 3; ++k) submit(k, req("g", BHVD_OP_ALLGATHER, DataType::INT64, {k + 1, 5}));
+  ResponseList out = build();
+  ASSERT_EQ(out.responses.size(), 1u);
+  EXPECT_EQ(out.responses[0].kind, Response::OP);
+  EXPECT_EQ(out.responses[0].per_rank, (std::vector<std::vector<int64_t>>{{1, 2, 3}}));
+}
+
+TEST_F(Negotiation, AllgatherMismatchedInnerDimension) {
+  start();
+  submit(0, req("g", BHVD_OP_ALLGATHER, DataType::INT64, {1, 5}));
+  submit(1, req("g", BHVD_OP_ALLGATHER, DataType::INT64, {2, 5}));
+  submit(2, req("g", BHVD_OP_ALLGATHER, DataType::INT64, {3, 4}));
+  EXPECT_EQ(error(),
+            "Mismatched ALLGATHER tensor shapes: One rank sent a tensor with dimension 1 equal to "
+            "5, but another rank sent a tensor with dimension 1 equal to 4.");
+}
+
+TEST_F(Negotiation, FusesAllreducesWithEqualParametersUpToTheThreshold) {
+  params_.fusion_threshold = 100;  // bytes: two float32 x 10 fit (80), three do not
+  start();
+  submit_all(allreduce("a", {10}));
+  submit_all(allreduce("b", {10}));
+  submit_all(allreduce("c", {10}));
+  submit_all(allreduce("d", {3}, DataType::FLOAT64));  // another dtype: its own response
+  ResponseList out = build();
+  ASSERT_EQ(out.responses.size(), 3u);
+  EXPECT_EQ(out.responses[0].names, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(out.responses[0].shapes, (std::vector<std::vector<int64_t>>{{10}, {10}}));
+  EXPECT_EQ(out.responses[0].cache_ids.size(), 2u);
+  EXPECT_EQ(out.responses[1].names, (std::vector<std::string>{"c"}));
+  EXPECT_EQ(out.responses[2].names, (std::vector<std::string>{"d"}));
+}
+
+TEST_F(Negotiation, LargeAndCompressedTensorsRunAlone) {
+  start();
+  submit_all(allreduce("small1", {4}));
+  submit_all(allreduce("big", {1 << 15}));  // 128 KiB >= no_fuse_bytes (64 KiB)
+  Request c = allreduce("compressed", {4});
+  c.compression = BHVD_COMPRESSION_MINMAX_UINT8;
+  submit_all(c);
+  submit_all(allreduce("small2", {4}));
+  ResponseList out = build();
+  ASSERT_EQ(out.responses.size(), 3u);
+  EXPECT_EQ(out.responses[0].names, (std::vector<std::string>{"small1", "small2"}));
+  EXPECT_EQ(out.responses[1].names, (std::vector<std::string>{"big"}));
+  EXPECT_EQ(out.responses[2].names, (std::vector<std::string>{"compressed"}));
+}
+
+TEST_F(Negotiation, NoFusionWithThresholdZero) {
+  params_.fusion_threshold = 0;
+  start();
+  submit_all(allreduce("a", {4}));
+  submit_all(allreduce("b", {4}));
+  EXPECT_EQ(build().responses.size(), 2u);
+}
+
+TEST_F(Negotiation, CachedRequestsAreAnsweredFromTheTemplate) {
+  start();
+  submit_all(allreduce("a", {6}));
+  ResponseList first = build();
+  ASSERT_EQ(first.responses.size(), 1u);
+  const int32_t id = first.responses[0].cache_ids[0];
+  ASSERT_GE(id, 0);
+  // Every rank now sends only the id.
+  for (int k = 0; k < 3; ++k) {
+    RequestList l;
+    l.acked_seq = first.seq;
+    l.cached = {id};
+    l.cached_urgent = {0};
+    coord_->add(l, k);
+  }
+  ResponseList again = build();
+  ASSERT_EQ(again.responses.size(), 1u);
+  EXPECT_EQ(again.responses[0].kind, Response::OP);
+  EXPECT_EQ(again.responses[0].names, std::vector<std::string>{"a"});
+  EXPECT_EQ(again.responses[0].shapes, (std::vector<std::vector<int64_t>>{{6}}));
+  EXPECT_EQ(again.responses[0].cache_ids, std::vector<int32_t>{id});
+  // An id nobody was given is garbage on the channel.
+  RequestList bad;
+  bad.cached = {id + 100};
+  EXPECT_THROW(coord_->add(bad, 1), TransportError);
+}
+
+TEST_F(Negotiation, CacheCapacityEvictsTheLeastRecentlyUsed) {
+  params_.cache_capacity = 1;
+  start();
+  submit_all(allreduce("a", {2}));
+  ResponseList r1 = build();
+  submit_all(allreduce("b", {2}));
+  ResponseList r2 = build();
+  ASSERT_EQ(r2.responses.size(), 1u);
+  EXPECT_EQ(r2.evicted, std::vector<int32_t>{r1.responses[0].cache_ids[0]});
+}
+
+}  // namespace
+}  // namespace bagua_hvd
