@@ -19,7 +19,7 @@ import tensorflow as tf
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.common.util import check_predivide_and_groups, split_list
 from bagua_hvd.tensorflow.compression import Compression
-from bagua_hvd.tensorflow.mpi_ops import Average, Sum, rocm_built, size
+from bagua_hvd.tensorflow.mpi_ops import Average, process_set_size, rocm_built
 
 
 def _grouped_allreduce() -> Callable[..., List[Any]]:
@@ -28,10 +28,6 @@ def _grouped_allreduce() -> Callable[..., List[Any]]:
     from bagua_hvd.tensorflow import grouped_allreduce
 
     return grouped_allreduce
-
-
-def _set_size(process_set: ProcessSet) -> int:
-    return size() if process_set.process_set_id == 0 else int(process_set.size() or 0)
 
 
 def _ref(v: Any) -> Any:
@@ -75,7 +71,7 @@ def _filtered_reduce(
         for i, g in zip(idx, reduced):
             out[i] = g
     if scale_local_gradients and local_keys:
-        n = _set_size(process_set)
+        n = process_set_size(process_set)
         out = [_scale_local(g, n) if _ref(v) in local_keys else g for g, v in zip(out, vars)]
     return out
 
@@ -108,7 +104,7 @@ def _make_allreduce_grads_fn(
                 tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
             ]
         present = [(i, g) for i, g in enumerate(grads) if g is not None]
-        if not present or _set_size(process_set) <= 1:
+        if not present or process_set_size(process_set) <= 1:
             return grads  # Horovod's _allreduce_cond: identity on a set of one rank
         if group_refs is not None:
             if vars is None:
@@ -263,17 +259,9 @@ def _resolve_algorithm(algorithm: Any, op: int, compression: Any, groups: Any) -
         algorithm = _alg.environment_algorithm()
     if algorithm is None:
         return None, op
-    _alg.check_algorithm(algorithm)
-    if isinstance(algorithm, (_alg.GradientAllReduce, _alg.ByteGrad)):
-        op = Average if algorithm.average else Sum
-    if not isinstance(algorithm, _alg.GradientAllReduce) and (
-        compression is not Compression.none or groups is not None
-    ):
-        raise ValueError(
-            f"algorithm={type(algorithm).__name__}(...) decides how data is communicated: it "
-            "cannot be combined with compression= or groups="
-        )
-    if isinstance(algorithm, _alg.GradientAllReduce) and not algorithm.hierarchical:
+    _alg.check_algorithm(algorithm, None, compression is not Compression.none, groups)
+    op = algorithm.reduce_op(op)
+    if algorithm.is_horovod_allreduce():
         return None, op  # Horovod's allreduce (compression=, groups= apply)
     return algorithm, op
 

@@ -205,6 +205,12 @@ def _check(tensor: torch.Tensor, table: Dict[torch.dtype, int]) -> int:
     return code
 
 
+def core_dtype(tensor: torch.Tensor) -> int:
+    """The core's dtype code of a tensor that allreduce accepts (contiguous, a supported dtype);
+    raises Horovod's ValueError otherwise."""
+    return _check(tensor, _ALLREDUCE_DTYPES)
+
+
 def _check_bool_reduce(op: int, prescale: float, postscale: float) -> None:
     if op not in _BOOL_OPS or prescale != 1.0 or postscale != 1.0:
         raise ValueError(
@@ -226,7 +232,7 @@ _core_cuda = False
 def _refresh_core_facts() -> None:
     global _core_cuda
     wanted = config.cuda_device_pointers()
-    _core_cuda = wanted and bool(_ops.native().lib.bhvd_device_pointers_supported())
+    _core_cuda = wanted and _ops.device_pointers_supported()
 
 
 def _device_of(tensor: torch.Tensor) -> int:
@@ -249,60 +255,12 @@ def _desc(t: torch.Tensor, code: int) -> Tuple[int, int, Tuple[int, ...]]:
     return (t.data_ptr(), code, tuple(t.shape))
 
 
-def _ps_id(process_set: ProcessSet) -> int:
-    ps_id = process_set.process_set_id
-    # An unregistered or removed set: the core answers with Horovod's "does not exist" error.
-    return -1 if ps_id is None else ps_id
+_ps_id = _ops.process_set_id
 
 
 def _register(handle: int, finish: Callable[[int], Any], keep: Any, label: str) -> int:
     _handle_map[handle] = (finish, keep, label)
     return handle
-
-
-def _primitive_async(
-    op_type: int,
-    tensor: torch.Tensor,
-    name: str,
-    process_set: ProcessSet,
-    *,
-    reduce_op: int = Sum,
-    compression: int = 0,
-    peer_mode: int = 0,
-    step: int = 0,
-    aux: Sequence[torch.Tensor] = (),
-    output: torch.Tensor | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    hierarchical: bool = False,
-) -> int:
-    """One of BAGUA's primitives on a contiguous CPU bucket (docs/algorithms.md): a compressed
-    allreduce, a decentralized average or a low-precision decentralized step. ``output``
-    defaults to ``tensor`` (in place); ``aux`` are this rank's state buffers."""
-    if tensor.device.type != "cpu":
-        raise NotImplementedError(
-            "BAGUA's algorithms run on CPU tensors in this build of bagua_hvd; GPU buckets are "
-            "not supported yet"
-        )
-    out = tensor if output is None else output
-    code = _check(tensor, _ALLREDUCE_DTYPES)
-    handle, keep = _ops.enqueue(
-        op_type,
-        (_desc(tensor, code),),
-        (_desc(out, code),),
-        name=name,
-        process_set_id=_ps_id(process_set),
-        reduce_op=reduce_op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        urgent=True,
-        compression=compression,
-        peer_mode=peer_mode,
-        step=step,
-        aux=[_desc(a, _check(a, _ALLREDUCE_DTYPES)) for a in aux] or None,
-        hierarchical=hierarchical,
-    )
-    return _register(handle, lambda h: out, (keep, tensor, out, tuple(aux)), name)
 
 
 # ---- allreduce ---------------------------------------------------------------------------------
@@ -362,6 +320,28 @@ def _allreduce_async(
         urgent,
         prefix="allreduce",
         single=True,
+    )
+
+
+def bucket_allreduce_async(
+    tensors: List[torch.Tensor],
+    name: str | None,
+    op: int,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    urgent: bool = False,
+) -> int:
+    """The in-place allreduce of a DistributedOptimizer's bucket: one tensor, or several as one
+    grouped request (``name`` without the ``"allreduce."`` prefix). Returns a handle for
+    :func:`synchronize`."""
+    if len(tensors) == 1:
+        t = tensors[0]
+        return _allreduce_async(
+            t, t, name, op, prescale_factor, postscale_factor, process_set, urgent=urgent
+        )
+    return _grouped_allreduce_async(
+        tensors, tensors, name, op, prescale_factor, postscale_factor, process_set, urgent=urgent
     )
 
 
