@@ -34,8 +34,10 @@ FRONTEND_EXPORTS = [
     "BY_NAME",
     "from_name",
     "from_environment",
+    "ALGORITHM_ENV",
 ]
-__all__ = [*FRONTEND_EXPORTS, "register_qadam_optimizer", "check_algorithm"]
+# ``from bagua_hvd.common.algorithms import *`` gives a frontend exactly these.
+__all__ = FRONTEND_EXPORTS
 
 ALGORITHM_ENV = config.ALGORITHM_ENV
 

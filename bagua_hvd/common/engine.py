@@ -41,6 +41,7 @@ __all__ = [
     "LowPrecisionRing",
     "AsyncAveraging",
     "weight_averaging",
+    "Implementation",
 ]
 
 
@@ -558,3 +559,38 @@ def weight_averaging(
     impl = _WEIGHT_AVERAGING[kind](alg, adapter, names, process_set, size)
     alg.register_impl(impl)
     return impl
+
+
+class Implementation:
+    """One algorithm inside one training loop: the engine's gradient path and weight
+    averaging. A frontend's subclass runs them at the points of its training step."""
+
+    def __init__(
+        self,
+        alg: Any,
+        adapter: TensorAdapter,
+        names: Any,
+        process_set: Any,
+        size: Callable[[], int],
+    ) -> None:
+        self.alg = alg
+        self.gradients = GradientPath(alg, adapter, process_set)
+        self.averaging = weight_averaging(alg, adapter, names, process_set, size)
+
+    @property
+    def replicas(self) -> Optional[List[List[Any]]]:
+        """Low-precision decentralized: per bucket (self, left, right)."""
+        return self.averaging.replicas
+
+    def flush(self) -> None:
+        """Low-precision decentralized: waits for the exchange still in flight."""
+        self.averaging.flush()
+
+    def rounds(self) -> int:
+        """Asynchronous averaging: rounds merged so far."""
+        return self.averaging.rounds()
+
+    @property
+    def id(self) -> Optional[int]:
+        """Asynchronous averaging: the core's id of the running averager (None: none)."""
+        return self.averaging.id

@@ -35,23 +35,13 @@ import tensorflow as tf
 from bagua_hvd.common import algorithms as _common
 from bagua_hvd.common import config, engine
 from bagua_hvd.common import ops as _ops
+from bagua_hvd.common.algorithms import *  # noqa: F403  (the declarations, re-exported)
 from bagua_hvd.common.primitives import Buffer, wait_all
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.tensorflow import mpi_ops as _mpi
 
 __all__ = [*_common.FRONTEND_EXPORTS, "QAdamOptimizer", "reify"]
 
-Algorithm = _common.Algorithm
-GradientAllReduce = _common.GradientAllReduce
-ByteGrad = _common.ByteGrad
-Decentralized = _common.Decentralized
-LowPrecisionDecentralized = _common.LowPrecisionDecentralized
-QAdamAlgorithm = _common.QAdamAlgorithm
-AsyncModelAverage = _common.AsyncModelAverage
-BY_NAME = _common.BY_NAME
-from_name = _common.from_name
-from_environment = _common.from_environment
-ALGORITHM_ENV = _common.ALGORITHM_ENV
 
 _F32 = np.float32
 
@@ -320,23 +310,21 @@ def _assign_if(flag: tf.Tensor, variables: Sequence[Any], values: Sequence[tf.Te
 
 
 # ---- the implementation --------------------------------------------------------------------------
-class AlgorithmImpl:
+class AlgorithmImpl(engine.Implementation):
     """An algorithm inside one training loop (a tape's algorithm, a Keras optimizer): the
     engine's gradient path and weight averaging, run on the tensors' numpy values at the
     points of the step (reduce_gradients before the update, after_apply after it)."""
 
-    def __init__(self, alg: Algorithm, optimizer: Any, process_set: ProcessSet) -> None:
-        self.alg = alg
+    def __init__(self, alg: _common.Algorithm, optimizer: Any, process_set: ProcessSet) -> None:
         self.optimizer = optimizer
         self.process_set = process_set
         with _uid_lock:
             self.uid = next(_uids)
+        self._names = engine.NumberedNames(self.uid)
+        super().__init__(alg, ARRAYS, self._names, process_set, self.size)
         self._steps = 0  # reduce_gradients calls that ran (advanced by _tick)
         self._residuals: Dict[Any, List[Any]] = {}
         self._applied = 0  # completed after_apply calls (numpy side), for the check below
-        self._names = engine.NumberedNames(self.uid)
-        self.gradients = engine.GradientPath(alg, ARRAYS, process_set)
-        self.averaging = engine.weight_averaging(alg, ARRAYS, self._names, process_set, self.size)
         self.needs_after_apply = self.averaging is not None and self.averaging.acts_after_update
 
     # -- properties --------------------------------------------------------------------------------
@@ -347,24 +335,6 @@ class AlgorithmImpl:
     def step(self) -> int:
         """Completed ``reduce_gradients`` calls (steps)."""
         return self._steps
-
-    @property
-    def replicas(self) -> Optional[List[List[np.ndarray]]]:
-        """Low-precision decentralized: per bucket (self, left, right)."""
-        return self.averaging.replicas
-
-    def flush(self) -> None:
-        """Low-precision decentralized: waits for the exchange still in flight."""
-        self.averaging.flush()
-
-    def rounds(self) -> int:
-        """Asynchronous averaging: rounds merged so far."""
-        return self.averaging.rounds()
-
-    @property
-    def id(self) -> Optional[int]:
-        """Asynchronous averaging: the core's id of the running averager (None: none)."""
-        return self.averaging.id
 
     # -- the public interface ----------------------------------------------------------------------
     def reduce_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
@@ -582,7 +552,7 @@ def check_algorithm(
 
 
 def reify(
-    algorithm: Algorithm | str,
+    algorithm: _common.Algorithm | str,
     optimizer: Any = None,
     process_set: ProcessSet = global_process_set,
 ) -> AlgorithmImpl:
@@ -600,16 +570,16 @@ def reify(
     build its implementations in the same order.
     """
     if isinstance(algorithm, str):  # a name, e.g. BAGUA_HVD_ALGORITHM's value
-        algorithm = from_name(algorithm)
+        algorithm = _common.from_name(algorithm)
     check_algorithm(algorithm, optimizer)
     return AlgorithmImpl(algorithm, optimizer, process_set)
 
 
 # Tapes are built anew every step: their implementation lives with the algorithm object.
-_env_algorithms: Dict[str, Algorithm] = {}
+_env_algorithms: Dict[str, _common.Algorithm] = {}
 
 
-def tape_impl(algorithm: Algorithm, process_set: ProcessSet) -> AlgorithmImpl:
+def tape_impl(algorithm: _common.Algorithm, process_set: ProcessSet) -> AlgorithmImpl:
     """The implementation a DistributedGradientTape uses for ``algorithm``: one per algorithm
     object and process set, so that its state (step count, residuals, replicas) survives the
     per-step tapes."""
@@ -621,7 +591,7 @@ def tape_impl(algorithm: Algorithm, process_set: ProcessSet) -> AlgorithmImpl:
     return impl
 
 
-def environment_algorithm() -> Optional[Algorithm]:
+def environment_algorithm() -> Optional[_common.Algorithm]:
     """``from_environment()``, the same object for every call with the same value (a tape
     built each step keeps the algorithm's state)."""
     name = config.algorithm_name()
@@ -629,5 +599,5 @@ def environment_algorithm() -> Optional[Algorithm]:
         return None
     alg = _env_algorithms.get(name)
     if alg is None:
-        alg = _env_algorithms[name] = from_name(name)
+        alg = _env_algorithms[name] = _common.from_name(name)
     return alg

@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record as _record
 
+from bagua_hvd.common import frontend as _frontend
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.exceptions import HorovodInternalError
 from bagua_hvd.common.primitives import Errors
@@ -50,49 +51,31 @@ from bagua_hvd.tensorflow import kernels as _kernels
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "HorovodInternalError", "ProcessSet", "global_process_set", "add_process_set",
-    "remove_process_set", "init", "shutdown", "is_initialized", "start_timeline",
-    "stop_timeline", "size", "local_size", "cross_size", "rank", "local_rank", "cross_rank",
-    "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
-    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "remove_process_set", "init", "shutdown",
+    "is_homogeneous",
     "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
     "size_op", "local_size_op", "rank_op", "local_rank_op", "process_set_included_op",
     "allreduce_dense", "grouped_allreduce_dense", "allgather", "grouped_allgather",
     "broadcast", "broadcast_", "alltoall", "reducescatter_dense", "grouped_reducescatter_dense",
     "join", "barrier",
+    *_frontend.__all__,  # the basics
 ]  # fmt: skip
 
+from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics, re-exported)
 from bagua_hvd.common.frontend import (  # noqa: F401  (Horovod's mpi_ops exports)
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
-    ccl_built,
     check_num_rank_power_of_2,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
     handle_average_backwards_compatibility,
     init,
     is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
     rank,
     rocm_built,
     shutdown,
     size,
-    start_timeline,
-    stop_timeline,
 )
+from bagua_hvd.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
 
 # ---- dtypes ------------------------------------------------------------------------------------
 _TF_CODES: Dict[tf.DType, int] = {
@@ -469,7 +452,7 @@ def _needs_tape(tensors: Sequence[tf.Tensor]) -> bool:
     return any(t.dtype.is_floating for t in tensors) and _record.should_record_backprop(tensors)
 
 
-def _as_tensor(t: Any) -> tf.Tensor:
+def as_tensor(t: Any) -> tf.Tensor:
     if isinstance(t, tf.Variable):
         return t.read_value() if tf.executing_eagerly() else tf.identity(t)
     return tf.convert_to_tensor(t)
@@ -480,7 +463,7 @@ def _as_list(tensors: Any, what: str) -> List[tf.Tensor]:
         raise ValueError(f"{what} expects a list or tuple of tensors, got {type(tensors).__name__}")
     if not tensors:
         raise ValueError(f"{what} expects at least one tensor, got an empty list")
-    return [_as_tensor(t) for t in tensors]
+    return [as_tensor(t) for t in tensors]
 
 
 def _differentiable(
@@ -525,7 +508,7 @@ def grouped_allreduce_dense(
 ) -> List[tf.Tensor]:
     """Allreduce of dense tensors in one core request; the gradient is the same allreduce of
     the upstream gradients (Horovod's _allreduce_grad)."""
-    tensors = [_as_tensor(t) for t in tensors]
+    tensors = [as_tensor(t) for t in tensors]
     for t in tensors:
         _check_dtype(t.dtype, _REDUCE_CODES)
     if op == Adasum:
@@ -629,7 +612,7 @@ def allgather(
 ) -> tf.Tensor:
     """Concatenates every rank's tensor along dim 0 (other dims must match)."""
     return grouped_allgather(
-        [_as_tensor(tensor)], name, ignore_name_scope, process_set, _prefix="allgather"
+        [as_tensor(tensor)], name, ignore_name_scope, process_set, _prefix="allgather"
     )[0]
 
 
@@ -678,7 +661,7 @@ def broadcast(
     process_set: ProcessSet = global_process_set,
 ) -> tf.Tensor:
     """Returns the global rank ``root_rank``'s tensor on every rank of the set."""
-    return _broadcast_tensor(_as_tensor(tensor), root_rank, name, ignore_name_scope, process_set)
+    return _broadcast_tensor(as_tensor(tensor), root_rank, name, ignore_name_scope, process_set)
 
 
 def broadcast_(
@@ -695,7 +678,7 @@ def broadcast_(
         if not isinstance(v, tf.Variable):
             raise ValueError(f"broadcast_ expects tf.Variable objects, got {type(v).__name__}")
         vname = None if name is None else (name if single else f"{name}.{i}")
-        v.assign(_broadcast_tensor(_as_tensor(v), root_rank, vname, False, process_set))
+        v.assign(_broadcast_tensor(as_tensor(v), root_rank, vname, False, process_set))
     return variables if single else var_list
 
 
@@ -733,7 +716,7 @@ def alltoall(
     Returns ``(output, received_splits)`` when ``splits`` is given, else ``output``. The gradient
     is an alltoall of the upstream gradient with the received splits.
     """
-    tensor = _as_tensor(tensor)
+    tensor = as_tensor(tensor)
     _check_dtype(tensor.dtype, _MOVE_CODES)
     splits_t = None
     if splits is not None:
@@ -800,7 +783,7 @@ def grouped_reducescatter_dense(
 ) -> List[tf.Tensor]:
     """Reducescatter in one core request. Gradient (Horovod's rule, as in the torch frontend):
     allgather of the upstream gradient, x set size for Sum, x prescale x postscale."""
-    tensors = [_as_tensor(t) for t in tensors]
+    tensors = [as_tensor(t) for t in tensors]
     for t in tensors:
         _check_dtype(t.dtype, _REDUCE_CODES)
     if op not in (Average, Sum):

@@ -30,7 +30,7 @@ def _grouped_allreduce() -> Callable[..., List[Any]]:
     return grouped_allreduce
 
 
-def _ref(v: Any) -> Any:
+def variable_key(v: Any) -> Any:
     """A hashable key for a variable (or tensor): ``ref()``; a Keras 3 variable (no ``ref``,
     not hashable) is keyed by the tf.Variable it wraps; anything else by its id."""
     if hasattr(v, "ref"):
@@ -52,7 +52,7 @@ def _scale_local(grad: Any, n: int) -> Any:
     return grad / tf.cast(n, grad.dtype)
 
 
-def _filtered_reduce(
+def filtered_reduce(
     reduce_fn: Callable[[List[Any], List[Any]], List[Any]],
     grads: Sequence[Any],
     vars: Sequence[Any],
@@ -61,10 +61,10 @@ def _filtered_reduce(
     scale_local_gradients: bool,
 ) -> List[Any]:
     """``reduce_fn(grads, vars)`` on the gradients of the non-local variables; the local ones
-    (keys ``_ref(var)`` in ``local_keys``) stay local, divided by the set size when
+    (keys ``variable_key(var)`` in ``local_keys``) stay local, divided by the set size when
     ``scale_local_gradients`` (Horovod PR 3695). Shared by the tapes, the tf.compat.v1
     optimizer and the Keras optimizer."""
-    idx = [i for i, v in enumerate(vars) if _ref(v) not in local_keys]
+    idx = [i for i, v in enumerate(vars) if variable_key(v) not in local_keys]
     out = list(grads)
     if idx:
         reduced = reduce_fn([grads[i] for i in idx], [vars[i] for i in idx])
@@ -72,11 +72,13 @@ def _filtered_reduce(
             out[i] = g
     if scale_local_gradients and local_keys:
         n = process_set_size(process_set)
-        out = [_scale_local(g, n) if _ref(v) in local_keys else g for g, v in zip(out, vars)]
+        out = [
+            _scale_local(g, n) if variable_key(v) in local_keys else g for g, v in zip(out, vars)
+        ]
     return out
 
 
-def _make_allreduce_grads_fn(
+def make_allreduce_grads_fn(
     name: str,
     compression: Any,
     sparse_as_dense: bool,
@@ -93,7 +95,9 @@ def _make_allreduce_grads_fn(
         postscale_factor = gradient_predivide_factor
     else:
         prescale_factor = postscale_factor = 1.0
-    group_refs = [[_ref(v) for v in g] for g in groups] if isinstance(groups, list) else None
+    group_refs = (
+        [[variable_key(v) for v in g] for g in groups] if isinstance(groups, list) else None
+    )
 
     def allreduce_grads(
         grads: List[Any], vars: Sequence[Any] | None = None, use_generic_names: bool = False
@@ -109,7 +113,7 @@ def _make_allreduce_grads_fn(
         if group_refs is not None:
             if vars is None:
                 raise ValueError("groups given as lists of variables need the gradients' sources")
-            where = {_ref(vars[i]): (i, g) for i, g in present}
+            where = {variable_key(vars[i]): (i, g) for i, g in present}
             split = []
             for group in group_refs:
                 chunk = [where.pop(r) for r in group if r in where]
@@ -157,7 +161,7 @@ class _DistributedGradientTape(tf.GradientTape):
     ) -> None:
         tf.GradientTape.__init__(self, persistent, watch_accessed_variables)
         self._tape = tape  # the wrapped tape's recording: gradient() reads it
-        self._allreduce_grads = _make_allreduce_grads_fn(
+        self._allreduce_grads = make_allreduce_grads_fn(
             "DistributedGradientTape", compression, sparse_as_dense, op,
             gradient_predivide_factor, groups, process_set,
         )  # fmt: skip
@@ -177,7 +181,7 @@ class _DistributedGradientTape(tf.GradientTape):
     def register_local_source(self, source: Any) -> None:
         """Marks a variable as worker-local: its gradient is not reduced across ranks (it is
         divided by the set size when ``scale_local_gradients``)."""
-        self._local_sources.add(_ref(source))
+        self._local_sources.add(variable_key(source))
 
     def gradient(
         self,
@@ -231,14 +235,15 @@ class _DistributedGradientTape(tf.GradientTape):
             with tf.name_scope("DistributedGradientTape_" + type(self.algorithm).__name__):
                 return self._algo_impl.reduce_gradients(gs, vs)
 
-        out = _filtered_reduce(
+        out = filtered_reduce(
             reduce, flat_grads, flat_sources, self._local_sources, self.process_set,
             self.scale_local_gradients,
         )  # fmt: skip
         return tf.nest.pack_sequence_as(sources, out)
 
 
-def _check_args(op: int, gradient_predivide_factor: float, num_groups: int, groups: Any) -> Any:
+def check_tape_args(op: int, gradient_predivide_factor: float, num_groups: int, groups: Any) -> Any:
+    """Horovod's checks of the tape's and the optimizer's arguments; returns the groups."""
     groups = check_predivide_and_groups(
         op, gradient_predivide_factor, num_groups, groups, rocm_built(), stacklevel=4
     )
@@ -320,7 +325,7 @@ def DistributedGradientTape(
     ``compression=`` or ``groups=``; ``GradientAllReduce(hierarchical=False)`` is Horovod's
     path with ``op`` Average or Sum (``average=``).
     """
-    groups = _check_args(op, gradient_predivide_factor, num_groups, groups)
+    groups = check_tape_args(op, gradient_predivide_factor, num_groups, groups)
     algorithm, op = _resolve_algorithm(algorithm, op, compression, groups)
     cls = type(
         gradtape.__class__.__name__,

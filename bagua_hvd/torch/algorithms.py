@@ -28,23 +28,13 @@ import torch
 
 from bagua_hvd.common import algorithms as _common
 from bagua_hvd.common import config, engine
+from bagua_hvd.common.algorithms import *  # noqa: F403  (the declarations, re-exported)
 from bagua_hvd.common.primitives import Buffer, Request
 
 __all__ = [*_common.FRONTEND_EXPORTS, "QAdamOptimizer"]
 
 # The declarations are framework-neutral (bagua_hvd.common.algorithms): the same classes in
 # every frontend. This module adds torch's implementations and QAdamOptimizer.
-Algorithm = _common.Algorithm
-GradientAllReduce = _common.GradientAllReduce
-ByteGrad = _common.ByteGrad
-Decentralized = _common.Decentralized
-LowPrecisionDecentralized = _common.LowPrecisionDecentralized
-QAdamAlgorithm = _common.QAdamAlgorithm
-AsyncModelAverage = _common.AsyncModelAverage
-BY_NAME = _common.BY_NAME
-from_name = _common.from_name
-from_environment = _common.from_environment
-ALGORITHM_ENV = _common.ALGORITHM_ENV
 
 
 class QAdamOptimizer(torch.optim.Optimizer):
@@ -226,27 +216,25 @@ class WeightBuckets:
                 self.labels.append(engine.bucket_label(names.get(g[0], "param"), len(g)))
 
 
-class AlgorithmImpl:
+class AlgorithmImpl(engine.Implementation):
     """An algorithm inside one DistributedOptimizer: the engine's gradient path and weight
     averaging, run at the optimizer's points of the step (hooks, synchronize(), step())."""
 
     def __init__(
         self,
-        alg: Algorithm,
+        alg: _common.Algorithm,
         opt: torch.optim.Optimizer,
         params: List[torch.Tensor],
         names: Dict[Any, str],
     ) -> None:
-        self.alg = alg
+        ps = opt.process_set
+        self._names = engine.LabelledNames([])  # labelled when the weights are flattened
+        super().__init__(alg, TENSORS, self._names, ps, ps.size)
         self.opt_ref = weakref.ref(opt)
         self.step = 0  # completed DistributedOptimizer steps
         self._params = params
         self._param_names = names
         self._wb: Optional[WeightBuckets] = None
-        ps = opt.process_set
-        self.gradients = engine.GradientPath(alg, TENSORS, ps)
-        self._names = engine.LabelledNames([])  # labelled when the weights are flattened
-        self.averaging = engine.weight_averaging(alg, TENSORS, self._names, ps, ps.size)
 
     # -- gradients ---------------------------------------------------------------------------------
     def communicates_gradients(self) -> bool:
@@ -320,28 +308,9 @@ class AlgorithmImpl:
             self._store(self.averaging.after_update(self.step, self._flats))
         self.step += 1
 
-    # -- for tests and callers that inspect the state ----------------------------------------------
-    @property
-    def replicas(self) -> Optional[List[List[torch.Tensor]]]:
-        """Low-precision decentralized: per bucket (self, left, right)."""
-        return self.averaging.replicas
-
-    def flush(self) -> None:
-        """Low-precision decentralized: waits for the exchange still in flight."""
-        self.averaging.flush()
-
-    def rounds(self) -> int:
-        """Asynchronous averaging: rounds merged so far."""
-        return self.averaging.rounds()
-
-    @property
-    def id(self) -> Optional[int]:
-        """Asynchronous averaging: the core's id of the running averager (None: none)."""
-        return self.averaging.id
-
 
 def implementation(
-    alg: Algorithm,
+    alg: _common.Algorithm,
     opt: torch.optim.Optimizer,
     params: List[torch.Tensor],
     names: Dict[Any, str],

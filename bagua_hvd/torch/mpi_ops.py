@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 import torch
 
 from bagua_hvd.common import config
+from bagua_hvd.common import frontend as _frontend
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.exceptions import HorovodInternalError
 from bagua_hvd.common.process_sets import (
@@ -61,26 +62,7 @@ __all__ = [
     "remove_process_set",
     "init",
     "shutdown",
-    "is_initialized",
-    "start_timeline",
-    "stop_timeline",
-    "size",
-    "local_size",
-    "cross_size",
-    "rank",
-    "local_rank",
-    "cross_rank",
     "is_homogeneous",
-    "mpi_threads_supported",
-    "mpi_enabled",
-    "mpi_built",
-    "gloo_enabled",
-    "gloo_built",
-    "nccl_built",
-    "ddl_built",
-    "ccl_built",
-    "cuda_built",
-    "rocm_built",
     "allreduce",
     "allreduce_async",
     "allreduce_",
@@ -108,38 +90,22 @@ __all__ = [
     "barrier",
     "poll",
     "synchronize",
+    *_frontend.__all__,  # the basics
 ]
 
+from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics, re-exported)
+from bagua_hvd.common.frontend import basics as _basics  # noqa: E402
 from bagua_hvd.common.frontend import (  # noqa: F401  (Horovod's mpi_ops exports)
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
     handle_average_backwards_compatibility,
     is_homogeneous,
     is_initialized,
-    local_rank,
     local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
     nccl_built,
     rank,
     rocm_built,
     size,
-    start_timeline,
-    stop_timeline,
 )
-from bagua_hvd.common.frontend import basics as _basics  # noqa: E402
+from bagua_hvd.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
 
 # handle -> (finish(handle) -> result, keepalive, label). The keepalive holds every tensor and C
 # struct the core may touch until the handle is released.
