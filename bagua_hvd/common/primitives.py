@@ -362,8 +362,8 @@ def compressed_size(dtype: int, numel: int) -> int:
 class AsyncAverager:
     """The core's background averaging of weight buffers (asynchronous model averaging).
 
-    ``close()`` stops the rounds (on every rank) and releases the averager; until then the
-    core writes into the buffers, so the caller keeps them alive.
+    ``close()`` (or leaving a ``with`` block) stops the rounds (on every rank) and releases the
+    averager; until then the core writes into the buffers, so the caller keeps them alive.
     """
 
     def __init__(
@@ -405,6 +405,12 @@ class AsyncAverager:
     def rounds(self) -> int:
         """Rounds merged so far."""
         return int(_ops.native().lib.bhvd_async_rounds(self.id)) if self.id is not None else 0
+
+    def __enter__(self) -> AsyncAverager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stops the rounds on every rank, waits for this rank's, and releases the averager."""
