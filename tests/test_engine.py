@@ -90,6 +90,26 @@ def test_declarations_say_what_they_need() -> None:
     assert not alg.AsyncModelAverage(warmup_steps=2).communicates_gradients(2)
 
 
+def test_gradient_path_plans() -> None:
+    alg.register_qadam_optimizer(_Q)
+
+    def plans(a: alg.Algorithm, steps: int) -> list:
+        path = engine.GradientPath(a, None, None)
+        return [tuple(path.plan(s))[1:] for s in range(steps)]
+
+    # (communicates, momentum, primitive, compressed, residuals)
+    assert plans(alg.GradientAllReduce(), 1) == [(True, False, False, False, False)]
+    assert plans(alg.GradientAllReduce(hierarchical=True), 1) == [(True, False, True, False, False)]
+    assert plans(alg.ByteGrad(hierarchical=False), 1) == [(True, False, True, True, False)]
+    assert plans(alg.ByteGrad(error_feedback=True), 1) == [(True, False, True, True, True)]
+    warm, comp = (True, False, True, False, False), (True, True, True, True, True)
+    q = alg.QAdamAlgorithm(_Q(), error_feedback=True)
+    assert plans(q, 5) == [warm, warm, warm, comp, comp]
+    off = (False, False, False, False, False)
+    assert plans(alg.AsyncModelAverage(warmup_steps=1), 2) == [(True,) + off[1:], off]
+    assert plans(alg.Decentralized(), 1) == [(False, False, True, False, False)]
+
+
 def test_declarations_check_their_optimizer_and_options() -> None:
     alg.register_qadam_optimizer(_Q)
     mismatch = "QAdamAlgorithm goes with QAdamOptimizer"

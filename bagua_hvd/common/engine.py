@@ -24,7 +24,7 @@ This module imports no framework and no numpy.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common import primitives as _prim
@@ -56,6 +56,10 @@ class TensorAdapter:
 
     def buffer(self, t: Any) -> Buffer:
         """The descriptor of a contiguous tensor (raises the frontend's dtype error)."""
+        raise NotImplementedError
+
+    def numel(self, t: Any) -> int:
+        """The number of elements of ``t``."""
         raise NotImplementedError
 
     def empty_like(self, t: Any) -> Any:
@@ -157,6 +161,17 @@ class NumberedNames:
 
 
 # ---- gradients -----------------------------------------------------------------------------------
+class StepPlan(NamedTuple):
+    """What the gradient path does at one step (:meth:`GradientPath.plan`)."""
+
+    step: int  #: the step the declaration was asked about
+    communicates: bool  #: the gradients are communicated at all
+    momentum: bool  #: the buckets carry the optimizer's new momentum (QAdam after warm-up)
+    primitive: bool  #: BAGUA's allreduce (compressed and/or hierarchical), not Horovod's
+    compressed: bool  #: the compressed (MinMaxUInt8) allreduce
+    residuals: bool  #: with error feedback's residuals
+
+
 class GradientPath:
     """How an algorithm's gradient buckets travel at a step (GradientAllReduce, ByteGrad,
     QAdam, AsyncModelAverage's warm-up)."""
@@ -165,27 +180,29 @@ class GradientPath:
         self.alg = alg
         self.adapter = adapter
         self.process_set = process_set
+        self._plan: Optional[StepPlan] = None
 
     def stage_step(self, step: int, optimizer_steps: Callable[[], int]) -> int:
         """The ``step`` the declaration's stage methods take: the distributed steps completed,
         or, for an algorithm staged by its optimizer (QAdam), ``optimizer_steps()``."""
         return optimizer_steps() if self.alg.staged_by_optimizer else step
 
-    def communicates(self, step: int) -> bool:
-        return self.alg.communicates_gradients(step)
-
-    def sends_momentum(self, step: int) -> bool:
-        """QAdam's compression stage: the buckets carry the optimizer's new momentum."""
-        return self.alg.sends_momentum(step)
-
-    def compresses(self, step: int) -> bool:
-        """The buckets go through the compressed allreduce (ByteGrad; QAdam after warm-up, its
-        ``step`` being its optimizer's completed updates)."""
-        return self.alg.compresses_gradients(step)
-
-    def uses_primitive(self, step: int) -> bool:
-        """BAGUA's allreduce (compressed and/or hierarchical) rather than Horovod's."""
-        return self.alg.hierarchical or self.alg.compresses_gradients(step)
+    def plan(self, step: int) -> StepPlan:
+        """The declaration's answers for ``step`` (from :meth:`stage_step`), asked once per
+        step."""
+        plan = self._plan
+        if plan is None or plan.step != step:
+            alg = self.alg
+            compressed = alg.compresses_gradients(step)
+            plan = self._plan = StepPlan(
+                step,
+                alg.communicates_gradients(step),
+                alg.sends_momentum(step),
+                alg.hierarchical or compressed,
+                compressed,
+                compressed and alg.error_feedback,
+            )
+        return plan
 
     def residuals(self, current: Optional[Tuple[Any, Any]], buf: Any) -> Tuple[Any, Any]:
         """Error feedback's residuals for bucket ``buf`` (the worker's: the bucket padded to a
@@ -194,33 +211,32 @@ class GradientPath:
         n = _prim.compression_group_size(
             _ops.process_set_id(self.process_set), self.alg.hierarchical
         )
-        chunk = -(-self.adapter.buffer(buf).numel // n)
-        if current is not None and self.adapter.buffer(current[1]).numel == chunk:
+        chunk = -(-self.adapter.numel(buf) // n)
+        if current is not None and self.adapter.numel(current[1]) == chunk:
             return current
         return (self.adapter.zeros_like(buf, chunk * n), self.adapter.zeros_like(buf, chunk))
 
     def launch(
         self,
+        plan: StepPlan,
         buf: Any,
         name: str,
-        step: int,
         *,
         reduce_op: int,
         residuals: Optional[Tuple[Any, Any]] = None,
         prescale_factor: float = 1.0,
         postscale_factor: float = 1.0,
     ) -> Request:
-        """BAGUA's allreduce of one bucket, in place. ``residuals`` (error feedback, from
-        :meth:`residuals`) are used when the step compresses."""
+        """BAGUA's allreduce of one bucket, in place, as ``plan`` says. ``residuals`` (error
+        feedback, from :meth:`residuals`) are used when the step compresses."""
         a = self.adapter
-        compressed = self.alg.compresses_gradients(step)
-        aux = residuals if compressed and residuals is not None else ()
+        aux = residuals if plan.compressed and residuals is not None else ()
         req = _prim.allreduce(
             a.buffer(buf),
             name,
             _ops.process_set_id(self.process_set),
             reduce_op=reduce_op,
-            compressed=compressed,
+            compressed=plan.compressed,
             residuals=[a.buffer(r) for r in aux],
             prescale_factor=prescale_factor,
             postscale_factor=postscale_factor,
@@ -229,9 +245,6 @@ class GradientPath:
         )
         req.hold = (buf, aux)
         return req
-
-    def wants_residuals(self, step: int) -> bool:
-        return self.alg.error_feedback and self.alg.compresses_gradients(step)
 
 
 # ---- weights -------------------------------------------------------------------------------------

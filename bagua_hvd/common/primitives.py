@@ -178,11 +178,12 @@ def _submit(
     **kwargs: Any,
 ) -> Request:
     _host(buf, out, *aux)
+    desc = buf.desc()
     try:
         handle, keep = _ops.enqueue(
             op_type,
-            (buf.desc(),),
-            (out.desc(),),
+            (desc,),
+            (desc if out is buf else out.desc(),),
             name=name,
             process_set_id=process_set_id,
             urgent=True,

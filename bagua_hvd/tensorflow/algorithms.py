@@ -219,6 +219,9 @@ class NumpyArrays(engine.TensorAdapter):
     def buffer(self, a: np.ndarray) -> Buffer:
         return Buffer(a.ctypes.data if a.size else 0, _mpi.numpy_dtype_code(a), a.size)
 
+    def numel(self, a: np.ndarray) -> int:
+        return a.size
+
     def empty_like(self, a: np.ndarray) -> np.ndarray:
         return np.empty_like(a)
 
@@ -403,17 +406,17 @@ class AlgorithmImpl(engine.Implementation):
             t = self._steps
             self._check_after_apply(t)
             gs = list(arrays[:k])
-            stage = path.stage_step(t, lambda: int(arrays[k]))
+            plan = path.plan(path.stage_step(t, lambda: int(arrays[k])))
             flag = [np.array(0, np.int32)] if staged else []
-            if not path.communicates(stage):
+            if not plan.communicates:
                 return flag + [np.array(a) for a in gs]
-            if path.sends_momentum(stage):
+            if plan.momentum:
                 for g in gs:
                     if g.dtype != np.float32:
                         raise ValueError(f"QAdamOptimizer runs on float32 variables, not {g.dtype}")
                 flag = [np.array(1, np.int32)]
-                return flag + self.allreduce_arrays(list(arrays[k + 1 :]), stage, "momentum")
-            return flag + self.allreduce_arrays(gs, stage, "grad")
+                return flag + self.allreduce_arrays(list(arrays[k + 1 :]), plan, "momentum")
+            return flag + self.allreduce_arrays(gs, plan, "grad")
 
         head = [tf.int32] if staged else []
         head_shapes = [tf.TensorShape([])] if staged else []
@@ -431,14 +434,16 @@ class AlgorithmImpl(engine.Implementation):
             out[i] = r
         return out
 
-    def allreduce_arrays(self, arrays: List[np.ndarray], step: int, kind: str) -> List[np.ndarray]:
-        """The engine's bucketed allreduce of numpy arrays at ``step`` (compressed when the
-        algorithm compresses then; ``kind`` "grad" or "momentum" names the ops); returns new
-        arrays of the same shapes."""
+    def allreduce_arrays(
+        self, arrays: List[np.ndarray], plan: engine.StepPlan, kind: str
+    ) -> List[np.ndarray]:
+        """The engine's bucketed allreduce of numpy arrays as ``plan`` says (compressed or
+        not; ``kind`` "grad" or "momentum" names the ops); returns new arrays of the same
+        shapes."""
         path = self.gradients
         flats = _Flats(arrays, _layout_for(arrays))
         slots: List[Any] = [None] * len(flats.flats)
-        if path.wants_residuals(step):
+        if plan.residuals:
             key = (kind, _signature(arrays))
             slots = self._residuals.get(key) or slots
             self._residuals = {key: slots}  # a new layout starts from zero residuals
@@ -446,7 +451,7 @@ class AlgorithmImpl(engine.Implementation):
                 slots[i] = path.residuals(slots[i], f)
         reduce_op = self.alg.reduce_op(_ops.Average)
         requests = [
-            path.launch(f, self._names.op(kind, i), step, reduce_op=reduce_op, residuals=slots[i])
+            path.launch(plan, f, self._names.op(kind, i), reduce_op=reduce_op, residuals=slots[i])
             for i, f in enumerate(flats.flats)
         ]
         wait_all(requests)

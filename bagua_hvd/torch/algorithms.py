@@ -30,6 +30,7 @@ from bagua_hvd.common import algorithms as _common
 from bagua_hvd.common import config, engine
 from bagua_hvd.common.algorithms import *  # noqa: F403  (the declarations, re-exported)
 from bagua_hvd.common.primitives import Buffer, Request
+from bagua_hvd.torch.mpi_ops import core_dtype
 
 __all__ = [*_common.FRONTEND_EXPORTS, "QAdamOptimizer"]
 
@@ -168,10 +169,12 @@ class TorchTensors(engine.TensorAdapter):
     """torch tensors for the engine (contiguous; the dtypes of Horovod's allreduce)."""
 
     def buffer(self, t: torch.Tensor) -> Buffer:
-        from bagua_hvd.torch import mpi_ops
+        # tuple.__new__: a Buffer without NamedTuple's Python-level constructor (hot path)
+        device = -1 if t.is_cpu else t.device.index
+        return _new_buffer(Buffer, (t.data_ptr(), core_dtype(t), t.numel(), device, 0))
 
-        device = -1 if t.device.type == "cpu" else t.device.index
-        return Buffer(t.data_ptr(), mpi_ops.core_dtype(t), t.numel(), device)
+    def numel(self, t: torch.Tensor) -> int:
+        return t.numel()
 
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(t)
@@ -188,6 +191,7 @@ class TorchTensors(engine.TensorAdapter):
 
 
 TENSORS = TorchTensors()
+_new_buffer = tuple.__new__
 
 
 class WeightBuckets:
@@ -235,13 +239,20 @@ class AlgorithmImpl(engine.Implementation):
         self._params = params
         self._param_names = names
         self._wb: Optional[WeightBuckets] = None
+        self._plan: Optional[engine.StepPlan] = None
 
     # -- gradients ---------------------------------------------------------------------------------
     def communicates_gradients(self) -> bool:
-        return self.gradients.communicates(self.step)
+        return (self._plan or self._new_plan()).communicates
 
-    def _stage(self) -> int:
-        return self.gradients.stage_step(self.step, lambda: self.opt_ref().step_id)
+    def _new_plan(self) -> engine.StepPlan:
+        """This step's plan (kept until after_step(): the stage cannot change before)."""
+        path = self.gradients
+        self._plan = path.plan(path.stage_step(self.step, self._optimizer_steps))
+        return self._plan
+
+    def _optimizer_steps(self) -> int:
+        return self.opt_ref().step_id  # QAdam: the DistributedOptimizer's own updates
 
     def launch(
         self,
@@ -255,19 +266,19 @@ class AlgorithmImpl(engine.Implementation):
     ) -> Optional[Request]:
         """A gradient bucket (``params``, in ``buf``) is complete: BAGUA's allreduce of it,
         or None when Horovod's allreduce sends it. ``slot.residuals`` keeps its residuals."""
-        stage = self._stage()
         path = self.gradients
-        if path.sends_momentum(stage):
+        plan = self._plan or self._new_plan()
+        if plan.momentum:
             self.opt_ref().momentum_into_grads_(params)
-        if not path.uses_primitive(stage):
+        if not plan.primitive:
             return None
         residuals = None
-        if path.wants_residuals(stage):
+        if plan.residuals:
             residuals = slot.residuals = path.residuals(slot.residuals, buf)
         return path.launch(
+            plan,
             buf,
             name,
-            stage,
             reduce_op=reduce_op,
             residuals=residuals,
             prescale_factor=prescale_factor,
@@ -307,6 +318,7 @@ class AlgorithmImpl(engine.Implementation):
         if self.averaging is not None:
             self._store(self.averaging.after_update(self.step, self._flats))
         self.step += 1
+        self._plan = None
 
 
 def implementation(

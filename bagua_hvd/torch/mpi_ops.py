@@ -26,6 +26,7 @@ the calling rank; mismatches between ranks, lost peers and shutdown raise Horovo
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
@@ -171,10 +172,9 @@ def _check(tensor: torch.Tensor, table: Dict[torch.dtype, int]) -> int:
     return code
 
 
-def core_dtype(tensor: torch.Tensor) -> int:
-    """The core's dtype code of a tensor that allreduce accepts (contiguous, a supported dtype);
-    raises Horovod's ValueError otherwise."""
-    return _check(tensor, _ALLREDUCE_DTYPES)
+#: ``core_dtype(tensor)``: the core's dtype code of a tensor that allreduce accepts (contiguous,
+#: a supported dtype); raises Horovod's ValueError otherwise.
+core_dtype: Callable[[torch.Tensor], int] = functools.partial(_check, table=_ALLREDUCE_DTYPES)
 
 
 def _check_bool_reduce(op: int, prescale: float, postscale: float) -> None:
