@@ -17,7 +17,7 @@ This module imports no framework. A frontend registers its QAdam optimizer class
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from bagua_hvd.common import config
 from bagua_hvd.common import ops as _ops
@@ -368,6 +368,36 @@ def from_environment() -> Optional[Algorithm]:
     """``from_name(BAGUA_HVD_ALGORITHM)``, or None when the variable is unset or empty."""
     name = config.algorithm_name()
     return from_name(name) if name else None
+
+
+def check_qadam_arguments(
+    lr: Any,
+    warmup_steps: Any,
+    betas: Tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    bool_steps: bool = True,
+) -> None:
+    """A QAdamOptimizer's arguments (torch.optim.Adam's messages); ``lr`` None: a schedule,
+    not checked; ``bool_steps=False`` refuses ``warmup_steps=True``."""
+    if lr is not None and not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    for i in (0, 1):
+        if not 0.0 <= betas[i] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if (
+        (isinstance(warmup_steps, bool) and not bool_steps)
+        or not isinstance(warmup_steps, int)
+        or warmup_steps <= 0
+    ):
+        raise ValueError(
+            f"warmup_steps must be a positive integer, got {warmup_steps!r}: the compression "
+            "stage freezes the second moment estimated during warm-up"
+        )
 
 
 def check_interval(communication_interval: int) -> None:

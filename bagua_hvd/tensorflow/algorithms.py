@@ -89,21 +89,14 @@ class QAdamOptimizer(tf.keras.optimizers.Optimizer):
         **kwargs: Any,
     ) -> None:
         weight_decay = 0.0 if weight_decay is None else float(weight_decay)
-        if isinstance(learning_rate, (int, float)) and not 0.0 <= learning_rate:
-            raise ValueError(f"Invalid learning rate: {learning_rate}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
-            raise ValueError(
-                f"warmup_steps must be a positive integer, got {warmup_steps!r}: the compression "
-                "stage freezes the second moment estimated during warm-up"
-            )
+        _common.check_qadam_arguments(
+            learning_rate if isinstance(learning_rate, (int, float)) else None,
+            warmup_steps,
+            betas,
+            eps,
+            weight_decay,
+            bool_steps=False,
+        )
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.warmup_steps = warmup_steps
         self.betas = (float(betas[0]), float(betas[1]))

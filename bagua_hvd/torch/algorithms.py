@@ -56,21 +56,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0,
     ) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if not isinstance(warmup_steps, int) or warmup_steps <= 0:
-            raise ValueError(
-                f"warmup_steps must be a positive integer, got {warmup_steps!r}: the compression "
-                "stage freezes the second moment estimated during warm-up"
-            )
+        _common.check_qadam_arguments(lr, warmup_steps, betas, eps, weight_decay)
         self.warmup_steps = warmup_steps
         self.step_id = 0  # completed steps
         self._momentum_in_grad: set = set()  # compression stage: grads already turned to m
