@@ -214,7 +214,6 @@ class AlgorithmImpl(engine.Implementation):
         self,
         alg: _common.Algorithm,
         opt: torch.optim.Optimizer,
-        params: List[torch.Tensor],
         names: Dict[Any, str],
     ) -> None:
         ps = opt.process_set
@@ -222,7 +221,6 @@ class AlgorithmImpl(engine.Implementation):
         super().__init__(alg, TENSORS, self._names, ps, ps.size)
         self.opt_ref = weakref.ref(opt)
         self.step = 0  # completed DistributedOptimizer steps
-        self._params = params
         self._param_names = names
         self._wb: Optional[WeightBuckets] = None
         self._plan: Optional[engine.StepPlan] = None
@@ -274,7 +272,8 @@ class AlgorithmImpl(engine.Implementation):
     # -- weights -----------------------------------------------------------------------------------
     def weights(self) -> WeightBuckets:
         if self._wb is None:
-            params = [p for p in self._params if p.requires_grad]
+            groups = self.opt_ref().param_groups
+            params = [p for g in groups for p in g["params"] if p.requires_grad]
             self._wb = WeightBuckets(params, self._param_names)
             self._names.labels = self._wb.labels
         return self._wb
@@ -308,11 +307,8 @@ class AlgorithmImpl(engine.Implementation):
 
 
 def implementation(
-    alg: _common.Algorithm,
-    opt: torch.optim.Optimizer,
-    params: List[torch.Tensor],
-    names: Dict[Any, str],
+    alg: _common.Algorithm, opt: torch.optim.Optimizer, names: Dict[Any, str]
 ) -> AlgorithmImpl:
-    """The implementation of ``alg`` inside the DistributedOptimizer ``opt`` (``params``: its
-    trainable parameters in registration order; ``names``: parameter -> name)."""
-    return AlgorithmImpl(alg, opt, params, names)
+    """The implementation of ``alg`` inside the DistributedOptimizer ``opt`` (``names``:
+    parameter -> name)."""
+    return AlgorithmImpl(alg, opt, names)

@@ -238,10 +238,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if algorithm is not None:
                 from bagua_hvd.torch import algorithms as _alg
 
-                params = [p for g in self.param_groups for p in g["params"]]
-                self._algo_impl = _alg.implementation(
-                    algorithm, self, params, self._parameter_names
-                )
+                self._algo_impl = _alg.implementation(algorithm, self, self._parameter_names)
             self._register_hooks()
 
     # ---- Horovod's public surface --------------------------------------------------------------
