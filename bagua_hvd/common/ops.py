@@ -399,7 +399,8 @@ def wait(handle: int, what: str = "operation") -> None:
     ``BAGUA_HVD_WAIT_WARNING_SECONDS`` (default 60) while it waits.
     """
     n = _n if _n is not None else native()
-    status = n.lib.bhvd_wait(handle, _WAIT_SLICE_MS)
+    wait_c = n.lib.bhvd_wait
+    status = wait_c(handle, _WAIT_SLICE_MS)
     if status == TIMED_OUT:
         status = _wait_long(n, handle, what)
     if status != OK:
