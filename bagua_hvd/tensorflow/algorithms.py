@@ -1,10 +1,11 @@
 """BAGUA's algorithms for the TensorFlow frontend (docs/algorithms.md, section "TensorFlow").
 
 The declarations are the framework-neutral ones of ``bagua_hvd.common.algorithms`` (the same
-classes as ``bagua_hvd.torch.algorithms``); this module adds their TensorFlow implementations
-and a Keras ``QAdamOptimizer``. The math runs in the C++ core, as for torch: tensors reach it
-through numpy (``tf.numpy_function`` inside ``tf.function``), weights are written back with
-``assign``.
+classes as ``bagua_hvd.torch.algorithms``), implemented once by ``bagua_hvd.common.engine``;
+this module adds a Keras ``QAdamOptimizer`` and runs the engine at the points of a TensorFlow
+step. The math runs in the C++ core, as for torch: tensors reach it through numpy
+(``tf.numpy_function`` inside ``tf.function``; the engine itself sees buffer descriptors
+only), weights are written back with ``assign``.
 
 Users pass an algorithm to ``hvd.DistributedGradientTape(tape, algorithm=...)`` (or to the
 Keras ``hvd.DistributedOptimizer(opt, algorithm=...)``). Frontend code (the tape, the Keras
