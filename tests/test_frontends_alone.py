@@ -28,6 +28,8 @@ def test_launcher_and_common_import_no_framework() -> None:
     code = (
         "import sys\n"
         "import bagua_hvd, bagua_hvd.common.basics, bagua_hvd.common.ops, bagua_hvd.runner.launch\n"
+        "import bagua_hvd.common.algorithms, bagua_hvd.common.engine, bagua_hvd.common.primitives\n"
+        "import bagua_hvd.common.compression\n"
         "bad = [m for m in ('torch', 'tensorflow', 'keras') if m in sys.modules]\n"
         "assert not bad, bad\n"
         "print('no framework imported')\n"

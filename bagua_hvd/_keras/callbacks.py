@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import bagua_hvd.tensorflow as hvd
-from bagua_hvd.tensorflow.tape import _ref
+from bagua_hvd.tensorflow.tape import variable_key
 
 
 def _is_variable(var: Any) -> bool:
@@ -125,12 +125,12 @@ class BroadcastGlobalVariablesCallbackImpl:
 
     def register_local_var(self, var: Any) -> None:
         """Registers a variable as worker local: it is not broadcast."""
-        self._local_vars.add(_ref(var))
+        self._local_vars.add(variable_key(var))
 
     def _model_variables(self) -> List[Any]:
         model = self.model
         weights = model.weights if hasattr(model, "weights") else model.variables
-        return [v for v in weights if _ref(v) not in self._local_vars]
+        return [v for v in weights if variable_key(v) not in self._local_vars]
 
     def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         if self.broadcast_done:
@@ -144,7 +144,7 @@ class BroadcastGlobalVariablesCallbackImpl:
                         optimizer.build(self.model.trainable_variables)
                     opt_vars = [
                         v for v in _optimizer_variables(optimizer)
-                        if _ref(v) not in self._local_vars
+                        if variable_key(v) not in self._local_vars
                     ]  # fmt: skip
                     hvd.broadcast_variables(opt_vars, root_rank=self.root_rank)
             else:  # TF1-style graph (tf_keras with eager execution disabled)

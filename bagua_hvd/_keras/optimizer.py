@@ -39,8 +39,8 @@ import tensorflow as tf
 from bagua_hvd.common import config
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.tensorflow.mpi_ops import rank
-from bagua_hvd.tensorflow.optimizer import LocalGradientAggregationHelper, _tf_var
-from bagua_hvd.tensorflow.tape import _filtered_reduce, _make_allreduce_grads_fn, _ref
+from bagua_hvd.tensorflow.optimizer import LocalGradientAggregationHelper, tf_variable
+from bagua_hvd.tensorflow.tape import filtered_reduce, make_allreduce_grads_fn, variable_key
 
 _MODULE = "bagua_hvd._keras"
 
@@ -117,7 +117,7 @@ def create_distributed_optimizer(
     algorithm = _resolve_algorithm(algorithm)
     if isinstance(groups, list):
         # Keras 3 variables are unhashable: the allreduce helper matches tf.Variable refs.
-        groups = [[_tf_var(v) for v in g] for g in groups]
+        groups = [[tf_variable(v) for v in g] for g in groups]
     wrapper_name = name or f"Distributed{base.__name__}"
     dist_cls: Any = None  # the class built below; methods call super(dist_cls, self)
 
@@ -131,7 +131,7 @@ def create_distributed_optimizer(
                 name=wrapper_name,
                 process_set=process_set,
                 algorithm=algorithm,
-                allreduce_grads=_make_allreduce_grads_fn(
+                allreduce_grads=make_allreduce_grads_fn(
                     wrapper_name,
                     compression,
                     sparse_as_dense,
@@ -155,7 +155,7 @@ def create_distributed_optimizer(
         def register_local_var(self, var: Any) -> None:
             """Marks ``var`` as worker-local: its gradient is not reduced across ranks (it is
             divided by the set size when ``scale_local_gradients``)."""
-            self._bhvd.local_keys.add(_ref(var))
+            self._bhvd.local_keys.add(variable_key(var))
 
         def _algorithm_impl(self) -> Any:
             st = self._bhvd
@@ -183,7 +183,7 @@ def create_distributed_optimizer(
                 return grads
             impl = self._algorithm_impl()
             reduce = impl.reduce_gradients if impl is not None else st.allreduce_grads
-            return _filtered_reduce(
+            return filtered_reduce(
                 reduce, grads, vars, st.local_keys, st.process_set, self.scale_local_gradients
             )
 

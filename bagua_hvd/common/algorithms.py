@@ -3,17 +3,15 @@
 An algorithm is a declaration: which tensors are communicated (gradients, weights or the
 optimizer's momentum), how they are bucketed, and which primitive of the core runs when. The
 primitives themselves (compressed allreduce, decentralized averages, asynchronous averaging)
-run in the C++ core; each frontend (``bagua_hvd.torch.algorithms``,
-``bagua_hvd.tensorflow.algorithms``) turns a declaration into an implementation for its
-tensors ("reifies" it) and decides when to start them. The classes are the same objects in
-every frontend: ``bagua_hvd.torch.algorithms.ByteGrad is bagua_hvd.common.algorithms.ByteGrad``.
+run in the C++ core; the engine (``bagua_hvd.common.engine``) implements every algorithm once,
+asking the declaration through the attributes and methods of :class:`Algorithm`; each
+frontend (``bagua_hvd.torch.algorithms``, ``bagua_hvd.tensorflow.algorithms``) hands the
+engine its tensors and decides when in its training step each part runs. The classes are the
+same objects in every frontend: ``bagua_hvd.torch.algorithms.ByteGrad is
+bagua_hvd.common.algorithms.ByteGrad``.
 
-This module imports no framework. Frontend hooks:
-
-* :func:`register_frontend` -- ``Algorithm.reify(owner)`` builds the implementation of the
-  frontend whose owner type (e.g. ``torch.optim.Optimizer``) ``owner`` is an instance of;
-* :func:`register_qadam_optimizer` -- a frontend's QAdam optimizer class, which
-  ``QAdamAlgorithm`` accepts.
+This module imports no framework. A frontend registers its QAdam optimizer class with
+:func:`register_qadam_optimizer` (``QAdamAlgorithm`` accepts instances of it).
 """
 
 from __future__ import annotations
@@ -36,22 +34,15 @@ FRONTEND_EXPORTS = [
     "BY_NAME",
     "from_name",
     "from_environment",
+    "ALGORITHM_ENV",
 ]
-__all__ = [*FRONTEND_EXPORTS, "register_frontend", "register_qadam_optimizer"]
+# ``from bagua_hvd.common.algorithms import *`` gives a frontend exactly these.
+__all__ = FRONTEND_EXPORTS
 
 ALGORITHM_ENV = config.ALGORITHM_ENV
 
-# (owner type, factory(algorithm, owner) -> implementation), in registration order.
-_FRONTENDS: List[Tuple[type, Callable[[Any, Any], Any]]] = []
 # The frontends' QAdam optimizer classes.
 _QADAM_OPTIMIZERS: List[type] = []
-
-
-def register_frontend(owner_type: type, factory: Callable[[Any, Any], Any]) -> None:
-    """Makes ``Algorithm.reify(owner)`` call ``factory(algorithm, owner)`` for owners of
-    ``owner_type`` (a frontend registers itself when its algorithms module is imported)."""
-    if not any(t is owner_type for t, _ in _FRONTENDS):
-        _FRONTENDS.append((owner_type, factory))
 
 
 def register_qadam_optimizer(cls: type) -> None:
@@ -65,8 +56,45 @@ def is_qadam_optimizer(obj: Any) -> bool:
     return any(isinstance(obj, cls) for cls in _QADAM_OPTIMIZERS)
 
 
+_QADAM_MISMATCH = (
+    "QAdamAlgorithm goes with QAdamOptimizer: pass the QAdamOptimizer to both "
+    "QAdamAlgorithm(...) and DistributedOptimizer(...)"
+)
+
+
+def check_algorithm(algorithm: Any, frontend: str) -> None:
+    """Raises ValueError when ``algorithm`` is not a declaration (``frontend``: the package
+    named in the message, e.g. ``"torch"``)."""
+    if not isinstance(algorithm, Algorithm):
+        raise ValueError(
+            f"algorithm must be an object from bagua_hvd.{frontend}.algorithms, got "
+            f"{type(algorithm).__name__}"
+        )
+
+
 class Algorithm:
-    """Base class of the algorithm declarations."""
+    """Base class of the algorithm declarations.
+
+    The engine (:mod:`bagua_hvd.common.engine`) asks a declaration what to do through the
+    attributes and methods below; no frontend looks at its class.
+    """
+
+    #: within each host, then among the hosts (where the job spans several hosts and some host
+    #: runs several ranks; the core runs the flat algorithm otherwise)
+    hierarchical: bool = False
+    #: gradients are averaged (else summed) by the gradient path
+    average: bool = True
+    #: the compressed allreduce carries each quantization's residual into the next step
+    error_feedback: bool = False
+    #: which weight averaging of the engine runs ("peer_average", "low_precision_ring",
+    #: "async"), or None: the algorithm communicates gradients only
+    weight_averaging: Optional[str] = None
+    #: the gradients may be communicated at some step (a frontend that stages them through an
+    #: extra operation may skip it otherwise)
+    uses_gradient_path: bool = True
+    #: the ``step`` of :meth:`compresses_gradients` and :meth:`sends_momentum` counts the
+    #: updates of the algorithm's optimizer (QAdam's stages), not the distributed steps
+    staged_by_optimizer: bool = False
 
     #: gradients are averaged by the frontend's gradient path at this step
     def communicates_gradients(self, step: int) -> bool:
@@ -76,17 +104,49 @@ class Algorithm:
     def compresses_gradients(self, step: int) -> bool:
         return False
 
-    def reify(self, owner: Any) -> Any:
-        """The implementation of this algorithm inside ``owner`` (e.g. a torch
-        DistributedOptimizer), built by the frontend registered for ``owner``'s type."""
-        for owner_type, factory in _FRONTENDS:
-            if isinstance(owner, owner_type):
-                return factory(self, owner)
-        raise TypeError(
-            f"no bagua_hvd frontend implements {type(self).__name__} for a "
-            f"{type(owner).__name__}: import bagua_hvd.torch.algorithms or "
-            "bagua_hvd.tensorflow.algorithms"
-        )
+    def sends_momentum(self, step: int) -> bool:
+        """The gradient path carries the optimizer's new momentum instead of the gradient."""
+        return False
+
+    def is_horovod_allreduce(self) -> bool:
+        """The gradients go through Horovod's allreduce, configured by the optimizer's own
+        arguments (``op=``, ``compression=``, ``groups=``)."""
+        return False
+
+    def reduce_op(self, op: int) -> int:
+        """The gradient path's reduce op, given the one the optimizer was built with."""
+        return op
+
+    def check(
+        self,
+        optimizer: Any,
+        qadam_optimizer_class: type,
+        compression: bool = False,
+        groups: Any = None,
+    ) -> None:
+        """Raises ValueError when the algorithm cannot run with ``optimizer`` (the wrapped
+        optimizer, or None: the algorithm's own), an optimizer ``compression`` other than
+        none, or ``groups``. ``qadam_optimizer_class``: the frontend's QAdamOptimizer."""
+        if isinstance(optimizer, qadam_optimizer_class):
+            raise ValueError(_QADAM_MISMATCH)
+        self._check_data_path(compression, groups)
+
+    def _check_data_path(self, compression: bool, groups: Any) -> None:
+        if compression or groups is not None:
+            raise ValueError(
+                f"algorithm={type(self).__name__}(...) decides how data is communicated: it "
+                "cannot be combined with compression= or groups="
+            )
+
+    def prepare_optimizer(self, optimizer: Any) -> None:
+        """Called with the distributed optimizer built for this algorithm."""
+
+    def own_optimizer(self) -> Any:
+        """The optimizer the algorithm was given (QAdam's), or None."""
+        return None
+
+    def register_impl(self, impl: Any) -> None:
+        """Called by the engine for each implementation it builds."""
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
@@ -101,6 +161,15 @@ class GradientAllReduce(Algorithm):
     def __init__(self, hierarchical: bool = False, average: bool = True) -> None:
         self.hierarchical = hierarchical
         self.average = average
+
+    def is_horovod_allreduce(self) -> bool:
+        return not self.hierarchical
+
+    def reduce_op(self, op: int) -> int:
+        return _ops.Average if self.average else _ops.Sum
+
+    def _check_data_path(self, compression: bool, groups: Any) -> None:
+        pass  # Horovod's path: compression= and groups= apply
 
 
 class ByteGrad(Algorithm):
@@ -117,6 +186,9 @@ class ByteGrad(Algorithm):
 
     def compresses_gradients(self, step: int) -> bool:
         return True
+
+    def reduce_op(self, op: int) -> int:
+        return _ops.Average if self.average else _ops.Sum
 
 
 class Decentralized(Algorithm):
@@ -140,6 +212,9 @@ class Decentralized(Algorithm):
         self.peer_selection_mode = peer_selection_mode
         self.communication_interval = communication_interval
 
+    weight_averaging = "peer_average"
+    uses_gradient_path = False
+
     def communicates_gradients(self, step: int) -> bool:
         return False
 
@@ -153,6 +228,9 @@ class LowPrecisionDecentralized(Algorithm):
         check_interval(communication_interval)
         self.hierarchical = hierarchical
         self.communication_interval = communication_interval
+
+    weight_averaging = "low_precision_ring"
+    uses_gradient_path = False
 
     def communicates_gradients(self, step: int) -> bool:
         return False
@@ -176,8 +254,42 @@ class QAdamAlgorithm(Algorithm):
         self.error_feedback = error_feedback
         self.average = True
 
+    staged_by_optimizer = True
+
     def compresses_gradients(self, step: int) -> bool:
-        return not self.optimizer.in_warmup()
+        """``step``: the QAdam optimizer's completed updates (warm-up, then compression)."""
+        return step >= self.optimizer.warmup_steps
+
+    def sends_momentum(self, step: int) -> bool:
+        return step >= self.optimizer.warmup_steps
+
+    def check(
+        self,
+        optimizer: Any,
+        qadam_optimizer_class: type,
+        compression: bool = False,
+        groups: Any = None,
+    ) -> None:
+        q = self.optimizer if optimizer is None else optimizer
+        if not isinstance(q, qadam_optimizer_class):
+            raise ValueError(
+                _QADAM_MISMATCH
+                + (
+                    " (this QAdamOptimizer is torch's: use bagua_hvd.tensorflow.algorithms'"
+                    " QAdamOptimizer)"
+                    if optimizer is None
+                    else ""
+                )
+            )
+        self._check_data_path(compression, groups)
+
+    def prepare_optimizer(self, optimizer: Any) -> None:
+        """The distributed optimizer is a QAdamOptimizer of its own: it takes over the stage
+        of the one this algorithm was given."""
+        optimizer.adopt_stage(self.optimizer)
+
+    def own_optimizer(self) -> Any:
+        return self.optimizer
 
 
 class AsyncModelAverage(Algorithm):
@@ -204,11 +316,13 @@ class AsyncModelAverage(Algorithm):
         # Implementations of any frontend (objects with abort() and resume()).
         self._impls: weakref.WeakSet[Any] = weakref.WeakSet()
 
+    weight_averaging = "async"
+
     def communicates_gradients(self, step: int) -> bool:
         return step < self.warmup_steps
 
     def register_impl(self, impl: Any) -> None:
-        """Called by a frontend for each implementation it builds: abort()/resume() reach it."""
+        """Called by the engine for each implementation it builds: abort()/resume() reach it."""
         self._impls.add(impl)
 
     def abort(self, model: Any = None) -> None:
@@ -256,6 +370,36 @@ def from_environment() -> Optional[Algorithm]:
     return from_name(name) if name else None
 
 
+def check_qadam_arguments(
+    lr: Any,
+    warmup_steps: Any,
+    betas: Tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    bool_steps: bool = True,
+) -> None:
+    """A QAdamOptimizer's arguments (torch.optim.Adam's messages); ``lr`` None: a schedule,
+    not checked; ``bool_steps=False`` refuses ``warmup_steps=True``."""
+    if lr is not None and not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    for i in (0, 1):
+        if not 0.0 <= betas[i] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if (
+        (isinstance(warmup_steps, bool) and not bool_steps)
+        or not isinstance(warmup_steps, int)
+        or warmup_steps <= 0
+    ):
+        raise ValueError(
+            f"warmup_steps must be a positive integer, got {warmup_steps!r}: the compression "
+            "stage freezes the second moment estimated during warm-up"
+        )
+
+
 def check_interval(communication_interval: int) -> None:
     if not isinstance(communication_interval, int) or communication_interval < 1:
         raise ValueError(
@@ -269,29 +413,3 @@ DEFAULT_BUCKET_MB = config.DEFAULT_BUCKET_MB
 
 
 bucket_bytes = config.bucket_bytes
-
-
-def bucket_layout(infos: List[Tuple[int, Any, int]], cap: int) -> List[List[int]]:
-    """Buckets (lists of indices into ``infos``) for tensors described as ``(numel, dtype key,
-    itemsize)``: taken in reverse order and appended to the open bucket of their dtype; a
-    bucket is closed when the next tensor would take it past ``cap`` bytes (a bigger tensor gets
-    a bucket of its own); ``cap == 0``: one bucket per tensor. Buckets are listed in the order
-    they were opened (the torch DistributedOptimizer's first-guess layout)."""
-    out: List[List[int]] = []
-    open_: Dict[Any, List[Any]] = {}  # dtype -> [bucket, bytes]
-    for i in reversed(range(len(infos))):
-        numel, key, itemsize = infos[i]
-        nbytes = numel * itemsize
-        if cap == 0:
-            out.append([i])
-            continue
-        cur = open_.get(key)
-        if cur is not None and cur[1] + nbytes > cap:
-            cur = None
-        if cur is None:
-            cur = [[], 0]
-            open_[key] = cur
-            out.append(cur[0])
-        cur[0].append(i)
-        cur[1] += nbytes
-    return out

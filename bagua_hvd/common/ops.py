@@ -401,6 +401,21 @@ def wait(handle: int, what: str = "operation") -> None:
         raise _handle_exception(n, handle, status, what)
 
 
+def wait_status(handle: int, what: str = "operation") -> int:
+    """Blocks until ``handle`` completes and returns its status (:func:`wait`'s slices,
+    warnings and ``BAGUA_HVD_OP_TIMEOUT_SECONDS``, which raises HorovodInternalError)."""
+    n = _n if _n is not None else native()
+    status = n.lib.bhvd_wait(handle, _WAIT_SLICE_MS)
+    if status == TIMED_OUT:
+        status = _wait_long(n, handle, what)
+    return status
+
+
+def failure_message(handle: int, fallback: str) -> str:
+    """The message of a failed handle: the core's, else ``fallback``."""
+    return handle_error(handle) or _native.last_error() or fallback
+
+
 def _wait_long(n: _Native, handle: int, what: str) -> int:
     limit = config.op_timeout_seconds()
     warn_every = config.wait_warning_seconds()
@@ -430,8 +445,7 @@ def _wait_long(n: _Native, handle: int, what: str) -> int:
 def _handle_exception(n: _Native, handle: int, status: int, what: str) -> Exception:
     if status == INVALID_ARGUMENT and n.lib.bhvd_poll(handle) < 0:
         return ValueError(f"Handle {handle} was not created or has been cleared.")
-    message = handle_error(handle) or _native.last_error() or f"{what} failed (status {status})"
-    return exception_for_status(status, message)
+    return exception_for_status(status, failure_message(handle, f"{what} failed (status {status})"))
 
 
 def poll(handle: int) -> bool:
@@ -512,6 +526,19 @@ def process_set_rank(process_set_id: int) -> int:
     """This process's rank in the set; -1 not a member, -2 unknown set."""
     n = _n if _n is not None else native()
     return int(n.lib.bhvd_process_set_rank(process_set_id))
+
+
+def device_pointers_supported() -> bool:
+    """Whether the core accepts device (GPU) pointers in requests."""
+    n = _n if _n is not None else native()
+    return bool(n.lib.bhvd_device_pointers_supported())
+
+
+def process_set_id(process_set: Any) -> int:
+    """The core's id of a ``ProcessSet``; -1 for an unregistered or removed set (the core then
+    answers with Horovod's "does not exist" error)."""
+    ps_id = process_set.process_set_id
+    return -1 if ps_id is None else ps_id
 
 
 def reducescatter_rows(dim0: int, set_size: int, set_rank: int) -> int:

@@ -18,23 +18,18 @@ import tensorflow as tf
 
 from bagua_hvd.common.exceptions import HorovodInternalError  # noqa: F401
 from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics)
+from bagua_hvd.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
 from bagua_hvd.common.util import check_extension  # noqa: F401
 from bagua_hvd.tensorflow import mpi_ops  # noqa: F401
 from bagua_hvd.tensorflow.compression import Compression, NoneCompressor
 from bagua_hvd.tensorflow.mpi_ops import (  # noqa: F401
-    Adasum,
-    Average,
-    Max,
-    Min,
     ProcessSet,
-    Product,
-    Sum,
-    _as_tensor,
     _executing_eagerly,
     add_process_set,
     allgather,
     allreduce_dense,
     alltoall,
+    as_tensor,
     barrier,
     broadcast,
     broadcast_,
@@ -141,7 +136,7 @@ def allreduce(
             tensor.indices, process_set=process_set, ignore_name_scope=ignore_name_scope
         )
         return _sparse_result(values, indices, tensor.dense_shape, op, process_set)
-    tensor = _as_tensor(tensor)
+    tensor = as_tensor(tensor)
     if compression is NoneCompressor:
         return allreduce_dense(
             tensor, op, prescale_factor, postscale_factor, name, process_set, ignore_name_scope
@@ -196,7 +191,7 @@ def grouped_allreduce(
         for i, v, ix in zip(sparse_idx, values, indices):
             results[i] = _sparse_result(v, ix, tensors[i].dense_shape, op, process_set)
     if dense_idx:
-        compressed, ctxs = zip(*[compression.compress(_as_tensor(tensors[i])) for i in dense_idx])
+        compressed, ctxs = zip(*[compression.compress(as_tensor(tensors[i])) for i in dense_idx])
         reduced = grouped_allreduce_dense(
             list(compressed), op, prescale_factor, postscale_factor, name, process_set,
             ignore_name_scope,
@@ -219,7 +214,7 @@ def reducescatter(
 ) -> tf.Tensor:
     """Reduces the tensor across the set and returns this rank's slice of dim 0; ranks
     ``0 .. dim0 % size - 1`` get one extra row. op: Average or Sum."""
-    compressed, ctx = compression.compress(_as_tensor(tensor))
+    compressed, ctx = compression.compress(as_tensor(tensor))
     out = reducescatter_dense(
         compressed, op, name, process_set, ignore_name_scope, prescale_factor, postscale_factor
     )
@@ -243,7 +238,7 @@ def grouped_reducescatter(
         )
     if not tensors:
         return []
-    compressed, ctxs = zip(*[compression.compress(_as_tensor(t)) for t in tensors])
+    compressed, ctxs = zip(*[compression.compress(as_tensor(t)) for t in tensors])
     outs = grouped_reducescatter_dense(
         list(compressed), op, None, process_set, False, prescale_factor, postscale_factor
     )

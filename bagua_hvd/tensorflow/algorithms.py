@@ -1,10 +1,11 @@
 """BAGUA's algorithms for the TensorFlow frontend (docs/algorithms.md, section "TensorFlow").
 
 The declarations are the framework-neutral ones of ``bagua_hvd.common.algorithms`` (the same
-classes as ``bagua_hvd.torch.algorithms``); this module adds their TensorFlow implementations
-and a Keras ``QAdamOptimizer``. The math runs in the C++ core, as for torch: tensors reach it
-through numpy (``tf.numpy_function`` inside ``tf.function``), weights are written back with
-``assign``.
+classes as ``bagua_hvd.torch.algorithms``), implemented once by ``bagua_hvd.common.engine``;
+this module adds a Keras ``QAdamOptimizer`` and runs the engine at the points of a TensorFlow
+step. The math runs in the C++ core, as for torch: tensors reach it through numpy
+(``tf.numpy_function`` inside ``tf.function``; the engine itself sees buffer descriptors
+only), weights are written back with ``assign``.
 
 Users pass an algorithm to ``hvd.DistributedGradientTape(tape, algorithm=...)`` (or to the
 Keras ``hvd.DistributedOptimizer(opt, algorithm=...)``). Frontend code (the tape, the Keras
@@ -27,36 +28,23 @@ from __future__ import annotations
 
 import itertools
 import threading
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from bagua_hvd.common import _native, config
 from bagua_hvd.common import algorithms as _common
-from bagua_hvd.common import basics as _basics
+from bagua_hvd.common import config, engine
 from bagua_hvd.common import ops as _ops
+from bagua_hvd.common.algorithms import *  # noqa: F403  (the declarations, re-exported)
+from bagua_hvd.common.primitives import Buffer, wait_all
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.tensorflow import mpi_ops as _mpi
-from bagua_hvd.tensorflow.tape import _set_size
 
 __all__ = [*_common.FRONTEND_EXPORTS, "QAdamOptimizer", "reify"]
 
-Algorithm = _common.Algorithm
-GradientAllReduce = _common.GradientAllReduce
-ByteGrad = _common.ByteGrad
-Decentralized = _common.Decentralized
-LowPrecisionDecentralized = _common.LowPrecisionDecentralized
-QAdamAlgorithm = _common.QAdamAlgorithm
-AsyncModelAverage = _common.AsyncModelAverage
-BY_NAME = _common.BY_NAME
-from_name = _common.from_name
-from_environment = _common.from_environment
-ALGORITHM_ENV = _common.ALGORITHM_ENV
 
 _F32 = np.float32
-_F64 = np.float64
 
 
 # ---- QAdamOptimizer ----------------------------------------------------------------------------
@@ -71,10 +59,11 @@ def _fma(a: tf.Tensor, b: Any, c: tf.Tensor) -> tf.Tensor:
     return tf.cast(tf.cast(wide + tf.cast(c, tf.float64), tf.float32), dt)
 
 
-def _np_fma(a: np.ndarray, b: Any, c: np.ndarray) -> np.ndarray:
-    """numpy version of :func:`_fma` (float32 values)."""
-    wide = a.astype(_F64) * _F64(_F32(b))
-    return (wide + c.astype(_F64)).astype(_F32)
+def _read(v: Any) -> tf.Tensor:
+    """A variable's current value (a read op inside a graph)."""
+    if isinstance(v, tf.Variable):
+        return v.read_value() if tf.executing_eagerly() else tf.identity(v)
+    return tf.convert_to_tensor(v)
 
 
 class QAdamOptimizer(tf.keras.optimizers.Optimizer):
@@ -101,21 +90,14 @@ class QAdamOptimizer(tf.keras.optimizers.Optimizer):
         **kwargs: Any,
     ) -> None:
         weight_decay = 0.0 if weight_decay is None else float(weight_decay)
-        if isinstance(learning_rate, (int, float)) and not 0.0 <= learning_rate:
-            raise ValueError(f"Invalid learning rate: {learning_rate}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
-            raise ValueError(
-                f"warmup_steps must be a positive integer, got {warmup_steps!r}: the compression "
-                "stage freezes the second moment estimated during warm-up"
-            )
+        _common.check_qadam_arguments(
+            learning_rate if isinstance(learning_rate, (int, float)) else None,
+            warmup_steps,
+            betas,
+            eps,
+            weight_decay,
+            bool_steps=False,
+        )
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.warmup_steps = warmup_steps
         self.betas = (float(betas[0]), float(betas[1]))
@@ -170,7 +152,7 @@ class QAdamOptimizer(tf.keras.optimizers.Optimizer):
         # Compression stage: the averaged momentum (or this rank's, without communication);
         # v frozen; coordinates with v == 0 get m = 0 and stay put;
         # the denominator is floored by |m| / bc1 (docs/algorithms.md).
-        m_local = _fma(g_wd, 1 - b1, m * tf.cast(_F32(b1), dt))  # m.mul(b1).add_(g, alpha)
+        m_local = self._new_momentum(g_wd, m)
         m_comp = tf.where(self._momentum_in_grad > 0, g, m_local)
         m_comp = tf.where(v == 0, tf.zeros_like(m_comp), m_comp)
         m_new = tf.where(warm, m_warm, m_comp)
@@ -185,6 +167,25 @@ class QAdamOptimizer(tf.keras.optimizers.Optimizer):
         self.assign(m_var, m_new)
         self.assign(v_var, v_new)
         self.assign(variable, x + (value * m_new) / denom)  # x.addcdiv_(m, denom, value)
+
+    def _new_momentum(self, g_wd: tf.Tensor, m: tf.Tensor) -> tf.Tensor:
+        """beta1 * m + (1 - beta1) * g_wd, torch's expression (m.mul(b1).add_(g, alpha))."""
+        b1 = self.betas[0]
+        return _fma(g_wd, 1 - b1, m * tf.cast(_F32(b1), m.dtype))
+
+    def momentum(self, variable: Any, gradient: Any) -> tf.Tensor:
+        """Compression stage, before communication: this rank's new momentum of ``variable``,
+        beta1 * m + (1 - beta1) * (g + weight_decay * x) (the optimizer must be built)."""
+        x = _read(variable)
+        g = tf.convert_to_tensor(gradient)
+        wd = self.l2_weight_decay
+        g_wd = _fma(x, wd, g) if wd != 0 else g  # g.add(x, alpha=wd)
+        return self._new_momentum(g_wd, _read(self.momentum_slot(variable)))
+
+    def set_momentum_in_grad(self, flag: tf.Tensor) -> None:
+        """Whether the gradients of the next apply() are already this step's averaged momentum
+        (an int32 scalar, 0 or 1)."""
+        self._momentum_in_grad.assign(flag)
 
     def get_config(self) -> Dict[str, Any]:
         config = super().get_config()
@@ -202,7 +203,34 @@ class QAdamOptimizer(tf.keras.optimizers.Optimizer):
 _common.register_qadam_optimizer(QAdamOptimizer)
 
 
-# ---- numpy staging -----------------------------------------------------------------------------
+# ---- the engine's TensorFlow side: numpy staging -----------------------------------------------
+class NumpyArrays(engine.TensorAdapter):
+    """numpy arrays (the values of TF tensors inside ``tf.numpy_function``) for the engine."""
+
+    errors = _mpi.TF_ERRORS
+    reuse_outputs = False  # outputs become TF tensors, which may keep them
+
+    def buffer(self, a: np.ndarray) -> Buffer:
+        return Buffer(a.ctypes.data if a.size else 0, _mpi.numpy_dtype_code(a), a.size)
+
+    def numel(self, a: np.ndarray) -> int:
+        return a.size
+
+    def empty_like(self, a: np.ndarray) -> np.ndarray:
+        return np.empty_like(a)
+
+    def zeros_like(self, a: np.ndarray, numel: int) -> np.ndarray:
+        return np.zeros(numel, a.dtype)
+
+    def empty_bytes(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, np.uint8)
+
+    def copy_(self, dst: np.ndarray, src: np.ndarray) -> None:
+        dst[...] = src
+
+
+ARRAYS = NumpyArrays()
+
 _uids = itertools.count()
 _uid_lock = threading.Lock()
 
@@ -211,33 +239,10 @@ def _tf_dtype(v: Any) -> tf.DType:
     return tf.as_dtype(v.dtype)
 
 
-def _read(v: Any) -> tf.Tensor:
-    """A variable's current value (a read op inside a graph)."""
-    if isinstance(v, tf.Variable):
-        return v.read_value() if tf.executing_eagerly() else tf.identity(v)
-    return tf.convert_to_tensor(v)
-
-
 def _dense(g: Any) -> Any:
     if isinstance(g, tf.IndexedSlices):
         return tf.convert_to_tensor(g)
     return g
-
-
-def _code(a: np.ndarray) -> int:
-    code = _mpi._NP_CODES.get(a.dtype)
-    if code is None:
-        raise tf.errors.InvalidArgumentError(None, None, f"Tensor type {a.dtype} is not supported.")
-    return code
-
-
-def _desc(a: np.ndarray) -> Tuple[int, int, Tuple[int, ...]]:
-    return (a.ctypes.data if a.size else 0, _code(a), (a.size,))
-
-
-def _check_status(status: int) -> None:
-    if status != _ops.OK:
-        raise _mpi._tf_error(status, _native.last_error() or "core call failed")
 
 
 class _Flats:
@@ -260,11 +265,19 @@ class _Flats:
 
 def _layout_for(arrays: Sequence[np.ndarray]) -> List[List[int]]:
     infos = [(a.size, a.dtype, a.dtype.itemsize) for a in arrays]
-    return _common.bucket_layout(infos, _common.bucket_bytes())
+    return engine.bucket_layout(infos, config.bucket_bytes())
 
 
 def _signature(arrays: Sequence[np.ndarray]) -> Tuple[Any, ...]:
     return tuple((a.shape, a.dtype) for a in arrays)
+
+
+def _split(flats: _Flats, arrays: Sequence[np.ndarray], new: List[np.ndarray]) -> List[Any]:
+    """The tensors of ``arrays``' shapes read from the buckets ``new`` (views)."""
+    flats.flats = new
+    out: List[Any] = [None] * len(arrays)
+    flats.split_into(out, [a.shape for a in arrays])
+    return out
 
 
 def _run(
@@ -274,7 +287,7 @@ def _run(
     out_shapes: Sequence[Any],
 ) -> List[tf.Tensor]:
     """Runs ``fn`` on the inputs' numpy values: eagerly, or as a stateful numpy_function."""
-    return _mpi._execute(fn, list(inputs), list(out_dtypes), list(out_shapes))
+    return _mpi.execute(fn, list(inputs), list(out_dtypes), list(out_shapes))
 
 
 def _assign_if(flag: tf.Tensor, variables: Sequence[Any], values: Sequence[tf.Tensor]) -> None:
@@ -293,35 +306,32 @@ def _assign_if(flag: tf.Tensor, variables: Sequence[Any], values: Sequence[tf.Te
     tf.cond(flag, write, lambda: tf.constant(False))
 
 
-# ---- implementations ---------------------------------------------------------------------------
-class _Impl:
-    """An algorithm inside one training loop (a tape's algorithm, a Keras optimizer). The base
-    class is the gradient path: GradientAllReduce (average or sum) and ByteGrad."""
+# ---- the implementation --------------------------------------------------------------------------
+class AlgorithmImpl(engine.Implementation):
+    """An algorithm inside one training loop (a tape's algorithm, a Keras optimizer): the
+    engine's gradient path and weight averaging, run on the tensors' numpy values at the
+    points of the step (reduce_gradients before the update, after_apply after it)."""
 
-    needs_after_apply = False
-
-    def __init__(self, alg: Algorithm, optimizer: Any, process_set: ProcessSet) -> None:
-        self.alg = alg
+    def __init__(self, alg: _common.Algorithm, optimizer: Any, process_set: ProcessSet) -> None:
         self.optimizer = optimizer
         self.process_set = process_set
         with _uid_lock:
             self.uid = next(_uids)
+        self._names = engine.NumberedNames(self.uid)
+        super().__init__(alg, ARRAYS, self._names, process_set, self.size)
         self._steps = 0  # reduce_gradients calls that ran (advanced by _tick)
-        self._residuals: Dict[Any, List[Tuple[np.ndarray, np.ndarray]]] = {}
+        self._residuals: Dict[Any, List[Any]] = {}
         self._applied = 0  # completed after_apply calls (numpy side), for the check below
+        self.needs_after_apply = self.averaging is not None and self.averaging.acts_after_update
 
     # -- properties --------------------------------------------------------------------------------
     def size(self) -> int:
-        return _set_size(self.process_set)
+        return _mpi.process_set_size(self.process_set)
 
-    def hierarchical(self) -> bool:
-        return bool(getattr(self.alg, "hierarchical", False))
-
-    def _ps_id(self) -> int:
-        return _mpi._ps_id(self.process_set)
-
-    def _name(self, kind: str, i: int) -> str:
-        return f"bagua_tf{self.uid}.{kind}.{i}"
+    @property
+    def step(self) -> int:
+        """Completed ``reduce_gradients`` calls (steps)."""
+        return self._steps
 
     # -- the public interface ----------------------------------------------------------------------
     def reduce_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
@@ -335,14 +345,19 @@ class _Impl:
             )
         self._check_variables(variables)
         if self.process_set.included() and self.size() > 1:
-            grads = self._reduce(grads, variables)
+            if self.alg.uses_gradient_path:
+                grads = self._gradient_path(grads, variables)
+            if self.averaging is not None and self.averaging.acts_before_update:
+                self._weights_op(self._before_update, variables)
         self._tick()
         return grads
 
-    @property
-    def step(self) -> int:
-        """Completed ``reduce_gradients`` calls (steps)."""
-        return self._steps
+    def after_apply(self, variables: Sequence[Any]) -> None:
+        """Right after the optimizer applied this step's update."""
+        variables = list(variables)
+        self._check_variables(variables)
+        if self.needs_after_apply and self.process_set.included() and self.size() > 1:
+            self._weights_op(self._after_update, variables)
 
     def _tick(self) -> None:
         """Advances the step count when the step runs (a stateful op inside tf.function:
@@ -354,32 +369,6 @@ class _Impl:
 
         _run(bump, [], [tf.int64], [tf.TensorShape([])])
 
-    def after_apply(self, variables: Sequence[Any]) -> None:
-        """Right after the optimizer applied this step's update."""
-        variables = list(variables)
-        self._check_variables(variables)
-        if self.needs_after_apply and self.process_set.included() and self.size() > 1:
-            self._after(variables)
-
-    # -- overridden by the algorithms --------------------------------------------------------------
-    def _check_variables(self, variables: List[Any]) -> None:
-        pass
-
-    def _reduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
-        return self._gradient_path(grads, variables)
-
-    def _after(self, variables: List[Any]) -> None:
-        pass
-
-    def _compressed(self, step: int) -> bool:
-        return self.alg.compresses_gradients(step)
-
-    def _communicates(self, step: int) -> bool:
-        return self.alg.communicates_gradients(step)
-
-    def _average(self) -> bool:
-        return bool(getattr(self.alg, "average", True))
-
     def _check_after_apply(self, step: int) -> None:
         """A step's reduce_gradients finds every earlier step's after_apply done."""
         if self.needs_after_apply and self._applied < step:
@@ -389,115 +378,83 @@ class _Impl:
                 "optimizer.apply_gradients(...)"
             )
 
-    # -- gradient path -----------------------------------------------------------------------------
+    # -- gradients ---------------------------------------------------------------------------------
     def _gradient_path(self, grads: List[Any], variables: List[Any]) -> List[Any]:
         present = [i for i, g in enumerate(grads) if g is not None]
         if not present:
             return grads
         ins = [tf.convert_to_tensor(grads[i]) for i in present]
+        k = len(ins)
+        path = self.gradients
+        q = self.optimizer if self.optimizer is not None else self.alg.own_optimizer()
+        staged = self.alg.staged_by_optimizer  # QAdam: the optimizer's count, its momentum
+        extra: List[tf.Tensor] = []
+        if staged:
+            pvars = [variables[i] for i in present]
+            if not q.built:  # the momentum slots are read before the first apply() builds them
+                with tf.init_scope():
+                    q.build(variables)
+            extra = [_read(q.iterations)] + [q.momentum(v, g) for v, g in zip(pvars, ins)]
 
         def fn(*arrays: np.ndarray) -> List[np.ndarray]:
             t = self._steps
             self._check_after_apply(t)
-            if not self._communicates(t):
-                return [np.array(a) for a in arrays]
-            return self.allreduce_arrays(list(arrays), self._compressed(t), self._average())
+            gs = list(arrays[:k])
+            plan = path.plan(path.stage_step(t, lambda: int(arrays[k])))
+            flag = [np.array(0, np.int32)] if staged else []
+            if not plan.communicates:
+                return flag + [np.array(a) for a in gs]
+            if plan.momentum:
+                for g in gs:
+                    if g.dtype != np.float32:
+                        raise ValueError(f"QAdamOptimizer runs on float32 variables, not {g.dtype}")
+                flag = [np.array(1, np.int32)]
+                return flag + self.allreduce_arrays(list(arrays[k + 1 :]), plan, "momentum")
+            return flag + self.allreduce_arrays(gs, plan, "grad")
 
-        outs = _run(fn, ins, [x.dtype for x in ins], [x.shape for x in ins])
+        head = [tf.int32] if staged else []
+        head_shapes = [tf.TensorShape([])] if staged else []
+        outs = _run(
+            fn,
+            ins + extra,
+            head + [x.dtype for x in ins],
+            head_shapes + [x.shape for x in ins],
+        )
+        if staged:
+            q.set_momentum_in_grad(outs[0])
+            outs = outs[1:]
         out = list(grads)
         for i, r in zip(present, outs):
             out[i] = r
         return out
 
-    def _enqueue_each(
-        self,
-        op: int,
-        prefix: str,
-        kind: str,
-        inputs: Sequence[np.ndarray],
-        outputs: Optional[Sequence[np.ndarray]] = None,
-        aux: Optional[Sequence[Sequence[np.ndarray]]] = None,
-        **kwargs: Any,
-    ) -> List[Tuple[int, Any, str]]:
-        """Enqueues one urgent core operation per flat buffer on this process set (``inputs[i]``
-        into ``outputs[i]``, in place without ``outputs``; ``aux[i]`` its extra buffers); returns
-        the ``(handle, buffers kept alive, name)`` list that :func:`_wait_all` takes."""
-        pending = []
-        for i, flat in enumerate(inputs):
-            out = flat if outputs is None else outputs[i]
-            name = f"{prefix}." + self._name(kind, i)
-            handle, keep = _mpi._enqueue(
-                op,
-                [_desc(flat)],
-                [_desc(out)],
-                name=name,
-                process_set_id=self._ps_id(),
-                urgent=True,
-                aux=None if aux is None else [_desc(a) for a in aux[i]],
-                **kwargs,
-            )
-            pending.append((handle, (keep, flat, out), name))
-        return pending
-
     def allreduce_arrays(
-        self, arrays: List[np.ndarray], compressed: bool, average: bool, kind: str = "grad"
+        self, arrays: List[np.ndarray], plan: engine.StepPlan, kind: str
     ) -> List[np.ndarray]:
-        """Bucketed allreduce (ByteGrad's compressed one if ``compressed``) of numpy arrays in
-        the core; returns new arrays of the same shapes."""
-        shapes = [a.shape for a in arrays]
-        layout = _layout_for(arrays)
-        flats = _Flats(arrays, layout)
-        residuals = None
-        ef = compressed and bool(getattr(self.alg, "error_feedback", False))
-        if ef:
+        """The engine's bucketed allreduce of numpy arrays as ``plan`` says (compressed or
+        not; ``kind`` "grad" or "momentum" names the ops); returns new arrays of the same
+        shapes."""
+        path = self.gradients
+        flats = _Flats(arrays, _layout_for(arrays))
+        slots: List[Any] = [None] * len(flats.flats)
+        if plan.residuals:
             key = (kind, _signature(arrays))
-            residuals = self._residuals.get(key)
-            if residuals is None:
-                n = _ops.native().lib.bhvd_compression_group_size(
-                    self._ps_id(), 1 if self.hierarchical() else 0
-                )
-                residuals = []
-                for f in flats.flats:
-                    chunk = -(-f.size // n)
-                    residuals.append((np.zeros(chunk * n, f.dtype), np.zeros(chunk, f.dtype)))
-                self._residuals = {key: residuals}  # a new layout starts from zero residuals
-        pending = self._enqueue_each(
-            _ops.OP_ALLREDUCE,
-            "allreduce",
-            kind,
-            flats.flats,
-            aux=residuals,
-            reduce_op=_ops.Average if average else _ops.Sum,
-            compression=_ops.COMPRESSION_MINMAX_UINT8 if compressed else _ops.COMPRESSION_NONE,
-            hierarchical=self.hierarchical(),
-        )
-        _wait_all(pending)
-        out: List[Any] = [None] * len(arrays)
-        flats.split_into(out, shapes)
-        return out
+            slots = self._residuals.get(key) or slots
+            self._residuals = {key: slots}  # a new layout starts from zero residuals
+            for i, f in enumerate(flats.flats):
+                slots[i] = path.residuals(slots[i], f)
+        reduce_op = self.alg.reduce_op(_ops.Average)
+        requests = [
+            path.launch(plan, f, self._names.op(kind, i), reduce_op=reduce_op, residuals=slots[i])
+            for i, f in enumerate(flats.flats)
+        ]
+        wait_all(requests)
+        return _split(flats, arrays, flats.flats)
 
-
-def _wait_all(pending: List[Tuple[int, Any, str]]) -> None:
-    """Waits for every handle (all of them, even after a failure), releases them, and raises
-    the first failure."""
-    error: Optional[BaseException] = None
-    for handle, _keep, name in pending:
-        try:
-            _mpi._wait(handle, name)
-        except KeyboardInterrupt:
-            _mpi._abandoned.append(pending)
-            raise
-        except Exception as e:  # noqa: BLE001 - re-raised below
-            error = error or e
-        _ops.release(handle)
-    if error is not None:
-        raise error
-
-
-class _WeightImpl(_Impl):
-    """Algorithms that communicate weights: one numpy buffer set per model (variable list)."""
-
+    # -- weights -----------------------------------------------------------------------------------
     def _check_variables(self, variables: List[Any]) -> None:
+        if self.averaging is None:
+            return
         if not all(hasattr(v, "assign") for v in variables):
             raise ValueError(
                 f"{type(self.alg).__name__} communicates weights: the sources of the gradients "
@@ -551,372 +508,53 @@ class _WeightImpl(_Impl):
         )
         _assign_if(outs[0], variables, outs[1:])
 
+    def _staged(
+        self, arrays: List[np.ndarray]
+    ) -> Tuple[List[_Flats], Callable[[], List[np.ndarray]]]:
+        """The weights as the engine sees them: flat buckets, built when first asked for."""
+        box: List[_Flats] = []
 
-class _DecentralizedImpl(_WeightImpl):
-    """Every ``communication_interval`` steps the weights that produced this step's gradients
-    are replaced by the peer average; the local gradients are returned for the update."""
+        def weights() -> List[np.ndarray]:
+            if not box:
+                box.append(_Flats(arrays, self._bind(arrays)))
+            return box[0].flats
 
-    def _reduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
-        self._weights_op(self._average_weights, variables)
-        return grads
+        return box, weights
 
-    def _average_weights(self, step: int, arrays: List[np.ndarray]) -> Optional[List[np.ndarray]]:
-        interval = self.alg.communication_interval
-        if step % interval != 0:
-            return None
-        layout = self._bind(arrays)
-        flats = _Flats(arrays, layout)
-        peers = [np.empty_like(f) for f in flats.flats]
-        pending = self._enqueue_each(
-            _ops.OP_DECENTRALIZED,
-            "decentralized",
-            "w",
-            flats.flats,
-            peers,
-            peer_mode=_ops.PEER_MODES[self.alg.peer_selection_mode],
-            step=step // interval,
-            hierarchical=self.hierarchical(),
-        )
-        _wait_all(pending)
-        flats.flats = peers
-        out: List[Any] = [None] * len(arrays)
-        flats.split_into(out, [a.shape for a in arrays])
-        return out
-
-
-class _LowPrecisionDecentralizedImpl(_WeightImpl):
-    """Replicas initialised at the first step (before its update); after each update of a
-    communicating step, the compressed ring step of the core."""
-
-    needs_after_apply = True
-
-    def __init__(self, alg: Algorithm, optimizer: Any, process_set: ProcessSet) -> None:
-        super().__init__(alg, optimizer, process_set)
-        self.replicas: Optional[List[List[np.ndarray]]] = None  # per bucket: self, left, right
-        self.pending: List[Tuple[int, Any, str]] = []
-        self._diffs: List[np.ndarray] = []
-        # A faster rank must not stop the job while a slower one's last exchange needs it.
-        _basics.before_shutdown(_sweep_in_flight)
-
-    def _reduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
-        self._weights_op(self._init_replicas, variables)
-        return grads
-
-    def _init_replicas(self, step: int, arrays: List[np.ndarray]) -> None:
+    def _before_update(self, step: int, arrays: List[np.ndarray]) -> Optional[List[np.ndarray]]:
         self._check_after_apply(step)
-        if self.replicas is not None:
-            return None
-        layout = self._bind(arrays)
-        flats = _Flats(arrays, layout)
-        out = [[np.empty_like(f) for _ in range(3)] for f in flats.flats]
-        pending = self._enqueue_each(
-            _ops.OP_LP_DECENTRALIZED,
-            "lp_decentralized",
-            "init",
-            flats.flats,
-            aux=out,
-            peer_mode=1,
-            hierarchical=self.hierarchical(),
-        )
-        _wait_all(pending)
-        self.replicas = out
-        return None
+        box, weights = self._staged(arrays)
+        new = self.averaging.before_update(step, weights)
+        return None if new is None else _split(box[0], arrays, new)
 
-    def _after(self, variables: List[Any]) -> None:
-        self._weights_op(self._ring_step, variables)
-
-    def _split(self) -> bool:
-        """Flat ring (no host hierarchy in play): the local half runs here, the exchange in the
-        background, overlapping the next forward and backward."""
-        split = getattr(self, "_split_cached", None)
-        if split is None:
-            group = _ops.native().lib.bhvd_compression_group_size(self._ps_id(), 1)
-            split = self._split_cached = not self.hierarchical() or group == self.size()
-        return split
-
-    def _ring_step(self, step: int, arrays: List[np.ndarray]) -> Optional[List[np.ndarray]]:
-        t = step - 1  # reduce_gradients already counted this step
+    def _after_update(self, step: int, arrays: List[np.ndarray]) -> Optional[List[np.ndarray]]:
         self._applied = step
-        if self.replicas is None or t % self.alg.communication_interval != 0:
+        box, weights = self._staged(arrays)
+        new = self.averaging.after_update(step - 1, weights)  # reduce_gradients counted it
+        if new is None:
             return None
-        layout = self._bind(arrays)
-        flats = _Flats(arrays, layout)
-        if self._split():
-            self.flush()  # the replicas must have the previous round's differences
-            lib = _ops.native().lib
-            if not self._diffs:
-                self._diffs = [
-                    np.empty(lib.bhvd_minmax_uint8_size(_code(f), f.size, 1), np.uint8)
-                    for f in flats.flats
-                ]
-            ffi = _native.ffi
-            for flat, (own, left, right), c in zip(flats.flats, self.replicas, self._diffs):
-                _check_status(
-                    lib.bhvd_lp_decentralized_local(
-                        ffi.cast("void *", flat.ctypes.data),
-                        ffi.cast("void *", own.ctypes.data),
-                        ffi.cast("void *", left.ctypes.data),
-                        ffi.cast("void *", right.ctypes.data),
-                        _code(flat),
-                        flat.size,
-                        ffi.cast("uint8_t *", c.ctypes.data),
-                    )
-                )
-            pending = self._enqueue_each(
-                _ops.OP_LP_DECENTRALIZED,
-                "lp_decentralized",
-                "x",
-                self._diffs,
-                aux=[r[1:] for r in self.replicas],
-                peer_mode=2,
-            )
-            self.pending = pending  # waited for before the next local half
-            # The exchange writes into the replicas after this returns: keep them alive even
-            # if this implementation is dropped before flush().
-            _in_flight.append(
-                (weakref.ref(self), [h for h, _, _ in pending], (self.replicas, self._diffs))
-            )
-        else:  # hierarchical: the host average needs communication first, one blocking op
-            pending = self._enqueue_each(
-                _ops.OP_LP_DECENTRALIZED,
-                "lp_decentralized",
-                "step",
-                flats.flats,
-                aux=self.replicas,
-                hierarchical=True,
-            )
-            _wait_all(pending)
-        out: List[Any] = [None] * len(arrays)
-        flats.split_into(out, [a.shape for a in arrays])
-        return out
-
-    def flush(self) -> None:
-        """Waits for the last exchange: afterwards the replicas are final."""
-        pending, self.pending = self.pending, []
-        _wait_all(pending)
-        done = {h for h, _, _ in pending}
-        _in_flight[:] = [e for e in _in_flight if not done.intersection(e[1])]
-        _sweep_in_flight()
-
-
-# Exchanges started by low-precision decentralized steps and not waited for yet:
-# (owner, handles, buffers the core writes into).
-_in_flight: List[Tuple[Any, List[int], Any]] = []
-
-
-def _sweep_in_flight() -> None:
-    """Waits for every other implementation's exchange, and releases those whose implementation
-    was dropped. Waits rather than polls, and whether or not the owner is still alive: a name
-    stays taken until its handle is seen complete, and whether it has completed, or whether the
-    garbage collector has freed its owner yet, may differ between ranks, while this point of the
-    program is the same on all."""
-    keep = []
-    for owner, handles, buffers in _in_flight:
-        for h in handles:
-            try:
-                _ops.wait(h, "a low-precision decentralized exchange")
-            except Exception:  # noqa: BLE001  (its owner reports it in its own flush)
-                pass
-        if owner() is None:
-            for h in handles:
-                _ops.release(h)
-        else:
-            keep.append((owner, handles, buffers))
-    _in_flight[:] = keep
-
-
-class _QAdamImpl(_Impl):
-    """Warm-up: gradients averaged in full precision. Compression stage: this rank's new
-    momentum (from the optimizer's m) through ByteGrad's average; the optimizer applies it as
-    the momentum (v frozen)."""
-
-    def __init__(self, alg: Algorithm, optimizer: Any, process_set: ProcessSet) -> None:
-        super().__init__(alg, optimizer, process_set)
-        self.qadam: QAdamOptimizer = optimizer
-
-    def _reduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
-        q = self.qadam
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
-            return grads
-        pvars = [variables[i] for i in present]
-        if not q.built:  # the momentum slots are read before the first apply() builds them
-            with tf.init_scope():
-                q.build(variables)
-        ins = [tf.convert_to_tensor(grads[i]) for i in present]
-        xs = [_read(v) for v in pvars]
-        ms = [_read(q.momentum_slot(v)) for v in pvars]
-        k = len(ins)
-        b1 = q.betas[0]
-        wd = q.l2_weight_decay
-
-        def fn(iterations: np.ndarray, *arrays: np.ndarray) -> List[np.ndarray]:
-            gs, x, m = arrays[:k], arrays[k : 2 * k], arrays[2 * k :]
-            if int(iterations) < q.warmup_steps:
-                return [np.array(0, np.int32)] + self.allreduce_arrays(list(gs), False, True)
-            moms = []
-            for g, xi, mi in zip(gs, x, m):
-                if g.dtype != np.float32:
-                    raise ValueError(f"QAdamOptimizer runs on float32 variables, not {g.dtype}")
-                if wd != 0:
-                    g = _np_fma(xi, wd, g)  # g.add(x, alpha=wd)
-                moms.append(_np_fma(g, 1 - b1, mi * _F32(b1)))  # m.mul(b1).add_(g, alpha)
-            reduced = self.allreduce_arrays(moms, True, True, kind="momentum")
-            return [np.array(1, np.int32)] + reduced
-
-        outs = _run(
-            fn,
-            [_read(q.iterations)] + ins + xs + ms,
-            [tf.int32] + [x.dtype for x in ins],
-            [tf.TensorShape([])] + [x.shape for x in ins],
-        )
-        q._momentum_in_grad.assign(outs[0])
-        out = list(grads)
-        for i, r in zip(present, outs[1:]):
-            out[i] = r
+        out = _split(box[0], arrays, new)
+        if self.averaging.results_stay_shared:
+            out = [np.array(o) for o in out]
         return out
 
 
-class _AsyncImpl(_WeightImpl):
-    """Gradient allreduce during warm-up, then background averaging by the core; the weights
-    are staged through numpy buffers at each step boundary (after_apply)."""
-
-    needs_after_apply = True
-
-    def __init__(self, alg: Algorithm, optimizer: Any, process_set: ProcessSet) -> None:
-        super().__init__(alg, optimizer, process_set)
-        self.id: Optional[int] = None
-        self.generation = 0
-        self.aborted = False
-        self._keep: Any = None
-        self._buffers: List[np.ndarray] = []
-
-    def _reduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
-        return self._gradient_path(grads, variables)
-
-    def _compressed(self, step: int) -> bool:
-        return False
-
-    def _average(self) -> bool:
-        return True
-
-    def _after(self, variables: List[Any]) -> None:
-        self._weights_op(self._boundary, variables)
-
-    def _boundary(self, step: int, arrays: List[np.ndarray]) -> Optional[List[np.ndarray]]:
-        self._applied = step
-        if step <= self.alg.warmup_steps or self.aborted:
-            return None
-        layout = self._bind(arrays)
-        flats = _Flats(arrays, layout)
-        if self.id is None:
-            self._buffers = flats.flats
-            self._start()
-        else:
-            for buf, f in zip(self._buffers, flats.flats):
-                buf[...] = f
-        lib = _ops.native().lib
-        before = int(lib.bhvd_async_rounds(self.id))
-        _check_status(lib.bhvd_async_step(self.id))
-        if int(lib.bhvd_async_rounds(self.id)) == before:
-            return None  # a snapshot (or nothing): the weights are unchanged
-        flats.flats = self._buffers
-        out: List[Any] = [None] * len(arrays)
-        flats.split_into(out, [a.shape for a in arrays])
-        return [np.array(o) for o in out]
-
-    def _start(self) -> None:
-        ffi = _native.ffi
-        tensors = ffi.new("bhvd_tensor[]", len(self._buffers))
-        keep = []
-        for i, buf in enumerate(self._buffers):
-            shape = ffi.new("int64_t[]", [buf.size])
-            keep.append(shape)
-            tensors[i].data = ffi.cast("void *", buf.ctypes.data)
-            tensors[i].dtype = _code(buf)
-            tensors[i].ndim = 1
-            tensors[i].shape = shape
-        out = ffi.new("int64_t *")
-        name = f"async.bagua_tf{self.uid}.{self.generation}"
-        _check_status(
-            _ops.native().lib.bhvd_async_start(
-                name.encode(),
-                tensors,
-                len(self._buffers),
-                self._ps_id(),
-                int(self.alg.sync_interval_ms),
-                out,
-            )
-        )
-        self.id = int(out[0])
-        self._keep = (tensors, keep)
-        _live_averagers[self.id] = self  # the core holds the buffers: alive until abort()
-
-    def rounds(self) -> int:
-        return int(_ops.native().lib.bhvd_async_rounds(self.id)) if self.id is not None else 0
-
-    def abort(self) -> None:
-        self.aborted = True
-        if self.id is None:
-            return
-        lib = _ops.native().lib
-        status = lib.bhvd_async_abort(self.id, -1)
-        lib.bhvd_async_release(self.id)
-        _live_averagers.pop(self.id, None)
-        self.id = None
-        if status not in (_ops.OK, _ops.ABORTED):
-            raise _mpi._tf_error(status, _native.last_error() or "async averaging failed")
-
-    def resume(self) -> None:
-        if not self.aborted:
-            return
-        self.aborted = False
-        self.generation += 1
-
-
-_live_averagers: Dict[int, _AsyncImpl] = {}
-
-_IMPLS: Dict[type, type] = {
-    Decentralized: _DecentralizedImpl,
-    LowPrecisionDecentralized: _LowPrecisionDecentralizedImpl,
-    QAdamAlgorithm: _QAdamImpl,
-    AsyncModelAverage: _AsyncImpl,
-}
-
-
-def check_algorithm(algorithm: Any, optimizer: Any = None) -> None:
+def check_algorithm(
+    algorithm: Any, optimizer: Any = None, compression: bool = False, groups: Any = None
+) -> None:
     """Raises ValueError (with the torch frontend's messages) for an object that is not an
-    algorithm, or a QAdamAlgorithm/QAdamOptimizer mismatch."""
-    if not isinstance(algorithm, Algorithm):
-        raise ValueError(
-            "algorithm must be an object from bagua_hvd.tensorflow.algorithms, got "
-            f"{type(algorithm).__name__}"
-        )
-    if isinstance(algorithm, QAdamAlgorithm):
-        q = algorithm.optimizer if optimizer is None else optimizer
-        if not isinstance(q, QAdamOptimizer):
-            raise ValueError(
-                "QAdamAlgorithm goes with QAdamOptimizer: pass the QAdamOptimizer to both "
-                "QAdamAlgorithm(...) and DistributedOptimizer(...)"
-                + (
-                    " (this QAdamOptimizer is torch's: use bagua_hvd.tensorflow.algorithms'"
-                    " QAdamOptimizer)"
-                    if optimizer is None
-                    else ""
-                )
-            )
-    elif isinstance(optimizer, QAdamOptimizer):
-        raise ValueError(
-            "QAdamAlgorithm goes with QAdamOptimizer: pass the QAdamOptimizer to both "
-            "QAdamAlgorithm(...) and DistributedOptimizer(...)"
-        )
+    algorithm, a QAdamAlgorithm/QAdamOptimizer mismatch (``optimizer``: the Keras optimizer,
+    or None: the algorithm's own), or an algorithm combined with ``compression`` (other than
+    none) or ``groups`` that it does not accept."""
+    _common.check_algorithm(algorithm, "tensorflow")
+    algorithm.check(optimizer, QAdamOptimizer, compression, groups)
 
 
 def reify(
-    algorithm: Algorithm | str,
+    algorithm: _common.Algorithm | str,
     optimizer: Any = None,
     process_set: ProcessSet = global_process_set,
-) -> _Impl:
+) -> AlgorithmImpl:
     """The TensorFlow implementation of ``algorithm`` for one training loop.
 
     ``optimizer``: the (unwrapped) Keras optimizer that applies the gradients, or None (tape
@@ -931,22 +569,16 @@ def reify(
     build its implementations in the same order.
     """
     if isinstance(algorithm, str):  # a name, e.g. BAGUA_HVD_ALGORITHM's value
-        algorithm = from_name(algorithm)
+        algorithm = _common.from_name(algorithm)
     check_algorithm(algorithm, optimizer)
-    impl_cls = next((c for t, c in _IMPLS.items() if isinstance(algorithm, t)), _Impl)
-    if isinstance(algorithm, QAdamAlgorithm) and optimizer is None:
-        optimizer = algorithm.optimizer
-    impl = impl_cls(algorithm, optimizer, process_set)
-    if isinstance(algorithm, AsyncModelAverage):
-        algorithm.register_impl(impl)
-    return impl
+    return AlgorithmImpl(algorithm, optimizer, process_set)
 
 
 # Tapes are built anew every step: their implementation lives with the algorithm object.
-_env_algorithms: Dict[str, Algorithm] = {}
+_env_algorithms: Dict[str, _common.Algorithm] = {}
 
 
-def tape_impl(algorithm: Algorithm, process_set: ProcessSet) -> _Impl:
+def tape_impl(algorithm: _common.Algorithm, process_set: ProcessSet) -> AlgorithmImpl:
     """The implementation a DistributedGradientTape uses for ``algorithm``: one per algorithm
     object and process set, so that its state (step count, residuals, replicas) survives the
     per-step tapes."""
@@ -958,7 +590,7 @@ def tape_impl(algorithm: Algorithm, process_set: ProcessSet) -> _Impl:
     return impl
 
 
-def environment_algorithm() -> Optional[Algorithm]:
+def environment_algorithm() -> Optional[_common.Algorithm]:
     """``from_environment()``, the same object for every call with the same value (a tape
     built each step keeps the algorithm's state)."""
     name = config.algorithm_name()
@@ -966,5 +598,5 @@ def environment_algorithm() -> Optional[Algorithm]:
         return None
     alg = _env_algorithms.get(name)
     if alg is None:
-        alg = _env_algorithms[name] = from_name(name)
+        alg = _env_algorithms[name] = _common.from_name(name)
     return alg

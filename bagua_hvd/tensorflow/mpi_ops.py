@@ -35,9 +35,10 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record as _record
 
-from bagua_hvd.common import _native
+from bagua_hvd.common import frontend as _frontend
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.exceptions import HorovodInternalError
+from bagua_hvd.common.primitives import Errors
 from bagua_hvd.common.process_sets import (
     ProcessSet,
     add_process_set,
@@ -50,49 +51,31 @@ from bagua_hvd.tensorflow import kernels as _kernels
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "HorovodInternalError", "ProcessSet", "global_process_set", "add_process_set",
-    "remove_process_set", "init", "shutdown", "is_initialized", "start_timeline",
-    "stop_timeline", "size", "local_size", "cross_size", "rank", "local_rank", "cross_rank",
-    "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
-    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "remove_process_set", "init", "shutdown",
+    "is_homogeneous",
     "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
     "size_op", "local_size_op", "rank_op", "local_rank_op", "process_set_included_op",
     "allreduce_dense", "grouped_allreduce_dense", "allgather", "grouped_allgather",
     "broadcast", "broadcast_", "alltoall", "reducescatter_dense", "grouped_reducescatter_dense",
     "join", "barrier",
+    *_frontend.__all__,  # the basics
 ]  # fmt: skip
 
+from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics, re-exported)
 from bagua_hvd.common.frontend import (  # noqa: F401  (Horovod's mpi_ops exports)
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
-    ccl_built,
     check_num_rank_power_of_2,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
     handle_average_backwards_compatibility,
     init,
     is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
     rank,
     rocm_built,
     shutdown,
     size,
-    start_timeline,
-    stop_timeline,
 )
+from bagua_hvd.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
 
 # ---- dtypes ------------------------------------------------------------------------------------
 _TF_CODES: Dict[tf.DType, int] = {
@@ -142,9 +125,46 @@ def _check_dtype(dtype: tf.DType, allowed: frozenset) -> None:
         )
 
 
-def _ps_id(process_set: ProcessSet) -> int:
-    ps_id = process_set.process_set_id
-    return -1 if ps_id is None else ps_id  # the core answers "does not exist"
+_ps_id = _ops.process_set_id
+
+
+def process_set_size(process_set: ProcessSet) -> int:
+    """The number of ranks in ``process_set`` (0 for an unknown set)."""
+    return size() if process_set.process_set_id == 0 else int(process_set.size() or 0)
+
+
+def numpy_dtype_code(a: np.ndarray) -> int:
+    """The core's dtype code of a numpy array; InvalidArgumentError for an unsupported type."""
+    code = _NP_CODES.get(a.dtype)
+    if code is None:
+        raise tf.errors.InvalidArgumentError(None, None, f"Tensor type {a.dtype} is not supported.")
+    return code
+
+
+class TFErrors(Errors):
+    """Core failures as TensorFlow errors (Horovod's ToTFStatus)."""
+
+    def enqueue(self, error: Exception) -> Exception:
+        if isinstance(error, ValueError):
+            if str(error) == _ops.NOT_INITIALIZED_ERROR:
+                return tf.errors.FailedPreconditionError(None, None, str(error))
+            return tf.errors.InvalidArgumentError(None, None, str(error))
+        if isinstance(error, NotImplementedError):
+            return tf.errors.UnimplementedError(None, None, str(error))
+        return tf.errors.FailedPreconditionError(None, None, str(error))
+
+    def status(self, status: int, message: str) -> Exception:
+        return _tf_error(status, message)
+
+    def timeout(self, error: HorovodInternalError) -> Exception:
+        return tf.errors.DeadlineExceededError(None, None, str(error))
+
+    def failed(self, what: str, status: int) -> str:
+        return f"{what} failed"
+
+
+#: how the TensorFlow frontend raises the core's failures
+TF_ERRORS = TFErrors()
 
 
 # ---- the numpy-level collective ----------------------------------------------------------------
@@ -212,27 +232,17 @@ def _empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
 def _enqueue(op_type: int, descs: list, outs: list | None, **kw: Any) -> Tuple[int, Any]:
     try:
         return _ops.enqueue(op_type, descs, outs, **kw)
-    except ValueError as e:
-        if str(e) == _ops.NOT_INITIALIZED_ERROR:
-            raise tf.errors.FailedPreconditionError(None, None, str(e)) from None
-        raise tf.errors.InvalidArgumentError(None, None, str(e)) from None
-    except NotImplementedError as e:
-        raise tf.errors.UnimplementedError(None, None, str(e)) from None
-    except HorovodInternalError as e:
-        raise tf.errors.FailedPreconditionError(None, None, str(e)) from None
+    except (ValueError, NotImplementedError, HorovodInternalError) as e:
+        raise TF_ERRORS.enqueue(e) from None
 
 
 def _wait(handle: int, what: str) -> None:
-    n = _ops.native()
-    status = n.lib.bhvd_wait(handle, 100)
-    if status == _ops.TIMED_OUT:
-        try:
-            status = _ops._wait_long(n, handle, what)
-        except HorovodInternalError as e:  # BAGUA_HVD_OP_TIMEOUT_SECONDS ran out
-            raise tf.errors.DeadlineExceededError(None, None, str(e)) from None
+    try:
+        status = _ops.wait_status(handle, what)
+    except HorovodInternalError as e:  # BAGUA_HVD_OP_TIMEOUT_SECONDS ran out
+        raise TF_ERRORS.timeout(e) from None
     if status != _ops.OK:
-        message = _ops.handle_error(handle) or _native.last_error() or f"{what} failed"
-        raise _tf_error(status, message)
+        raise _tf_error(status, _ops.failure_message(handle, TF_ERRORS.failed(what, status)))
 
 
 def _collective(
@@ -253,14 +263,7 @@ def _collective(
     # tensors over as numpy scalars, which np.asarray makes 0-d arrays again)
     ins = [np.asarray(a) for a in arrays]
     ins = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in ins]
-    codes = []
-    for a in ins:
-        code = _NP_CODES.get(a.dtype)
-        if code is None:
-            raise tf.errors.InvalidArgumentError(
-                None, None, f"Tensor type {a.dtype} is not supported."
-            )
-        codes.append(code)
+    codes = [numpy_dtype_code(a) for a in ins]
     outs: List[np.ndarray] | None
     if op_type in (_ops.OP_ALLREDUCE, _ops.OP_BROADCAST):
         outs = [_empty(a.shape, a.dtype) for a in ins]
@@ -356,16 +359,16 @@ def _status_callback(
 _collective_kernel = [True]
 
 
-def _execute(
+def execute(
     fn: Callable[..., List[np.ndarray]],
     inputs: Sequence[tf.Tensor],
     out_dtypes: Sequence[tf.DType],
     out_shapes: Sequence[Any],
     kernel: Callable[[Any, List[tf.Tensor]], Sequence[tf.Tensor]] | None = None,
 ) -> List[tf.Tensor]:
-    """Runs ``fn`` on the inputs' numpy values eagerly. In a graph: ``kernel(ops, inputs)``
-    (one of the library's asynchronous kernels) where given and built, else ``fn`` as a
-    numpy_function."""
+    """Runs ``fn`` (numpy arrays in, numpy arrays out) on the inputs' values: eagerly, or in a
+    graph as ``kernel(ops, inputs)`` (one of the library's asynchronous kernels) where given
+    and built, else as a stateful numpy_function whose TensorFlow errors fail the step."""
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(o) for o in fn(*[np.asarray(t) for t in inputs])]
     ops = _kernels.load()
@@ -449,7 +452,7 @@ def _needs_tape(tensors: Sequence[tf.Tensor]) -> bool:
     return any(t.dtype.is_floating for t in tensors) and _record.should_record_backprop(tensors)
 
 
-def _as_tensor(t: Any) -> tf.Tensor:
+def as_tensor(t: Any) -> tf.Tensor:
     if isinstance(t, tf.Variable):
         return t.read_value() if tf.executing_eagerly() else tf.identity(t)
     return tf.convert_to_tensor(t)
@@ -460,7 +463,7 @@ def _as_list(tensors: Any, what: str) -> List[tf.Tensor]:
         raise ValueError(f"{what} expects a list or tuple of tensors, got {type(tensors).__name__}")
     if not tensors:
         raise ValueError(f"{what} expects at least one tensor, got an empty list")
-    return [_as_tensor(t) for t in tensors]
+    return [as_tensor(t) for t in tensors]
 
 
 def _differentiable(
@@ -505,7 +508,7 @@ def grouped_allreduce_dense(
 ) -> List[tf.Tensor]:
     """Allreduce of dense tensors in one core request; the gradient is the same allreduce of
     the upstream gradients (Horovod's _allreduce_grad)."""
-    tensors = [_as_tensor(t) for t in tensors]
+    tensors = [as_tensor(t) for t in tensors]
     for t in tensors:
         _check_dtype(t.dtype, _REDUCE_CODES)
     if op == Adasum:
@@ -520,7 +523,7 @@ def grouped_allreduce_dense(
             _ops.OP_ALLREDUCE, prefix, core_name, ps_id, reduce_op=op,
             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
         )  # fmt: skip
-        outs = _execute(fn, xs, [x.dtype for x in xs], [x.shape for x in xs], kernel)
+        outs = execute(fn, xs, [x.dtype for x in xs], [x.shape for x in xs], kernel)
 
         def grad(*dys: Any) -> List[tf.Tensor]:
             return grouped_allreduce_dense(
@@ -581,7 +584,7 @@ def grouped_allgather(
         fn, kernel = _graph_paths(_ops.OP_ALLGATHER, _prefix, core_name, ps_id)
         shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None
                   for x in xs]  # fmt: skip
-        outs = _execute(fn, xs, [x.dtype for x in xs], shapes, kernel)
+        outs = execute(fn, xs, [x.dtype for x in xs], shapes, kernel)
 
         def grad(*dys: Any) -> List[tf.Tensor]:
             dys = _zeros_if_none(dys, outs)
@@ -609,7 +612,7 @@ def allgather(
 ) -> tf.Tensor:
     """Concatenates every rank's tensor along dim 0 (other dims must match)."""
     return grouped_allgather(
-        [_as_tensor(tensor)], name, ignore_name_scope, process_set, _prefix="allgather"
+        [as_tensor(tensor)], name, ignore_name_scope, process_set, _prefix="allgather"
     )[0]
 
 
@@ -635,7 +638,7 @@ def _broadcast_tensor(
         fn, kernel = _graph_paths(
             _ops.OP_BROADCAST, "broadcast", core_name, ps_id, root_rank=root_rank
         )
-        outs = _execute(fn, xs, [xs[0].dtype], [xs[0].shape], kernel)
+        outs = execute(fn, xs, [xs[0].dtype], [xs[0].shape], kernel)
 
         def grad(dy: Any) -> List[tf.Tensor]:
             # Horovod's _broadcast_grad: Average-allreduce, zero on every rank but the root.
@@ -658,7 +661,7 @@ def broadcast(
     process_set: ProcessSet = global_process_set,
 ) -> tf.Tensor:
     """Returns the global rank ``root_rank``'s tensor on every rank of the set."""
-    return _broadcast_tensor(_as_tensor(tensor), root_rank, name, ignore_name_scope, process_set)
+    return _broadcast_tensor(as_tensor(tensor), root_rank, name, ignore_name_scope, process_set)
 
 
 def broadcast_(
@@ -675,7 +678,7 @@ def broadcast_(
         if not isinstance(v, tf.Variable):
             raise ValueError(f"broadcast_ expects tf.Variable objects, got {type(v).__name__}")
         vname = None if name is None else (name if single else f"{name}.{i}")
-        v.assign(_broadcast_tensor(_as_tensor(v), root_rank, vname, False, process_set))
+        v.assign(_broadcast_tensor(as_tensor(v), root_rank, vname, False, process_set))
     return variables if single else var_list
 
 
@@ -713,7 +716,7 @@ def alltoall(
     Returns ``(output, received_splits)`` when ``splits`` is given, else ``output``. The gradient
     is an alltoall of the upstream gradient with the received splits.
     """
-    tensor = _as_tensor(tensor)
+    tensor = as_tensor(tensor)
     _check_dtype(tensor.dtype, _MOVE_CODES)
     splits_t = None
     if splits is not None:
@@ -752,7 +755,7 @@ def alltoall(
         x = xs[0]
         inputs = [x] if splits_t is None else [x, splits_t]
         out_shape = tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None
-        out, rsplits = _execute(fn, inputs, [x.dtype, tf.int32], [out_shape, [None]], kernel)
+        out, rsplits = execute(fn, inputs, [x.dtype, tf.int32], [out_shape, [None]], kernel)
 
         def grad(dy: Any, *_: Any) -> List[tf.Tensor]:
             dy = tf.zeros_like(out) if dy is None else dy
@@ -780,7 +783,7 @@ def grouped_reducescatter_dense(
 ) -> List[tf.Tensor]:
     """Reducescatter in one core request. Gradient (Horovod's rule, as in the torch frontend):
     allgather of the upstream gradient, x set size for Sum, x prescale x postscale."""
-    tensors = [_as_tensor(t) for t in tensors]
+    tensors = [as_tensor(t) for t in tensors]
     for t in tensors:
         _check_dtype(t.dtype, _REDUCE_CODES)
     if op not in (Average, Sum):
@@ -799,7 +802,7 @@ def grouped_reducescatter_dense(
         )  # fmt: skip
         shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else x.shape
                   for x in xs]  # fmt: skip
-        outs = _execute(fn, xs, [x.dtype for x in xs], shapes, kernel)
+        outs = execute(fn, xs, [x.dtype for x in xs], shapes, kernel)
 
         def grad(*dys: Any) -> List[tf.Tensor]:
             dys = _zeros_if_none(dys, outs)

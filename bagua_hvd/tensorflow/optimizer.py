@@ -19,16 +19,16 @@ from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.tensorflow.compression import Compression
 from bagua_hvd.tensorflow.mpi_ops import Adasum, Average, rank
 from bagua_hvd.tensorflow.tape import (
-    _check_args,
-    _filtered_reduce,
-    _make_allreduce_grads_fn,
-    _ref,
+    check_tape_args,
+    filtered_reduce,
+    make_allreduce_grads_fn,
+    variable_key,
 )
 
 _LegacyOptimizer = getattr(getattr(tf.compat.v1, "train", None), "Optimizer", None)
 
 
-def _tf_var(v: Any) -> Any:
+def tf_variable(v: Any) -> Any:
     """The ``tf.Variable`` behind a Keras 3 variable (hashable through ``ref()``); ``v`` else."""
     if hasattr(v, "ref"):
         return v
@@ -98,7 +98,7 @@ class LocalGradientAggregationHelper:
 
     def register_local_var(self, var: Any) -> None:
         """Marks a variable as worker-local (its gradient is not reduced)."""
-        self._local_vars.add(_ref(var))
+        self._local_vars.add(variable_key(var))
 
     def _maybe_convert_grad(self, grad: Any) -> Any:
         if isinstance(grad, tf.IndexedSlices):
@@ -138,7 +138,7 @@ class LocalGradientAggregationHelper:
         aggregated = [g.read_value() for g in self.locally_aggregated_grads]
         present_vars = [vars[i] for i in sorted(self.not_none_indexes)]
         with tf.control_dependencies(aggregated):
-            reduced = _filtered_reduce(
+            reduced = filtered_reduce(
                 self._allreduce_grads, aggregated, present_vars, self._local_vars,
                 self.process_set, self.scale_local_gradients,
             )  # fmt: skip
@@ -195,7 +195,7 @@ class LocalGradientAggregationHelper:
             return tf.cond(tf.equal(self.counter, 0), tf.no_op, bump_step)
 
     def _accumulator(self, var: Any, grad: Any) -> tf.Variable:
-        k = _ref(var)
+        k = variable_key(var)
         if k not in self._acc:
             with tf.init_scope():  # created once, outside any tf.function being traced
                 self._acc[k] = tf.Variable(
@@ -272,7 +272,7 @@ if _LegacyOptimizer is not None:
                 name = f"Distributed{type(optimizer).__name__}"
             super().__init__(name=name, use_locking=use_locking)
             self._optimizer = optimizer
-            self._allreduce_grads = _make_allreduce_grads_fn(
+            self._allreduce_grads = make_allreduce_grads_fn(
                 name, compression, sparse_as_dense, op, gradient_predivide_factor, groups,
                 process_set,
             )  # fmt: skip
@@ -298,7 +298,7 @@ if _LegacyOptimizer is not None:
             if self._agg_helper is not None:
                 self._agg_helper.register_local_var(var)
             else:
-                self._local_vars.add(_ref(var))
+                self._local_vars.add(variable_key(var))
 
         def compute_gradients(self, *args: Any, **kwargs: Any) -> List[tuple]:
             """The wrapped optimizer's ``compute_gradients``, with the gradients reduced
@@ -310,7 +310,7 @@ if _LegacyOptimizer is not None:
             elif not self.process_set.included():
                 reduced = list(grads)
             else:
-                reduced = _filtered_reduce(
+                reduced = filtered_reduce(
                     self._allreduce_grads, grads, vars, self._local_vars, self.process_set,
                     self.scale_local_gradients,
                 )  # fmt: skip
@@ -378,7 +378,7 @@ def DistributedOptimizer(
     by N). ``device_dense``/``device_sparse``/``use_locking`` are accepted for compatibility.
     Horovod drops ``op`` and ``groups`` on the Keras path; here they are passed on.
     """
-    groups = _check_args(op, gradient_predivide_factor, num_groups, groups)
+    groups = check_tape_args(op, gradient_predivide_factor, num_groups, groups)
     if op == Adasum and average_aggregated_gradients:
         raise ValueError("Adasum does not support average_aggregated_gradients == True")
 

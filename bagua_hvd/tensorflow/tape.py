@@ -19,7 +19,7 @@ import tensorflow as tf
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.common.util import check_predivide_and_groups, split_list
 from bagua_hvd.tensorflow.compression import Compression
-from bagua_hvd.tensorflow.mpi_ops import Average, Sum, rocm_built, size
+from bagua_hvd.tensorflow.mpi_ops import Average, process_set_size, rocm_built
 
 
 def _grouped_allreduce() -> Callable[..., List[Any]]:
@@ -30,11 +30,7 @@ def _grouped_allreduce() -> Callable[..., List[Any]]:
     return grouped_allreduce
 
 
-def _set_size(process_set: ProcessSet) -> int:
-    return size() if process_set.process_set_id == 0 else int(process_set.size() or 0)
-
-
-def _ref(v: Any) -> Any:
+def variable_key(v: Any) -> Any:
     """A hashable key for a variable (or tensor): ``ref()``; a Keras 3 variable (no ``ref``,
     not hashable) is keyed by the tf.Variable it wraps; anything else by its id."""
     if hasattr(v, "ref"):
@@ -56,7 +52,7 @@ def _scale_local(grad: Any, n: int) -> Any:
     return grad / tf.cast(n, grad.dtype)
 
 
-def _filtered_reduce(
+def filtered_reduce(
     reduce_fn: Callable[[List[Any], List[Any]], List[Any]],
     grads: Sequence[Any],
     vars: Sequence[Any],
@@ -65,22 +61,24 @@ def _filtered_reduce(
     scale_local_gradients: bool,
 ) -> List[Any]:
     """``reduce_fn(grads, vars)`` on the gradients of the non-local variables; the local ones
-    (keys ``_ref(var)`` in ``local_keys``) stay local, divided by the set size when
+    (keys ``variable_key(var)`` in ``local_keys``) stay local, divided by the set size when
     ``scale_local_gradients`` (Horovod PR 3695). Shared by the tapes, the tf.compat.v1
     optimizer and the Keras optimizer."""
-    idx = [i for i, v in enumerate(vars) if _ref(v) not in local_keys]
+    idx = [i for i, v in enumerate(vars) if variable_key(v) not in local_keys]
     out = list(grads)
     if idx:
         reduced = reduce_fn([grads[i] for i in idx], [vars[i] for i in idx])
         for i, g in zip(idx, reduced):
             out[i] = g
     if scale_local_gradients and local_keys:
-        n = _set_size(process_set)
-        out = [_scale_local(g, n) if _ref(v) in local_keys else g for g, v in zip(out, vars)]
+        n = process_set_size(process_set)
+        out = [
+            _scale_local(g, n) if variable_key(v) in local_keys else g for g, v in zip(out, vars)
+        ]
     return out
 
 
-def _make_allreduce_grads_fn(
+def make_allreduce_grads_fn(
     name: str,
     compression: Any,
     sparse_as_dense: bool,
@@ -97,7 +95,9 @@ def _make_allreduce_grads_fn(
         postscale_factor = gradient_predivide_factor
     else:
         prescale_factor = postscale_factor = 1.0
-    group_refs = [[_ref(v) for v in g] for g in groups] if isinstance(groups, list) else None
+    group_refs = (
+        [[variable_key(v) for v in g] for g in groups] if isinstance(groups, list) else None
+    )
 
     def allreduce_grads(
         grads: List[Any], vars: Sequence[Any] | None = None, use_generic_names: bool = False
@@ -108,12 +108,12 @@ def _make_allreduce_grads_fn(
                 tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
             ]
         present = [(i, g) for i, g in enumerate(grads) if g is not None]
-        if not present or _set_size(process_set) <= 1:
+        if not present or process_set_size(process_set) <= 1:
             return grads  # Horovod's _allreduce_cond: identity on a set of one rank
         if group_refs is not None:
             if vars is None:
                 raise ValueError("groups given as lists of variables need the gradients' sources")
-            where = {_ref(vars[i]): (i, g) for i, g in present}
+            where = {variable_key(vars[i]): (i, g) for i, g in present}
             split = []
             for group in group_refs:
                 chunk = [where.pop(r) for r in group if r in where]
@@ -161,7 +161,7 @@ class _DistributedGradientTape(tf.GradientTape):
     ) -> None:
         tf.GradientTape.__init__(self, persistent, watch_accessed_variables)
         self._tape = tape  # the wrapped tape's recording: gradient() reads it
-        self._allreduce_grads = _make_allreduce_grads_fn(
+        self._allreduce_grads = make_allreduce_grads_fn(
             "DistributedGradientTape", compression, sparse_as_dense, op,
             gradient_predivide_factor, groups, process_set,
         )  # fmt: skip
@@ -181,7 +181,7 @@ class _DistributedGradientTape(tf.GradientTape):
     def register_local_source(self, source: Any) -> None:
         """Marks a variable as worker-local: its gradient is not reduced across ranks (it is
         divided by the set size when ``scale_local_gradients``)."""
-        self._local_sources.add(_ref(source))
+        self._local_sources.add(variable_key(source))
 
     def gradient(
         self,
@@ -235,14 +235,15 @@ class _DistributedGradientTape(tf.GradientTape):
             with tf.name_scope("DistributedGradientTape_" + type(self.algorithm).__name__):
                 return self._algo_impl.reduce_gradients(gs, vs)
 
-        out = _filtered_reduce(
+        out = filtered_reduce(
             reduce, flat_grads, flat_sources, self._local_sources, self.process_set,
             self.scale_local_gradients,
         )  # fmt: skip
         return tf.nest.pack_sequence_as(sources, out)
 
 
-def _check_args(op: int, gradient_predivide_factor: float, num_groups: int, groups: Any) -> Any:
+def check_tape_args(op: int, gradient_predivide_factor: float, num_groups: int, groups: Any) -> Any:
+    """Horovod's checks of the tape's and the optimizer's arguments; returns the groups."""
     groups = check_predivide_and_groups(
         op, gradient_predivide_factor, num_groups, groups, rocm_built(), stacklevel=4
     )
@@ -263,17 +264,9 @@ def _resolve_algorithm(algorithm: Any, op: int, compression: Any, groups: Any) -
         algorithm = _alg.environment_algorithm()
     if algorithm is None:
         return None, op
-    _alg.check_algorithm(algorithm)
-    if isinstance(algorithm, (_alg.GradientAllReduce, _alg.ByteGrad)):
-        op = Average if algorithm.average else Sum
-    if not isinstance(algorithm, _alg.GradientAllReduce) and (
-        compression is not Compression.none or groups is not None
-    ):
-        raise ValueError(
-            f"algorithm={type(algorithm).__name__}(...) decides how data is communicated: it "
-            "cannot be combined with compression= or groups="
-        )
-    if isinstance(algorithm, _alg.GradientAllReduce) and not algorithm.hierarchical:
+    _alg.check_algorithm(algorithm, None, compression is not Compression.none, groups)
+    op = algorithm.reduce_op(op)
+    if algorithm.is_horovod_allreduce():
         return None, op  # Horovod's allreduce (compression=, groups= apply)
     return algorithm, op
 
@@ -332,7 +325,7 @@ def DistributedGradientTape(
     ``compression=`` or ``groups=``; ``GradientAllReduce(hierarchical=False)`` is Horovod's
     path with ``op`` Average or Sum (``average=``).
     """
-    groups = _check_args(op, gradient_predivide_factor, num_groups, groups)
+    groups = check_tape_args(op, gradient_predivide_factor, num_groups, groups)
     algorithm, op = _resolve_algorithm(algorithm, op, compression, groups)
     cls = type(
         gradtape.__class__.__name__,

@@ -9,6 +9,7 @@ SyncBatchNorm. The elastic package comes later.
 from bagua_hvd.common import frontend as _frontend
 from bagua_hvd.common.exceptions import HorovodInternalError
 from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics)
+from bagua_hvd.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
 from bagua_hvd.common.util import check_extension
 from bagua_hvd.torch import compression, mpi_ops
 from bagua_hvd.torch.compression import Compression
@@ -19,13 +20,7 @@ from bagua_hvd.torch.functions import (
     broadcast_parameters,
 )
 from bagua_hvd.torch.mpi_ops import (
-    Adasum,
-    Average,
-    Max,
-    Min,
     ProcessSet,
-    Product,
-    Sum,
     add_process_set,
     allgather,
     allgather_async,

@@ -13,8 +13,10 @@ is in docs/algorithms.md.
 ``DistributedOptimizer`` built without ``algorithm=``.
 
 The declarations (``ByteGrad``, ...) are the framework-neutral classes of
-``bagua_hvd.common.algorithms``, re-exported here; this module holds their torch
-implementations (registered for ``Algorithm.reify(torch optimizer)``) and ``QAdamOptimizer``.
+``bagua_hvd.common.algorithms``, re-exported here, and their implementation is the engine's
+(``bagua_hvd.common.engine``); this module holds ``QAdamOptimizer`` and what the engine needs
+from torch: the tensor adapter, the weight buckets, and the points of a DistributedOptimizer's
+step where each part runs (:class:`AlgorithmImpl`).
 """
 
 from __future__ import annotations
@@ -25,27 +27,15 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from bagua_hvd.common import algorithms as _common
-from bagua_hvd.common import basics as _basics
-from bagua_hvd.common import ops as _ops
-from bagua_hvd.common._native import ffi as _ffi
-from bagua_hvd.common._native import last_error as _last_error
-from bagua_hvd.common._native import lib as _lib
+from bagua_hvd.common import config, engine
+from bagua_hvd.common.algorithms import *  # noqa: F403  (the declarations, re-exported)
+from bagua_hvd.common.primitives import Buffer, Request
+from bagua_hvd.torch.mpi_ops import core_dtype
 
 __all__ = [*_common.FRONTEND_EXPORTS, "QAdamOptimizer"]
 
 # The declarations are framework-neutral (bagua_hvd.common.algorithms): the same classes in
 # every frontend. This module adds torch's implementations and QAdamOptimizer.
-Algorithm = _common.Algorithm
-GradientAllReduce = _common.GradientAllReduce
-ByteGrad = _common.ByteGrad
-Decentralized = _common.Decentralized
-LowPrecisionDecentralized = _common.LowPrecisionDecentralized
-QAdamAlgorithm = _common.QAdamAlgorithm
-AsyncModelAverage = _common.AsyncModelAverage
-BY_NAME = _common.BY_NAME
-from_name = _common.from_name
-from_environment = _common.from_environment
-ALGORITHM_ENV = _common.ALGORITHM_ENV
 
 
 class QAdamOptimizer(torch.optim.Optimizer):
@@ -66,21 +56,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0,
     ) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if not isinstance(warmup_steps, int) or warmup_steps <= 0:
-            raise ValueError(
-                f"warmup_steps must be a positive integer, got {warmup_steps!r}: the compression "
-                "stage freezes the second moment estimated during warm-up"
-            )
+        _common.check_qadam_arguments(lr, warmup_steps, betas, eps, weight_decay)
         self.warmup_steps = warmup_steps
         self.step_id = 0  # completed steps
         self._momentum_in_grad: set = set()  # compression stage: grads already turned to m
@@ -90,6 +66,21 @@ class QAdamOptimizer(torch.optim.Optimizer):
     def in_warmup(self) -> bool:
         """True while the next step is a warm-up (plain Adam) step."""
         return self.step_id < self.warmup_steps
+
+    def adopt_stage(self, other: QAdamOptimizer) -> None:
+        """Takes over ``other``'s warm-up length and step count (a DistributedOptimizer built
+        from ``other``)."""
+        self.warmup_steps = other.warmup_steps
+        self.step_id = other.step_id
+        self._momentum_in_grad = set()
+
+    def momentum_into_grads_(self, params: Iterable[torch.Tensor]) -> None:
+        """Compression stage, before communication: each parameter's ``.grad`` becomes its new
+        momentum (:meth:`momentum_`); ``step()`` then applies the averaged momentum."""
+        for p in params:
+            if p.grad is not None:
+                self.momentum_(p, p.grad)
+                self._momentum_in_grad.add(p)
 
     def momentum_(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """Compression stage, before communication: turns ``grad`` (in place) into this rank's
@@ -159,50 +150,49 @@ class QAdamOptimizer(torch.optim.Optimizer):
 _common.register_qadam_optimizer(QAdamOptimizer)
 
 
-# ---- implementations ------------------------------------------------------------------------------
-class _Impl:
-    """What an algorithm does inside one DistributedOptimizer. The base class is the gradient
-    path (GradientAllReduce, ByteGrad)."""
+# ---- the engine's torch side ----------------------------------------------------------------------
+class TorchTensors(engine.TensorAdapter):
+    """torch tensors for the engine (contiguous; the dtypes of Horovod's allreduce)."""
 
-    def __init__(self, alg: Algorithm, opt: Any) -> None:
-        self.alg = alg
-        self.opt_ref = weakref.ref(opt)
-        self.step = 0  # completed DistributedOptimizer steps
+    def buffer(self, t: torch.Tensor) -> Buffer:
+        # tuple.__new__: a Buffer without NamedTuple's Python-level constructor (hot path)
+        device = -1 if t.is_cpu else t.device.index
+        return _new_buffer(Buffer, (t.data_ptr(), core_dtype(t), t.numel(), device, 0))
 
-    def communicates_gradients(self) -> bool:
-        return self.alg.communicates_gradients(self.step)
+    def numel(self, t: torch.Tensor) -> int:
+        return t.numel()
 
-    def compresses_gradients(self) -> bool:
-        return self.alg.compresses_gradients(self.step)
+    def empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(t)
 
-    def error_feedback(self) -> bool:
-        return bool(getattr(self.alg, "error_feedback", False))
+    def zeros_like(self, t: torch.Tensor, numel: int) -> torch.Tensor:
+        return t.new_zeros(numel)
 
-    def hierarchical(self) -> bool:
-        """Within each host, then among the hosts (only where the job spans several hosts and
-        some host runs several ranks; the core runs the flat algorithm otherwise)."""
-        return bool(getattr(self.alg, "hierarchical", False))
+    def empty_bytes(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
 
-    def before_launch(self, params: List[torch.Tensor]) -> None:
-        """A gradient bucket is complete and about to be sent."""
-
-    def on_gradient(self, p: torch.Tensor) -> None:
-        """A gradient is ready while gradients are not communicated."""
-
-    def synchronize(self) -> None:
-        """Before the local update, while gradients are not communicated."""
-
-    def after_step(self) -> None:
-        self.step += 1
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.no_grad():
+            dst.copy_(src)
 
 
-class _WeightBuckets:
+TENSORS = TorchTensors()
+_new_buffer = tuple.__new__
+
+
+class WeightBuckets:
     """The parameters flattened into one contiguous buffer per bucket (``p.data`` become views),
-    so the core averages weights in place."""
+    so the core averages weights in place. The layout is the gradient buckets' first guess
+    (reverse registration order, per dtype and device); ``labels`` name the buckets after
+    their parameters."""
 
-    def __init__(self, groups: List[List[torch.Tensor]], names: Dict[Any, str]) -> None:
+    def __init__(self, params: List[torch.Tensor], names: Dict[Any, str]) -> None:
+        infos = [(p.numel(), (p.dtype, p.device), p.element_size()) for p in params]
+        groups = [
+            [params[i] for i in b] for b in engine.bucket_layout(infos, config.bucket_bytes())
+        ]
         self.flats: List[torch.Tensor] = []
-        self.names: List[str] = []
+        self.labels: List[str] = []
         with torch.no_grad():
             for g in groups:
                 flat = torch.empty(sum(p.numel() for p in g), dtype=g[0].dtype)
@@ -213,320 +203,112 @@ class _WeightBuckets:
                     p.data = flat[off : off + n].view_as(p)
                     off += n
                 self.flats.append(flat)
-                self.names.append(
-                    names.get(g[0], "param") + (f"+{len(g) - 1}" if len(g) > 1 else "")
-                )
+                self.labels.append(engine.bucket_label(names.get(g[0], "param"), len(g)))
 
 
-class _WeightImpl(_Impl):
-    def weights(self) -> _WeightBuckets:
-        wb = getattr(self, "_wb", None)
-        if wb is None:
-            opt = self.opt_ref()
-            params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-            # The gradient buckets' first-guess layout (reverse registration order, per dtype).
-            groups = opt._form_buckets(list(reversed(params)), set())
-            wb = self._wb = _WeightBuckets(groups, opt._parameter_names)
-        return wb
+class AlgorithmImpl(engine.Implementation):
+    """An algorithm inside one DistributedOptimizer: the engine's gradient path and weight
+    averaging, run at the optimizer's points of the step (hooks, synchronize(), step())."""
 
-    def _name(self, kind: str, i: int) -> str:
-        return f"{kind}.{self.weights().names[i]}"
+    def __init__(
+        self,
+        alg: _common.Algorithm,
+        opt: torch.optim.Optimizer,
+        names: Dict[Any, str],
+    ) -> None:
+        ps = opt.process_set
+        self._names = engine.LabelledNames([])  # labelled when the weights are flattened
+        super().__init__(alg, TENSORS, self._names, ps, ps.size)
+        self.opt_ref = weakref.ref(opt)
+        self.step = 0  # completed DistributedOptimizer steps
+        self._param_names = names
+        self._wb: Optional[WeightBuckets] = None
+        self._plan: Optional[engine.StepPlan] = None
 
+    # -- gradients ---------------------------------------------------------------------------------
+    def communicates_gradients(self) -> bool:
+        return (self._plan or self._new_plan()).communicates
 
-class _DecentralizedImpl(_WeightImpl):
-    """Weights averaged with peers during backward; the local gradient applied to the average."""
+    def _new_plan(self) -> engine.StepPlan:
+        """This step's plan (kept until after_step(): the stage cannot change before)."""
+        path = self.gradients
+        self._plan = path.plan(path.stage_step(self.step, self._optimizer_steps))
+        return self._plan
 
-    def __init__(self, alg: Decentralized, opt: Any) -> None:
-        super().__init__(alg, opt)
-        self.handles: Optional[List[int]] = None
-        self.peer: List[torch.Tensor] = []
+    def _optimizer_steps(self) -> int:
+        return self.opt_ref().step_id  # QAdam: the DistributedOptimizer's own updates
 
-    def communicating(self) -> bool:
-        return self.step % self.alg.communication_interval == 0
+    def launch(
+        self,
+        params: List[torch.Tensor],
+        buf: torch.Tensor,
+        name: str,
+        slot: Any,
+        reduce_op: int,
+        prescale_factor: float,
+        postscale_factor: float,
+    ) -> Optional[Request]:
+        """A gradient bucket (``params``, in ``buf``) is complete: BAGUA's allreduce of it,
+        or None when Horovod's allreduce sends it. ``slot.residuals`` keeps its residuals."""
+        path = self.gradients
+        plan = self._plan or self._new_plan()
+        if plan.momentum:
+            self.opt_ref().momentum_into_grads_(params)
+        if not plan.primitive:
+            return None
+        residuals = None
+        if plan.residuals:
+            residuals = slot.residuals = path.residuals(slot.residuals, buf)
+        return path.launch(
+            plan,
+            buf,
+            name,
+            reduce_op=reduce_op,
+            residuals=residuals,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+        )
 
-    def launch(self) -> None:
-        from bagua_hvd.torch import mpi_ops
+    # -- weights -----------------------------------------------------------------------------------
+    def weights(self) -> WeightBuckets:
+        if self._wb is None:
+            groups = self.opt_ref().param_groups
+            params = [p for g in groups for p in g["params"] if p.requires_grad]
+            self._wb = WeightBuckets(params, self._param_names)
+            self._names.labels = self._wb.labels
+        return self._wb
 
-        opt = self.opt_ref()
-        wb = self.weights()
-        if not self.peer:
-            self.peer = [torch.empty_like(f) for f in wb.flats]
-        k = self.step // self.alg.communication_interval
-        self.handles = [
-            mpi_ops._primitive_async(
-                _ops.OP_DECENTRALIZED,
-                flat,
-                self._name("decentralized", i),
-                opt.process_set,
-                peer_mode=_ops.PEER_MODES[self.alg.peer_selection_mode],
-                step=k,
-                output=self.peer[i],
-                hierarchical=self.hierarchical(),
-            )
-            for i, flat in enumerate(wb.flats)
-        ]
+    def _flats(self) -> List[torch.Tensor]:
+        return self.weights().flats
+
+    def _store(self, new: Optional[List[torch.Tensor]]) -> None:
+        """The weights are the flat buffers (``p.data`` are views): results elsewhere are
+        copied in."""
+        if new is not None:
+            for flat, x in zip(self.weights().flats, new):
+                if x.data_ptr() != flat.data_ptr():
+                    TENSORS.copy_(flat, x)
 
     def on_gradient(self, p: torch.Tensor) -> None:
-        if self.handles is None and self.communicating():
-            self.launch()  # the weights cannot change until step(): overlap with backward
+        """A gradient is ready while gradients are not communicated."""
+        if self.averaging is not None:
+            self.averaging.during_backward(self.step, self._flats)
 
     def synchronize(self) -> None:
-        from bagua_hvd.torch import mpi_ops
-
-        if not self.communicating():
-            return
-        if self.handles is None:
-            self.launch()
-        handles, self.handles = self.handles, None
-        for h in handles:
-            mpi_ops.synchronize(h)
-        with torch.no_grad():
-            for flat, avg in zip(self.weights().flats, self.peer):
-                flat.copy_(avg)
-
-
-# The exchanges still running in the background, of every low-precision decentralized optimizer
-# of this process. A name stays taken until its handle is waited for (docs/design-core.md), so an
-# optimizer dropped with its last exchange in flight would block a later one's bucket names: each
-# new optimizer first waits for them all, at the same point of the program on every rank.
-_lp_pending: List[int] = []
-
-
-def _flush_lp_pending() -> None:
-    """Waits for every exchange still in flight (at shutdown: a faster rank must not stop the
-    job while a slower one's last exchange still needs it)."""
-    from bagua_hvd.torch import mpi_ops
-
-    pending = list(_lp_pending)
-    _lp_pending.clear()
-    for h in pending:
-        mpi_ops.synchronize(h)
-
-
-class _LowPrecisionDecentralizedImpl(_WeightImpl):
-    """After the local update, the compressed ring step of the core on every weight bucket."""
-
-    def __init__(self, alg: LowPrecisionDecentralized, opt: Any) -> None:
-        super().__init__(alg, opt)
-        self.replicas: Optional[List[List[torch.Tensor]]] = None  # per bucket: self, left, right
-        _basics.before_shutdown(_flush_lp_pending)
-
-    def synchronize(self) -> None:
-        # Before the first update: replicas from the weights as they are on every rank. One
-        # rank has no neighbours: nothing to keep.
-        if self.replicas is None and self.opt_ref().process_set.size() > 1:
-            self.replicas = self._init_replicas()
-
-    def _init_replicas(self) -> List[List[torch.Tensor]]:
-        """self = x, left/right = the ring neighbours' x, exchanged by the core."""
-        from bagua_hvd.torch import mpi_ops
-
-        self.flush()  # an earlier optimizer's last exchange, if it was dropped in flight
-        opt = self.opt_ref()
-        out = [[torch.empty_like(f) for _ in range(3)] for f in self.weights().flats]
-        handles = [
-            mpi_ops._primitive_async(
-                _ops.OP_LP_DECENTRALIZED,
-                flat,
-                self._name("lpdec.init", i),
-                opt.process_set,
-                peer_mode=1,
-                aux=out[i],
-                hierarchical=self.hierarchical(),
-            )
-            for i, flat in enumerate(self.weights().flats)
-        ]
-        for h in handles:
-            mpi_ops.synchronize(h)
-        return out
+        """Before the local update, while gradients are not communicated."""
+        if self.averaging is not None:
+            self._store(self.averaging.before_update(self.step, self._flats))
 
     def after_step(self) -> None:
-        from bagua_hvd.torch import mpi_ops
-
-        if self.replicas is not None and self.step % self.alg.communication_interval == 0:
-            opt = self.opt_ref()
-            if self._split():
-                self._split_step(opt)
-            else:  # hierarchical: the host average needs communication first, one blocking op
-                handles = [
-                    mpi_ops._primitive_async(
-                        _ops.OP_LP_DECENTRALIZED,
-                        flat,
-                        self._name("lpdec", i),
-                        opt.process_set,
-                        aux=self.replicas[i],
-                        hierarchical=True,
-                    )
-                    for i, flat in enumerate(self.weights().flats)
-                ]
-                for h in handles:
-                    mpi_ops.synchronize(h)
-        super().after_step()
-
-    def _split(self) -> bool:
-        """Flat ring (no host hierarchy in play): the step's local half runs here, its exchange
-        in the background, overlapping the next forward and backward (BAGUA blocks)."""
-        split = getattr(self, "_split_cached", None)
-        if split is None:
-            ps = self.opt_ref().process_set
-            group = _lib().bhvd_compression_group_size(ps.process_set_id, 1)
-            split = self._split_cached = not self.hierarchical() or group == ps.size()
-        return split
-
-    def _split_step(self, opt: Any) -> None:
-        from bagua_hvd.torch import mpi_ops
-
-        self.flush()  # the replicas must have the previous round's differences
-        flats = self.weights().flats
-        if not hasattr(self, "_diffs"):
-            self._diffs = [
-                torch.empty(
-                    _lib().bhvd_minmax_uint8_size(_torch_dtype_code(f), f.numel(), 1),
-                    dtype=torch.uint8,
-                )
-                for f in flats
-            ]
-        for flat, (own, left, right), c in zip(flats, self.replicas, self._diffs):
-            status = _lib().bhvd_lp_decentralized_local(
-                _ffi.cast("void *", flat.data_ptr()),
-                _ffi.cast("void *", own.data_ptr()),
-                _ffi.cast("void *", left.data_ptr()),
-                _ffi.cast("void *", right.data_ptr()),
-                _torch_dtype_code(flat),
-                flat.numel(),
-                _ffi.cast("uint8_t *", c.data_ptr()),
-            )
-            if status != _ops.OK:
-                raise _ops.exception_for_status(status, _last_error())
-        _lp_pending.extend(
-            mpi_ops._primitive_async(
-                _ops.OP_LP_DECENTRALIZED,
-                c,
-                self._name("lpdec.x", i),
-                opt.process_set,
-                peer_mode=2,
-                aux=self.replicas[i][1:],
-            )
-            for i, c in enumerate(self._diffs)
-        )
-
-    def flush(self) -> None:
-        """Waits for the last exchanges (of every such optimizer): afterwards the replicas are
-        final."""
-        _flush_lp_pending()
+        if self.averaging is not None:
+            self._store(self.averaging.after_update(self.step, self._flats))
+        self.step += 1
+        self._plan = None
 
 
-class _QAdamImpl(_Impl):
-    """The DistributedOptimizer is itself a QAdamOptimizer (a subclass of its class): its own
-    step count decides the stage."""
-
-    def before_launch(self, params: List[torch.Tensor]) -> None:
-        q = self.opt_ref()
-        if q.in_warmup():
-            return
-        for p in params:
-            if p.grad is not None:
-                q.momentum_(p, p.grad)
-                q._momentum_in_grad.add(p)
-
-    def compresses_gradients(self) -> bool:
-        return not self.opt_ref().in_warmup()
-
-
-class _AsyncImpl(_WeightImpl):
-    """Gradient allreduce during warm-up, then background averaging by the core."""
-
-    def __init__(self, alg: AsyncModelAverage, opt: Any) -> None:
-        super().__init__(alg, opt)
-        self.id: Optional[int] = None
-        self.generation = 0
-        self.aborted = False
-        self._keep: Any = None
-
-    def _start(self) -> None:
-        opt = self.opt_ref()
-        wb = self.weights()
-        descs = []
-        keep = []
-        tensors = _ffi.new("bhvd_tensor[]", len(wb.flats))
-        for i, flat in enumerate(wb.flats):
-            shape = _ffi.new("int64_t[]", [flat.numel()])
-            keep.append(shape)
-            tensors[i].data = _ffi.cast("void *", flat.data_ptr())
-            tensors[i].dtype = _torch_dtype_code(flat)
-            tensors[i].ndim = 1
-            tensors[i].shape = shape
-            descs.append(flat)
-        out = _ffi.new("int64_t *")
-        name = f"async.{wb.names[0]}.{self.generation}"
-        status = _lib().bhvd_async_start(
-            name.encode(),
-            tensors,
-            len(wb.flats),
-            opt.process_set.process_set_id,
-            int(self.alg.sync_interval_ms),
-            out,
-        )
-        if status != _ops.OK:
-            raise _ops.exception_for_status(status, _last_error())
-        self.id = out[0]
-        self._keep = (tensors, keep, descs)
-        _live_averagers[self.id] = self
-
-    def after_step(self) -> None:
-        super().after_step()
-        if self.step <= self.alg.warmup_steps or self.aborted:
-            return
-        if self.id is None:
-            self._start()
-        _lib().bhvd_async_step(self.id)
-
-    def rounds(self) -> int:
-        return int(_lib().bhvd_async_rounds(self.id)) if self.id is not None else 0
-
-    def abort(self) -> None:
-        self.aborted = True
-        if self.id is None:
-            return
-        status = _lib().bhvd_async_abort(self.id, -1)
-        _lib().bhvd_async_release(self.id)
-        _live_averagers.pop(self.id, None)
-        self.id = None
-        if status not in (_ops.OK, _ops.ABORTED):
-            raise _ops.exception_for_status(status, _last_error())
-
-    def resume(self) -> None:
-        if not self.aborted:
-            return
-        self.aborted = False
-        self.generation += 1
-
-
-_live_averagers: Dict[int, _AsyncImpl] = {}
-
-
-def _torch_dtype_code(t: torch.Tensor) -> int:
-    from bagua_hvd.torch import mpi_ops
-
-    return mpi_ops._check(t, mpi_ops._ALLREDUCE_DTYPES)
-
-
-# Each declaration's torch implementation (the base _Impl: the gradient path).
-_IMPLS: Dict[type, type] = {
-    Decentralized: _DecentralizedImpl,
-    LowPrecisionDecentralized: _LowPrecisionDecentralizedImpl,
-    QAdamAlgorithm: _QAdamImpl,
-    AsyncModelAverage: _AsyncImpl,
-}
-
-
-def _reify(alg: Algorithm, opt: torch.optim.Optimizer) -> _Impl:
-    """``alg.reify(opt)`` for a torch DistributedOptimizer."""
-    impl_cls = next((c for t, c in _IMPLS.items() if isinstance(alg, t)), _Impl)
-    impl = impl_cls(alg, opt)
-    if isinstance(alg, AsyncModelAverage):
-        alg.register_impl(impl)
-    return impl
-
-
-_common.register_frontend(torch.optim.Optimizer, _reify)
+def implementation(
+    alg: _common.Algorithm, opt: torch.optim.Optimizer, names: Dict[Any, str]
+) -> AlgorithmImpl:
+    """The implementation of ``alg`` inside the DistributedOptimizer ``opt`` (``names``:
+    parameter -> name)."""
+    return AlgorithmImpl(alg, opt, names)

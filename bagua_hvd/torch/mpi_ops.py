@@ -26,12 +26,14 @@ the calling rank; mismatches between ranks, lost peers and shutdown raise Horovo
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 import torch
 
 from bagua_hvd.common import config
+from bagua_hvd.common import frontend as _frontend
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.exceptions import HorovodInternalError
 from bagua_hvd.common.process_sets import (
@@ -61,26 +63,7 @@ __all__ = [
     "remove_process_set",
     "init",
     "shutdown",
-    "is_initialized",
-    "start_timeline",
-    "stop_timeline",
-    "size",
-    "local_size",
-    "cross_size",
-    "rank",
-    "local_rank",
-    "cross_rank",
     "is_homogeneous",
-    "mpi_threads_supported",
-    "mpi_enabled",
-    "mpi_built",
-    "gloo_enabled",
-    "gloo_built",
-    "nccl_built",
-    "ddl_built",
-    "ccl_built",
-    "cuda_built",
-    "rocm_built",
     "allreduce",
     "allreduce_async",
     "allreduce_",
@@ -108,38 +91,22 @@ __all__ = [
     "barrier",
     "poll",
     "synchronize",
+    *_frontend.__all__,  # the basics
 ]
 
+from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics, re-exported)
+from bagua_hvd.common.frontend import basics as _basics  # noqa: E402
 from bagua_hvd.common.frontend import (  # noqa: F401  (Horovod's mpi_ops exports)
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
     handle_average_backwards_compatibility,
     is_homogeneous,
     is_initialized,
-    local_rank,
     local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
     nccl_built,
     rank,
     rocm_built,
     size,
-    start_timeline,
-    stop_timeline,
 )
-from bagua_hvd.common.frontend import basics as _basics  # noqa: E402
+from bagua_hvd.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
 
 # handle -> (finish(handle) -> result, keepalive, label). The keepalive holds every tensor and C
 # struct the core may touch until the handle is released.
@@ -205,6 +172,11 @@ def _check(tensor: torch.Tensor, table: Dict[torch.dtype, int]) -> int:
     return code
 
 
+#: ``core_dtype(tensor)``: the core's dtype code of a tensor that allreduce accepts (contiguous,
+#: a supported dtype); raises Horovod's ValueError otherwise.
+core_dtype: Callable[[torch.Tensor], int] = functools.partial(_check, table=_ALLREDUCE_DTYPES)
+
+
 def _check_bool_reduce(op: int, prescale: float, postscale: float) -> None:
     if op not in _BOOL_OPS or prescale != 1.0 or postscale != 1.0:
         raise ValueError(
@@ -226,7 +198,7 @@ _core_cuda = False
 def _refresh_core_facts() -> None:
     global _core_cuda
     wanted = config.cuda_device_pointers()
-    _core_cuda = wanted and bool(_ops.native().lib.bhvd_device_pointers_supported())
+    _core_cuda = wanted and _ops.device_pointers_supported()
 
 
 def _device_of(tensor: torch.Tensor) -> int:
@@ -249,60 +221,12 @@ def _desc(t: torch.Tensor, code: int) -> Tuple[int, int, Tuple[int, ...]]:
     return (t.data_ptr(), code, tuple(t.shape))
 
 
-def _ps_id(process_set: ProcessSet) -> int:
-    ps_id = process_set.process_set_id
-    # An unregistered or removed set: the core answers with Horovod's "does not exist" error.
-    return -1 if ps_id is None else ps_id
+_ps_id = _ops.process_set_id
 
 
 def _register(handle: int, finish: Callable[[int], Any], keep: Any, label: str) -> int:
     _handle_map[handle] = (finish, keep, label)
     return handle
-
-
-def _primitive_async(
-    op_type: int,
-    tensor: torch.Tensor,
-    name: str,
-    process_set: ProcessSet,
-    *,
-    reduce_op: int = Sum,
-    compression: int = 0,
-    peer_mode: int = 0,
-    step: int = 0,
-    aux: Sequence[torch.Tensor] = (),
-    output: torch.Tensor | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    hierarchical: bool = False,
-) -> int:
-    """One of BAGUA's primitives on a contiguous CPU bucket (docs/algorithms.md): a compressed
-    allreduce, a decentralized average or a low-precision decentralized step. ``output``
-    defaults to ``tensor`` (in place); ``aux`` are this rank's state buffers."""
-    if tensor.device.type != "cpu":
-        raise NotImplementedError(
-            "BAGUA's algorithms run on CPU tensors in this build of bagua_hvd; GPU buckets are "
-            "not supported yet"
-        )
-    out = tensor if output is None else output
-    code = _check(tensor, _ALLREDUCE_DTYPES)
-    handle, keep = _ops.enqueue(
-        op_type,
-        (_desc(tensor, code),),
-        (_desc(out, code),),
-        name=name,
-        process_set_id=_ps_id(process_set),
-        reduce_op=reduce_op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        urgent=True,
-        compression=compression,
-        peer_mode=peer_mode,
-        step=step,
-        aux=[_desc(a, _check(a, _ALLREDUCE_DTYPES)) for a in aux] or None,
-        hierarchical=hierarchical,
-    )
-    return _register(handle, lambda h: out, (keep, tensor, out, tuple(aux)), name)
 
 
 # ---- allreduce ---------------------------------------------------------------------------------
@@ -362,6 +286,28 @@ def _allreduce_async(
         urgent,
         prefix="allreduce",
         single=True,
+    )
+
+
+def bucket_allreduce_async(
+    tensors: List[torch.Tensor],
+    name: str | None,
+    op: int,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    urgent: bool = False,
+) -> int:
+    """The in-place allreduce of a DistributedOptimizer's bucket: one tensor, or several as one
+    grouped request (``name`` without the ``"allreduce."`` prefix). Returns a handle for
+    :func:`synchronize`."""
+    if len(tensors) == 1:
+        t = tensors[0]
+        return _allreduce_async(
+            t, t, name, op, prescale_factor, postscale_factor, process_set, urgent=urgent
+        )
+    return _grouped_allreduce_async(
+        tensors, tensors, name, op, prescale_factor, postscale_factor, process_set, urgent=urgent
     )
 
 

@@ -39,8 +39,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 from bagua_hvd.common import algorithms as _alg_common
-from bagua_hvd.common import config
+from bagua_hvd.common import config, engine
 from bagua_hvd.common import ops as _ops
+from bagua_hvd.common.primitives import Request
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.common.util import check_predivide_and_groups, split_list
 from bagua_hvd.torch import mpi_ops
@@ -50,7 +51,7 @@ from bagua_hvd.torch.compression import (
     FP16Compressor,
     NoneCompressor,
 )
-from bagua_hvd.torch.mpi_ops import Adasum, Average, Sum, rocm_built, size
+from bagua_hvd.torch.mpi_ops import Adasum, Average, rocm_built, size
 
 __all__ = ["DistributedOptimizer"]
 
@@ -144,10 +145,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self._hvd_cls, self).__init__(params)
         self._algorithm = algorithm
         self._algo_impl: Any = None
-        if algorithm is not None and hasattr(algorithm, "optimizer"):  # QAdam: its stage
-            self.warmup_steps = algorithm.optimizer.warmup_steps
-            self.step_id = algorithm.optimizer.step_id
-            self._momentum_in_grad = set()
+        if algorithm is not None:
+            algorithm.prepare_optimizer(self)  # e.g. QAdam: the stage of its optimizer
         self._compression = compression
 
         if named_parameters is not None:
@@ -237,7 +236,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         if self.process_set.included() and (size() > 1 or config.elastic()):
             if algorithm is not None:
-                self._algo_impl = algorithm.reify(self)
+                from bagua_hvd.torch import algorithms as _alg
+
+                self._algo_impl = _alg.implementation(algorithm, self, self._parameter_names)
             self._register_hooks()
 
     # ---- Horovod's public surface --------------------------------------------------------------
@@ -290,7 +291,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._launch_sparse(p, fill=True)
             for key, (handle, ctx) in handles.items():
                 if isinstance(key, _Bucket):
-                    mpi_ops.synchronize(handle)
+                    if type(handle) is Request:  # BAGUA's primitive (an algorithm's)
+                        handle.wait()
+                    else:
+                        mpi_ops.synchronize(handle)
                     self._finish(key, ctx)
                 else:
                     self._finish_sparse(key, handle())
@@ -384,36 +388,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _form_buckets(self, order: List[torch.Tensor], sparse: set) -> List[List[torch.Tensor]]:
         """Cuts ``order`` into buckets of at most the cap, one (dtype, device) per bucket."""
-        cap = self._bucket_cap
-        out: List[List[torch.Tensor]] = []
-        open_: Dict[Tuple[Any, Any], Tuple[List[torch.Tensor], List[int]]] = {}
-        for p in order:
-            if p in sparse:
-                continue
-            nbytes = p.numel() * p.element_size()
-            if cap == 0:
-                out.append([p])
-                continue
-            key = (p.dtype, p.device)
-            cur = open_.get(key)
-            if cur is not None and cur[1][0] + nbytes > cap:
-                cur = None
-            if cur is None:
-                cur = ([], [0])
-                open_[key] = cur
-                out.append(cur[0])
-            cur[0].append(p)
-            cur[1][0] += nbytes
-        return out
+        params = [p for p in order if p not in sparse]
+        infos = [(p.numel(), (p.dtype, p.device), p.element_size()) for p in params]
+        layout = engine.bucket_layout(infos, self._bucket_cap, order=range(len(params)))
+        return [[params[i] for i in b] for b in layout]
 
     def _set_buckets(self, p_groups: List[List[torch.Tensor]]) -> None:
         self._buckets = []
         self._p_bucket = {}
         op, pre, post = self.op, self._prescale, self._postscale
         for g in p_groups:
-            first = self._parameter_names.get(g[0])
-            name = first if len(g) == 1 else f"{first}+{len(g) - 1}"
-            b = _Bucket(g, name)
+            b = _Bucket(g, engine.bucket_label(self._parameter_names.get(g[0]), len(g)))
             b.op, b.prescale, b.postscale = op, pre, post
             self._buckets.append(b)
             for p in g:
@@ -471,58 +456,99 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- communication ---------------------------------------------------------------------------
     def _launch(self, b: _Bucket, fill: bool = False) -> None:
-        """Starts the bucket's allreduce. ``fill``: called from synchronize(), so gradients that
-        did not arrive through the hook (unused parameters, fewer backward passes) are taken
-        from ``p.grad`` as they are, or zeros."""
-        urgent = self._bucket_cap > 0 or self._groups is not None
+        """Starts the bucket's allreduce: the bucket's kind decides what is sent, the algorithm
+        (if any) which primitive sends it. ``fill``: called from synchronize(), so gradients
+        that did not arrive through the hook (unused parameters, fewer backward passes) are
+        taken from ``p.grad`` as they are, or zeros."""
         if b.flat is not None:
-            if fill:
-                views = b.views
-                for i, p in enumerate(b.params):
-                    if p in b.skip:
-                        continue
-                    g = p.grad
-                    view = views[i]
-                    if g is None:
-                        # Not computed here, but other ranks may have computed it.
-                        view.zero_()
-                        p.grad = view
-                    elif g.is_sparse:
-                        if not self.sparse_as_dense:
-                            self._new_sparse(p, b)
-                            continue
-                        view.zero_()
-                        view.add_(g)
-                        if p not in b.sparse_dense:
-                            b.sparse_dense.append(p)
-                    elif g.data_ptr() != view.data_ptr():
-                        view.copy_(g)
-                        p.grad = view
-            buf = b.flat
-            if self._algo_impl is not None:
-                self._algo_impl.before_launch(b.params)
-                if self._algo_impl.compresses_gradients() or self._algo_impl.hierarchical():
-                    self._handles[b] = (self._launch_primitive(b, buf), None)
-                    return
-            if b.comp is not None:
-                b.comp.copy_(buf)
-                buf = b.comp
-            handle = mpi_ops._allreduce_async(
-                buf,
-                buf,
-                b.name,
+            tensors, ctx = self._flat_tensors(b, fill)
+        elif b.direct:
+            tensors, ctx = self._direct_tensors(b)
+        else:
+            tensors, ctx = self._list_tensors(b)
+        if not tensors:  # only sparse gradients, sent on their own
+            self._handles[b] = (_NO_HANDLE, None)
+            return
+        impl = self._algo_impl
+        if impl is not None and (b.flat is not None or b.direct):
+            request = impl.launch(
+                b.params,
+                tensors[0],
+                _ops.op_name("allreduce", b.name),
+                b,
                 b.op,
                 b.prescale,
                 b.postscale,
-                self.process_set,
-                urgent=urgent,
             )
-            self._handles[b] = (handle, None)
-            return
-        if b.direct:
-            self._launch_direct(b, urgent)
-            return
-        # List form: custom compressors, mixed groups.
+            if request is not None:
+                self._handles[b] = (request, ctx)
+                return
+        if b.comp is not None:
+            b.comp.copy_(tensors[0])
+            tensors = [b.comp]
+        handle = mpi_ops.bucket_allreduce_async(
+            tensors,
+            b.name,
+            b.op,
+            b.prescale,
+            b.postscale,
+            self.process_set,
+            urgent=self._bucket_cap > 0 or self._groups is not None,
+        )
+        self._handles[b] = (handle, ctx)
+
+    def _flat_tensors(self, b: _Bucket, fill: bool) -> Tuple[List[torch.Tensor], Any]:
+        """A flat bucket: its buffer, whose views are the gradients."""
+        if fill:
+            views = b.views
+            for i, p in enumerate(b.params):
+                if p in b.skip:
+                    continue
+                g = p.grad
+                view = views[i]
+                if g is None:
+                    # Not computed here, but other ranks may have computed it.
+                    view.zero_()
+                    p.grad = view
+                elif g.is_sparse:
+                    if not self.sparse_as_dense:
+                        self._new_sparse(p, b)
+                        continue
+                    view.zero_()
+                    view.add_(g)
+                    if p not in b.sparse_dense:
+                        b.sparse_dense.append(p)
+                elif g.data_ptr() != view.data_ptr():
+                    view.copy_(g)
+                    p.grad = view
+        return [b.flat], None
+
+    def _direct_tensors(self, b: _Bucket) -> Tuple[List[torch.Tensor], Any]:
+        """A bucket of one parameter: its gradient, reduced where it is (no flat buffer)."""
+        p = b.params[0]
+        if p in b.skip:
+            return [], None
+        g = p.grad
+        if g is None:
+            # Not computed here, but other ranks may have computed it.
+            g = p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        dense = b.dense_tmp.get(p)
+        if dense is None and g.is_sparse:
+            if not self.sparse_as_dense:
+                self._new_sparse(p, b)
+                return [], None
+            dense = b.dense_tmp[p] = g.to_dense()
+        t = g if dense is None else dense
+        if not t.is_contiguous():  # e.g. channels_last: the core needs one dense block
+            t = t.contiguous()
+            if dense is None:
+                p.grad = t
+            else:
+                b.dense_tmp[p] = t
+        return [t], t
+
+    def _list_tensors(self, b: _Bucket) -> Tuple[List[torch.Tensor], Any]:
+        """Custom compressors, mixed groups: the (compressed) gradients, one grouped request."""
         tensors: List[torch.Tensor] = []
         ctxs: List[Tuple[torch.Tensor, Any, Optional[torch.Tensor]]] = []
         compression = self._compression
@@ -546,104 +572,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 tc, ctx = compression.compress(t)
             tensors.append(tc)
             ctxs.append((p, ctx, dense))
-        if not tensors:  # only sparse gradients, sent on their own
-            self._handles[b] = (_NO_HANDLE, None)
-            return
-        if len(tensors) == 1:
-            handle = mpi_ops._allreduce_async(
-                tensors[0],
-                tensors[0],
-                b.name,
-                b.op,
-                b.prescale,
-                b.postscale,
-                self.process_set,
-                urgent=urgent,
-            )
-        else:
-            handle = mpi_ops._grouped_allreduce_async(
-                tensors,
-                tensors,
-                b.name,
-                b.op,
-                b.prescale,
-                b.postscale,
-                self.process_set,
-                urgent=urgent,
-            )
-        self._handles[b] = (handle, (tensors, ctxs))
-
-    def _launch_primitive(self, b: _Bucket, buf: torch.Tensor) -> int:
-        """A bucket's allreduce through BAGUA's primitives, in place: ByteGrad's compressed
-        allreduce and/or the hierarchical form (docs/algorithms.md)."""
-        impl = self._algo_impl
-        compressed = impl.compresses_gradients()
-        aux: Tuple[torch.Tensor, ...] = ()
-        if compressed and impl.error_feedback():
-            n = _ops.native().lib.bhvd_compression_group_size(
-                mpi_ops._ps_id(self.process_set), 1 if impl.hierarchical() else 0
-            )
-            chunk = -(-buf.numel() // n)
-            if b.residuals is None or b.residuals[1].numel() != chunk:
-                b.residuals = (buf.new_zeros(chunk * n), buf.new_zeros(chunk))
-            aux = b.residuals
-        return mpi_ops._primitive_async(
-            _ops.OP_ALLREDUCE,
-            buf,
-            _ops.op_name("allreduce", b.name),
-            self.process_set,
-            reduce_op=b.op,
-            compression=_ops.COMPRESSION_MINMAX_UINT8 if compressed else _ops.COMPRESSION_NONE,
-            aux=aux,
-            prescale_factor=b.prescale,
-            postscale_factor=b.postscale,
-            hierarchical=impl.hierarchical(),
-        )
-
-    def _launch_direct(self, b: _Bucket, urgent: bool) -> None:
-        """A bucket of one parameter: its gradient is reduced where it is (no flat buffer)."""
-        p = b.params[0]
-        if p in b.skip:
-            self._handles[b] = (_NO_HANDLE, None)
-            return
-        g = p.grad
-        if g is None:
-            # Not computed here, but other ranks may have computed it.
-            g = p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        dense = b.dense_tmp.get(p)
-        if dense is None and g.is_sparse:
-            if not self.sparse_as_dense:
-                self._new_sparse(p, b)
-                self._handles[b] = (_NO_HANDLE, None)
-                return
-            dense = b.dense_tmp[p] = g.to_dense()
-        t = g if dense is None else dense
-        if not t.is_contiguous():  # e.g. channels_last: the core needs one dense block
-            t = t.contiguous()
-            if dense is None:
-                p.grad = t
-            else:
-                b.dense_tmp[p] = t
-        buf = t
-        if self._algo_impl is not None:
-            self._algo_impl.before_launch(b.params)
-            if self._algo_impl.compresses_gradients() or self._algo_impl.hierarchical():
-                self._handles[b] = (self._launch_primitive(b, buf), t)
-                return
-        if b.comp is not None:
-            b.comp.copy_(t)
-            buf = b.comp
-        handle = mpi_ops._allreduce_async(
-            buf,
-            buf,
-            b.name,
-            b.op,
-            b.prescale,
-            b.postscale,
-            self.process_set,
-            urgent=urgent,
-        )
-        self._handles[b] = (handle, t)
+        return tensors, (tensors, ctxs)
 
     def _finish(self, b: _Bucket, ctx: Any) -> None:
         if b.direct:
@@ -950,25 +879,9 @@ def DistributedOptimizer(
     if algorithm is None:
         algorithm = _alg.from_environment()
     if algorithm is not None:
-        if not isinstance(algorithm, _alg.Algorithm):
-            raise ValueError(
-                "algorithm must be an object from bagua_hvd.torch.algorithms, got "
-                f"{type(algorithm).__name__}"
-            )
-        if isinstance(algorithm, (_alg.GradientAllReduce, _alg.ByteGrad)):
-            op = Average if algorithm.average else Sum
-        if isinstance(algorithm, _alg.QAdamAlgorithm) != isinstance(optimizer, _alg.QAdamOptimizer):
-            raise ValueError(
-                "QAdamAlgorithm goes with QAdamOptimizer: pass the QAdamOptimizer to both "
-                "QAdamAlgorithm(...) and DistributedOptimizer(...)"
-            )
-        if not isinstance(algorithm, _alg.GradientAllReduce) and (
-            compression is not Compression.none or groups is not None
-        ):
-            raise ValueError(
-                f"algorithm={type(algorithm).__name__}(...) decides how data is communicated: it "
-                "cannot be combined with compression= or groups="
-            )
+        _alg_common.check_algorithm(algorithm, "torch")
+        op = algorithm.reduce_op(op)
+        algorithm.check(optimizer, _alg.QAdamOptimizer, compression is not Compression.none, groups)
 
     cls = type(
         optimizer.__class__.__name__,

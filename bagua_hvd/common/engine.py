@@ -1,0 +1,613 @@
+"""BAGUA's algorithms, implemented once for every frontend (docs/algorithms.md).
+
+A declaration of :mod:`bagua_hvd.common.algorithms` says what an algorithm communicates and
+when; this module does it, over the primitives of :mod:`bagua_hvd.common.primitives`, for the
+tensors of any frontend. A frontend hands the engine its buffers (torch tensors, numpy arrays,
+later TF tensors in a kernel) together with a :class:`TensorAdapter` that maps them to buffer
+descriptors and performs the few tensor operations the engine needs; the frontend decides when
+in its training step each part runs (a torch optimizer's hooks, a TF tape's callbacks).
+
+What lives here, once:
+
+* bucketing (:func:`bucket_layout`) and the bucket names on the wire (:class:`LabelledNames`,
+  :class:`NumberedNames`);
+* the gradient path (:class:`GradientPath`): the QAdam stage, the choice between Horovod's
+  allreduce and BAGUA's (compressed / hierarchical) one, error feedback's residual sizing;
+* the weight averaging of :class:`PeerAverage` (Decentralized), :class:`LowPrecisionRing`
+  (LowPrecisionDecentralized: the split decision, the exchanges left running in the
+  background) and :class:`AsyncAveraging` (AsyncModelAverage: start, steps, abort, resume,
+  rounds, generations), chosen by the declaration's ``weight_averaging``.
+
+This module imports no framework and no numpy.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from bagua_hvd.common import basics as _basics
+from bagua_hvd.common import ops as _ops
+from bagua_hvd.common import primitives as _prim
+from bagua_hvd.common.primitives import Buffer, Errors, Request
+
+__all__ = [
+    "TensorAdapter",
+    "bucket_layout",
+    "bucket_label",
+    "LabelledNames",
+    "NumberedNames",
+    "GradientPath",
+    "PeerAverage",
+    "LowPrecisionRing",
+    "AsyncAveraging",
+    "weight_averaging",
+    "Implementation",
+]
+
+
+class TensorAdapter:
+    """What the engine needs from a frontend's tensors. Subclasses implement every method."""
+
+    #: how failures are raised (the frontend's exception classes)
+    errors: Errors = _prim.PYTHON_ERRORS
+    #: whether a buffer the engine returns may be reused by the next round (False: the
+    #: frontend hands results to its framework, which may keep them)
+    reuse_outputs: bool = True
+
+    def buffer(self, t: Any) -> Buffer:
+        """The descriptor of a contiguous tensor (raises the frontend's dtype error)."""
+        raise NotImplementedError
+
+    def numel(self, t: Any) -> int:
+        """The number of elements of ``t``."""
+        raise NotImplementedError
+
+    def empty_like(self, t: Any) -> Any:
+        raise NotImplementedError
+
+    def zeros_like(self, t: Any, numel: int) -> Any:
+        """A 1-D tensor of ``numel`` zeros of ``t``'s dtype (and device)."""
+        raise NotImplementedError
+
+    def empty_bytes(self, nbytes: int) -> Any:
+        """A 1-D uint8 tensor of ``nbytes`` elements."""
+        raise NotImplementedError
+
+    def copy_(self, dst: Any, src: Any) -> None:
+        """Copies ``src`` into ``dst`` (same dtype and element count)."""
+        raise NotImplementedError
+
+
+# ---- buckets -------------------------------------------------------------------------------------
+def bucket_layout(
+    infos: Sequence[Tuple[int, Any, int]], cap: int, order: Optional[Sequence[int]] = None
+) -> List[List[int]]:
+    """Buckets (lists of indices into ``infos``) for tensors described as ``(numel, dtype key,
+    itemsize)``, taken in ``order`` (default: reverse order) and appended to the open bucket of
+    their dtype key; a bucket is closed when the next tensor would take it past ``cap`` bytes
+    (a bigger tensor gets a bucket of its own); ``cap == 0``: one bucket per tensor. Buckets are
+    listed in the order they were opened (BAGUA's and the torch DistributedOptimizer's
+    first-guess layout)."""
+    out: List[List[int]] = []
+    open_: Dict[Any, List[Any]] = {}  # dtype key -> [bucket, bytes]
+    for i in reversed(range(len(infos))) if order is None else order:
+        numel, key, itemsize = infos[i]
+        nbytes = numel * itemsize
+        if cap == 0:
+            out.append([i])
+            continue
+        cur = open_.get(key)
+        if cur is not None and cur[1] + nbytes > cap:
+            cur = None
+        if cur is None:
+            cur = [[], 0]
+            open_[key] = cur
+            out.append(cur[0])
+        cur[0].append(i)
+        cur[1] += nbytes
+    return out
+
+
+def bucket_label(first: Any, count: int) -> str:
+    """A bucket's name after its first tensor's: ``"<first>"`` or ``"<first>+<count - 1>"``."""
+    return f"{first}" if count == 1 else f"{first}+{count - 1}"
+
+
+class LabelledNames:
+    """Op names after the buckets' labels (the torch frontend: ``"decentralized.<label>"``,
+    ``"lpdec.x.<label>"``, ``"async.<first label>.<generation>"``)."""
+
+    _PREFIX = {
+        "grad": "allreduce",
+        "momentum": "allreduce",
+        "peer": "decentralized",
+        "lp.init": "lpdec.init",
+        "lp.step": "lpdec",
+        "lp.x": "lpdec.x",
+    }
+
+    def __init__(self, labels: Sequence[str]) -> None:
+        self.labels = list(labels)
+
+    def op(self, kind: str, i: int) -> str:
+        return f"{self._PREFIX[kind]}.{self.labels[i]}"
+
+    def averager(self, generation: int) -> str:
+        return f"async.{self.labels[0]}.{generation}"
+
+
+class NumberedNames:
+    """Op names after a per-process counter of implementations and the bucket's index (the
+    TensorFlow frontend: ``"lp_decentralized.bagua_tf<uid>.x.<i>"``, ...)."""
+
+    _PREFIX = {
+        "grad": ("allreduce", "grad"),
+        "momentum": ("allreduce", "momentum"),
+        "peer": ("decentralized", "w"),
+        "lp.init": ("lp_decentralized", "init"),
+        "lp.step": ("lp_decentralized", "step"),
+        "lp.x": ("lp_decentralized", "x"),
+    }
+
+    def __init__(self, uid: int) -> None:
+        self.uid = uid
+
+    def op(self, kind: str, i: int) -> str:
+        op, what = self._PREFIX[kind]
+        return f"{op}.bagua_tf{self.uid}.{what}.{i}"
+
+    def averager(self, generation: int) -> str:
+        return f"async.bagua_tf{self.uid}.{generation}"
+
+
+# ---- gradients -----------------------------------------------------------------------------------
+class StepPlan(NamedTuple):
+    """What the gradient path does at one step (:meth:`GradientPath.plan`)."""
+
+    step: int  #: the step the declaration was asked about
+    communicates: bool  #: the gradients are communicated at all
+    momentum: bool  #: the buckets carry the optimizer's new momentum (QAdam after warm-up)
+    primitive: bool  #: BAGUA's allreduce (compressed and/or hierarchical), not Horovod's
+    compressed: bool  #: the compressed (MinMaxUInt8) allreduce
+    residuals: bool  #: with error feedback's residuals
+
+
+class GradientPath:
+    """How an algorithm's gradient buckets travel at a step (GradientAllReduce, ByteGrad,
+    QAdam, AsyncModelAverage's warm-up)."""
+
+    def __init__(self, alg: Any, adapter: TensorAdapter, process_set: Any) -> None:
+        self.alg = alg
+        self.adapter = adapter
+        self.process_set = process_set
+        self._plan: Optional[StepPlan] = None
+
+    def stage_step(self, step: int, optimizer_steps: Callable[[], int]) -> int:
+        """The ``step`` the declaration's stage methods take: the distributed steps completed,
+        or, for an algorithm staged by its optimizer (QAdam), ``optimizer_steps()``."""
+        return optimizer_steps() if self.alg.staged_by_optimizer else step
+
+    def plan(self, step: int) -> StepPlan:
+        """The declaration's answers for ``step`` (from :meth:`stage_step`), asked once per
+        step."""
+        plan = self._plan
+        if plan is None or plan.step != step:
+            alg = self.alg
+            compressed = alg.compresses_gradients(step)
+            plan = self._plan = StepPlan(
+                step,
+                alg.communicates_gradients(step),
+                alg.sends_momentum(step),
+                alg.hierarchical or compressed,
+                compressed,
+                compressed and alg.error_feedback,
+            )
+        return plan
+
+    def residuals(self, current: Optional[Tuple[Any, Any]], buf: Any) -> Tuple[Any, Any]:
+        """Error feedback's residuals for bucket ``buf`` (the worker's: the bucket padded to a
+        multiple of the compression group; the server's: one chunk), ``current`` when it has
+        the right size, else new zeros (a new layout starts from zero residuals)."""
+        n = _prim.compression_group_size(
+            _ops.process_set_id(self.process_set), self.alg.hierarchical
+        )
+        chunk = -(-self.adapter.numel(buf) // n)
+        if current is not None and self.adapter.numel(current[1]) == chunk:
+            return current
+        return (self.adapter.zeros_like(buf, chunk * n), self.adapter.zeros_like(buf, chunk))
+
+    def launch(
+        self,
+        plan: StepPlan,
+        buf: Any,
+        name: str,
+        *,
+        reduce_op: int,
+        residuals: Optional[Tuple[Any, Any]] = None,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+    ) -> Request:
+        """BAGUA's allreduce of one bucket, in place, as ``plan`` says. ``residuals`` (error
+        feedback, from :meth:`residuals`) are used when the step compresses."""
+        a = self.adapter
+        aux = residuals if plan.compressed and residuals is not None else ()
+        req = _prim.allreduce(
+            a.buffer(buf),
+            name,
+            _ops.process_set_id(self.process_set),
+            reduce_op=reduce_op,
+            compressed=plan.compressed,
+            residuals=[a.buffer(r) for r in aux],
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            hierarchical=self.alg.hierarchical,
+            errors=a.errors,
+        )
+        req.hold = (buf, aux)
+        return req
+
+
+# ---- weights -------------------------------------------------------------------------------------
+class _WeightAveraging:
+    """Base of the weight algorithms. ``weights()`` returns the flat weight buckets (called
+    only when they are needed: a frontend may build them lazily). ``step`` is this step's index
+    (the steps completed before it). ``before_update`` runs when this step's gradients are
+    ready, before the optimizer's update; ``after_update`` right after the update; each returns
+    the buffers that now hold the weights, or None when the weights did not change."""
+
+    #: before_update does something (a frontend may skip calling it otherwise)
+    acts_before_update = True
+    #: after_update does something (the frontend must call it after every update)
+    acts_after_update = False
+    #: the buffers after_update returns stay the engine's (it writes into them later): copy
+    #: them before handing them to a framework that keeps them
+    results_stay_shared = False
+
+    def __init__(
+        self,
+        alg: Any,
+        adapter: TensorAdapter,
+        names: Any,
+        process_set: Any,
+        size: Callable[[], int],
+    ) -> None:
+        self.alg = alg
+        self.adapter = adapter
+        self.names = names  # LabelledNames or NumberedNames
+        self.process_set = process_set
+        self.size = size  # the process set's size now
+
+    @property
+    def process_set_id(self) -> int:
+        return _ops.process_set_id(self.process_set)
+
+    def during_backward(self, step: int, weights: Callable[[], List[Any]]) -> None:
+        """A gradient of this step is ready (the weights cannot change until the update)."""
+
+    def before_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
+        return None
+
+    def after_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
+        return None
+
+    def _bufs(self, ts: Sequence[Any]) -> List[Buffer]:
+        return [self.adapter.buffer(t) for t in ts]
+
+
+class PeerAverage(_WeightAveraging):
+    """Decentralized: every ``communication_interval`` steps the weights are replaced by their
+    average with the round's peers (before the update, which applies the local gradient)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.requests: Optional[List[Request]] = None
+        self.peers: List[Any] = []
+
+    def communicating(self, step: int) -> bool:
+        return step % self.alg.communication_interval == 0
+
+    def start(self, step: int, flats: List[Any]) -> None:
+        """Starts the averages of a communicating step (the weights must not change until
+        :meth:`finish`)."""
+        a = self.adapter
+        if not self.peers or not a.reuse_outputs:
+            self.peers = [a.empty_like(f) for f in flats]
+        k = step // self.alg.communication_interval
+        self.requests = [
+            _prim.peer_average(
+                a.buffer(flat),
+                a.buffer(peer),
+                self.names.op("peer", i),
+                self.process_set_id,
+                peer_selection_mode=self.alg.peer_selection_mode,
+                step=k,
+                hierarchical=self.alg.hierarchical,
+                errors=a.errors,
+            )
+            for i, (flat, peer) in enumerate(zip(flats, self.peers))
+        ]
+        for r, flat, peer in zip(self.requests, flats, self.peers):
+            r.hold = (flat, peer)
+
+    def started(self) -> bool:
+        return self.requests is not None
+
+    def finish(self) -> List[Any]:
+        """Waits for the averages; returns the buffers holding them."""
+        requests, self.requests = self.requests or [], None
+        _prim.wait_all(requests)
+        return self.peers
+
+    def during_backward(self, step: int, weights: Callable[[], List[Any]]) -> None:
+        if self.requests is None and self.communicating(step):
+            self.start(step, weights())  # overlaps with the rest of backward
+
+    def before_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
+        if not self.communicating(step):
+            return None
+        if self.requests is None:
+            self.start(step, weights())
+        return self.finish()
+
+
+# The exchanges of low-precision decentralized steps still running in the background, of every
+# LowPrecisionRing of this process: (owner, requests, the buffers the core writes into). A name
+# stays taken until its handle is seen complete (docs/design-core.md), so a ring dropped with its
+# last exchange in flight would block a later one's names: each flush() (and each new ring's
+# initialisation) waits for them all, at the same point of the program on every rank.
+_in_flight: List[Tuple[Any, List[Request], Any]] = []
+
+
+def _sweep_in_flight() -> None:
+    """Waits for every ring's exchange, and releases those whose ring was dropped. Waits rather
+    than polls, whether or not the owner is still alive: whether a request has completed, or
+    whether the garbage collector has freed its owner yet, may differ between ranks, while this
+    point of the program is the same on all. A live owner sees its failure in its own flush()."""
+    keep = []
+    for owner, requests, buffers in _in_flight:
+        for r in requests:
+            r.settle()
+        if owner() is None:
+            for r in requests:
+                r.release()
+        else:
+            keep.append((owner, requests, buffers))
+    _in_flight[:] = keep
+
+
+class LowPrecisionRing(_WeightAveraging):
+    """LowPrecisionDecentralized: replicas (self, left, right) initialised before the first
+    update; after each update of a communicating step, the compressed ring step. On a flat
+    ring its local half runs here and its exchange in the background, overlapping the next
+    step (waited for by the next step or :meth:`flush`); with the host hierarchy in play the
+    core runs the whole step, blocking."""
+
+    acts_after_update = True
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.replicas: Optional[List[List[Any]]] = None  # per bucket: self, left, right
+        self.pending: List[Request] = []
+        self.diffs: List[Any] = []
+        self._split: Optional[bool] = None
+        # A rank that ends first must not stop the job while a slower one's last exchange
+        # still needs it: hvd.shutdown() (and exit) waits for the exchanges first.
+        _basics.before_shutdown(_sweep_in_flight)
+
+    def before_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
+        # Before the first update: replicas from the weights as they are on every rank. One
+        # rank has no neighbours: nothing to keep.
+        if self.replicas is None and self.size() > 1:
+            self.init_replicas(weights())
+        return None
+
+    def init_replicas(self, flats: List[Any]) -> None:
+        """self = x, left/right = the ring neighbours' x, exchanged by the core."""
+        self.flush()  # an earlier ring's last exchange, if it was dropped in flight
+        a = self.adapter
+        out = [[a.empty_like(f) for _ in range(3)] for f in flats]
+        requests = [
+            _prim.lp_init(
+                a.buffer(flat),
+                self._bufs(reps),
+                self.names.op("lp.init", i),
+                self.process_set_id,
+                hierarchical=self.alg.hierarchical,
+                errors=a.errors,
+            )
+            for i, (flat, reps) in enumerate(zip(flats, out))
+        ]
+        _prim.wait_all(requests)
+        self.replicas = out
+
+    def split(self) -> bool:
+        """Flat ring (no host hierarchy in play): the local half here, the exchange in the
+        background (BAGUA blocks)."""
+        if self._split is None:
+            group = _prim.compression_group_size(self.process_set_id, True)
+            self._split = not self.alg.hierarchical or group == self.size()
+        return self._split
+
+    def after_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
+        if self.replicas is None or step % self.alg.communication_interval != 0:
+            return None
+        a = self.adapter
+        flats = weights()
+        if self.split():
+            self.flush()  # the replicas must have the previous round's differences
+            if not self.diffs:
+                self.diffs = [
+                    a.empty_bytes(_prim.compressed_size(b.dtype, b.numel))
+                    for b in self._bufs(flats)
+                ]
+            for flat, (own, left, right), c in zip(flats, self.replicas, self.diffs):
+                _prim.lp_local_half(
+                    a.buffer(flat),
+                    a.buffer(own),
+                    a.buffer(left),
+                    a.buffer(right),
+                    a.buffer(c),
+                    errors=a.errors,
+                )
+            self.pending = [
+                _prim.lp_exchange_half(
+                    a.buffer(c),
+                    a.buffer(reps[1]),
+                    a.buffer(reps[2]),
+                    self.names.op("lp.x", i),
+                    self.process_set_id,
+                    errors=a.errors,
+                )
+                for i, (c, reps) in enumerate(zip(self.diffs, self.replicas))
+            ]
+            # The exchange writes into the replicas after this returns: they stay alive with
+            # the entry even if this ring is dropped before flush().
+            _in_flight.append((weakref.ref(self), self.pending, (self.replicas, self.diffs)))
+        else:  # hierarchical: the host average needs communication first, one blocking op
+            requests = [
+                _prim.lp_step(
+                    a.buffer(flat),
+                    self._bufs(reps),
+                    self.names.op("lp.step", i),
+                    self.process_set_id,
+                    errors=a.errors,
+                )
+                for i, (flat, reps) in enumerate(zip(flats, self.replicas))
+            ]
+            _prim.wait_all(requests)
+        return flats
+
+    def flush(self) -> None:
+        """Waits for the last exchange (and every other ring's): afterwards the replicas are
+        final."""
+        pending, self.pending = self.pending, []
+        _prim.wait_all(pending)
+        _in_flight[:] = [e for e in _in_flight if e[1] is not pending]
+        _sweep_in_flight()
+
+
+# Running averagers: the core writes into their buffers until abort().
+_live_averagers: Dict[int, AsyncAveraging] = {}
+
+
+class AsyncAveraging(_WeightAveraging):
+    """AsyncModelAverage: gradient allreduce during ``warmup_steps``, then the core averages
+    the weights in the background; each step boundary (after the update) merges a finished
+    round or snapshots the weights. ``abort()``/``resume()`` stop and restart the rounds (a
+    restart is a new generation, under a new name)."""
+
+    acts_before_update = False
+    acts_after_update = True
+    results_stay_shared = True
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.averager: Optional[_prim.AsyncAverager] = None
+        self.buffers: List[Any] = []
+        self.generation = 0
+        self.aborted = False
+
+    def after_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
+        """Returns the buffers holding the weights when a round was merged into them."""
+        if step < self.alg.warmup_steps or self.aborted:
+            return None
+        a = self.adapter
+        flats = weights()
+        if self.averager is None:
+            self.buffers = list(flats)
+            self.averager = _prim.AsyncAverager(
+                self.names.averager(self.generation),
+                self._bufs(self.buffers),
+                self.process_set_id,
+                int(self.alg.sync_interval_ms),
+                a.errors,
+            )
+            _live_averagers[id(self)] = self
+        else:
+            for buf, f in zip(self.buffers, flats):
+                if a.buffer(buf).ptr != a.buffer(f).ptr:  # staged weights: copy them in
+                    a.copy_(buf, f)
+        before = self.averager.rounds()
+        self.averager.step()
+        if self.averager.rounds() == before:
+            return None  # a snapshot (or nothing): the weights are unchanged
+        return self.buffers
+
+    def rounds(self) -> int:
+        return self.averager.rounds() if self.averager is not None else 0
+
+    @property
+    def id(self) -> Optional[int]:
+        """The core's id of the running averager (None: none runs)."""
+        return self.averager.id if self.averager is not None else None
+
+    def abort(self) -> None:
+        self.aborted = True
+        averager, self.averager = self.averager, None
+        if averager is None:
+            return
+        _live_averagers.pop(id(self), None)
+        averager.close()
+
+    def resume(self) -> None:
+        if not self.aborted:
+            return
+        self.aborted = False
+        self.generation += 1
+
+
+_WEIGHT_AVERAGING = {
+    "peer_average": PeerAverage,
+    "low_precision_ring": LowPrecisionRing,
+    "async": AsyncAveraging,
+}
+
+
+def weight_averaging(
+    alg: Any, adapter: TensorAdapter, names: Any, process_set: Any, size: Callable[[], int]
+) -> Optional[_WeightAveraging]:
+    """The implementation of ``alg.weight_averaging`` (None: the algorithm communicates
+    gradients only), registered with the declaration (``AsyncModelAverage.abort()`` reaches
+    it). ``size()``: the process set's size."""
+    kind = alg.weight_averaging
+    if kind is None:
+        return None
+    impl = _WEIGHT_AVERAGING[kind](alg, adapter, names, process_set, size)
+    alg.register_impl(impl)
+    return impl
+
+
+class Implementation:
+    """One algorithm inside one training loop: the engine's gradient path and weight
+    averaging. A frontend's subclass runs them at the points of its training step."""
+
+    def __init__(
+        self,
+        alg: Any,
+        adapter: TensorAdapter,
+        names: Any,
+        process_set: Any,
+        size: Callable[[], int],
+    ) -> None:
+        self.alg = alg
+        self.gradients = GradientPath(alg, adapter, process_set)
+        self.averaging = weight_averaging(alg, adapter, names, process_set, size)
+
+    @property
+    def replicas(self) -> Optional[List[List[Any]]]:
+        """Low-precision decentralized: per bucket (self, left, right)."""
+        return self.averaging.replicas
+
+    def flush(self) -> None:
+        """Low-precision decentralized: waits for the exchange still in flight."""
+        self.averaging.flush()
+
+    def rounds(self) -> int:
+        """Asynchronous averaging: rounds merged so far."""
+        return self.averaging.rounds()
+
+    @property
+    def id(self) -> Optional[int]:
+        """Asynchronous averaging: the core's id of the running averager (None: none)."""
+        return self.averaging.id
