@@ -148,6 +148,12 @@ def _when(flag: Any, fn: Callable[[], None]) -> None:
     tf.cond(flag, then, lambda: tf.constant(False))
 
 
+def _handle(v: Any) -> Any:
+    """The resource handle of a tf.Variable or a Keras 3 variable (its ``value``)."""
+    handle = getattr(v, "handle", None)
+    return handle if handle is not None else v.value.handle
+
+
 def _assign(variables: Sequence[Any], values: Sequence[Any]) -> None:
     for v, x in zip(variables, values):
         v.assign(x)
@@ -294,24 +300,30 @@ class KernelImpl(AlgorithmImpl):
         """The engine's bucketed allreduce as ``plan`` says, in one kernel; tensors of the
         same shapes."""
         b = Buckets.of(tensors, likes)
-        residuals: List[int] = []
-        if plan.residuals:
-            for spec in b.specs:
+        out: List[Any] = [None] * len(tensors)
+        # One op per bucket: inside tf.function each starts as soon as its gradients are (the
+        # first bucket holds the last layers', which backward computes first) and the graph's
+        # order of stateful ops runs them one after the other, as the core does.
+        for i, (bucket, spec) in enumerate(zip(b.layout, b.specs)):
+            residuals: List[int] = []
+            if plan.residuals:
                 worker, server = self.gradients.residuals(None, spec)
-                residuals += [worker.numel, server.numel]
-        outs = self._ops.bagua_hvd_buckets(
-            b.inputs(tensors),
-            tf.constant(0, tf.int64),
-            primitive=0,
-            bucket_sizes=b.sizes,
-            names=[self._names.op(kind, i) for i in range(len(b.sizes))],
-            process_set_id=_ops.process_set_id(self.process_set),
-            reduce_op=self.alg.reduce_op(_ops.Average),
-            compressed=bool(plan.compressed),
-            hierarchical=bool(self.alg.hierarchical),
-            residual_numels=residuals,
-        )
-        return b.scatter(outs, [None] * len(tensors))
+                residuals = [worker.numel, server.numel]
+            outs = self._ops.bagua_hvd_buckets(
+                [tensors[j] for j in bucket],
+                tf.constant(0, tf.int64),
+                primitive=0,
+                bucket_sizes=[len(bucket)],
+                names=[self._names.op(kind, i)],
+                process_set_id=_ops.process_set_id(self.process_set),
+                reduce_op=self.alg.reduce_op(_ops.Average),
+                compressed=bool(plan.compressed),
+                hierarchical=bool(self.alg.hierarchical),
+                residual_numels=residuals,
+            )
+            for j, o in zip(bucket, outs):
+                out[j] = o
+        return out
 
     # -- weights -----------------------------------------------------------------------------------
     def _bind(self, variables: List[Any]) -> Buckets:
@@ -330,6 +342,12 @@ class KernelImpl(AlgorithmImpl):
         """The weight buckets and the variables' values in bucket order."""
         b = self._bind(variables)
         return b, b.inputs([_read(v) for v in variables])
+
+    def _handles(self, variables: List[Any]) -> Tuple[Buckets, List[Any]]:
+        """The weight buckets and the variables' resource handles in bucket order (the
+        kernels read and write the variables in place)."""
+        b = self._bind(variables)
+        return b, b.inputs([_handle(v) for v in variables])
 
     def _peer_average(self, step: Any, variables: List[Any]) -> None:
         avg = self.averaging
@@ -352,9 +370,9 @@ class KernelImpl(AlgorithmImpl):
 
     def _lp_init(self, variables: List[Any]) -> None:
         """Before the first update: the replicas (the kernel does nothing once they exist)."""
-        b, values = self._weights(variables)
+        b, handles = self._handles(variables)
         self._ops.bagua_hvd_lp_init(
-            values,
+            handles,
             key=self._key,
             bucket_sizes=b.sizes,
             names=[self._names.op("lp.init", i) for i in range(len(b.sizes))],
@@ -367,17 +385,16 @@ class KernelImpl(AlgorithmImpl):
         split = ring.split()
 
         def run() -> None:
-            b, values = self._weights(variables)
+            b, handles = self._handles(variables)
             kind = "lp.x" if split else "lp.step"
-            outs = self._ops.bagua_hvd_lp_step(
-                values,
+            self._ops.bagua_hvd_lp_step(
+                handles,
                 key=self._key,
                 bucket_sizes=b.sizes,
                 names=[self._names.op(kind, i) for i in range(len(b.sizes))],
                 process_set_id=ring.process_set_id,
                 split=bool(split),
             )
-            _assign(b.inputs(variables), outs)
 
         _when(ring.communicating(step), run)
 
@@ -385,16 +402,15 @@ class KernelImpl(AlgorithmImpl):
         avg = self.averaging
 
         def run() -> None:
-            b, values = self._weights(variables)
-            outs, merged = self._ops.bagua_hvd_async_step(
-                values,
+            b, handles = self._handles(variables)
+            self._ops.bagua_hvd_async_step(
+                handles,
                 key=self._key,
                 name_prefix=self._names.averager_prefix(),
                 bucket_sizes=b.sizes,
                 process_set_id=avg.process_set_id,
                 interval_ms=int(self.alg.sync_interval_ms),
             )
-            _when(merged, lambda: _assign(b.inputs(variables), outs))
 
         _when(avg.averages(step), run)
 

@@ -34,6 +34,8 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
 namespace {
@@ -534,7 +536,9 @@ absl::Status CoreDtype(::tensorflow::DataType t, int32_t* out) {
                                     " is not supported.");
 }
 
-// The bucket of inputs [first, first + count) of a list argument, copied into a new flat tensor.
+// The bucket of inputs [first, first + count) of a list argument, copied into a flat tensor:
+// *flat itself when it has the bucket's dtype and size (a buffer kept from the previous step:
+// no allocation, no page faults), else a new one.
 absl::Status Pack(const ::tensorflow::OpInputList& ins, int first, int count, Tensor* flat) {
   const ::tensorflow::DataType dtype = ins[first].dtype();
   int64_t n = 0;
@@ -544,7 +548,9 @@ absl::Status Pack(const ::tensorflow::OpInputList& ins, int first, int count, Te
     }
     n += ins[i].NumElements();
   }
-  *flat = Tensor(dtype, ::tensorflow::TensorShape({n}));
+  if (!flat->IsInitialized() || flat->dtype() != dtype || flat->NumElements() != n) {
+    *flat = Tensor(dtype, ::tensorflow::TensorShape({n}));
+  }
   char* dst = Data(*flat);
   for (int i = first; i < first + count; ++i) {
     const auto src = ins[i].tensor_data();
@@ -554,15 +560,76 @@ absl::Status Pack(const ::tensorflow::OpInputList& ins, int first, int count, Te
   return absl::OkStatus();
 }
 
-// Outputs [first, first + count), shaped as the same inputs, read from a flat bucket.
+// Outputs [first, first + count), shaped as the same inputs, read from a flat bucket. An input
+// nothing else reads becomes its output (written in place: no allocation). Inputs and outputs
+// are the op's first list argument and its list output.
 absl::Status Unpack(OpKernelContext* ctx, const ::tensorflow::OpInputList& ins, int first,
                     int count, const Tensor& flat, ::tensorflow::OpOutputList* outs) {
   const char* src = Data(flat);
   for (int i = first; i < first + count; ++i) {
     Tensor* out = nullptr;
-    TF_RETURN_IF_ERROR(outs->allocate(i, ins[i].shape(), &out));
+    TF_RETURN_IF_ERROR(ctx->forward_input_or_allocate_output({i}, i, ins[i].shape(), &out));
     const size_t bytes = ins[i].tensor_data().size();
     if (bytes > 0) std::memcpy(Data(*out), src, bytes);
+    src += bytes;
+  }
+  return absl::OkStatus();
+}
+
+// ---- weights: the resource variables of a weight op's inputs ----
+using Variables = std::vector<::tensorflow::core::RefCountPtr<::tensorflow::Var>>;
+
+absl::Status LookupVariables(OpKernelContext* ctx, int n, Variables* vars) {
+  vars->clear();
+  for (int i = 0; i < n; ++i) {
+    ::tensorflow::core::RefCountPtr<::tensorflow::Var> v;
+    TF_RETURN_IF_ERROR(LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, i), &v));
+    vars->push_back(std::move(v));
+  }
+  return absl::OkStatus();
+}
+
+// The bucket of variables [first, first + count), copied into *flat (kept when it fits).
+absl::Status PackVariables(const Variables& vars, int first, int count, Tensor* flat) {
+  ::tensorflow::DataType dtype = ::tensorflow::DT_INVALID;
+  int64_t n = 0;
+  for (int i = first; i < first + count; ++i) {
+    ::tensorflow::tf_shared_lock lock(*vars[i]->mu());
+    const Tensor& t = *vars[i]->tensor();
+    if (!vars[i]->is_initialized) {
+      return absl::FailedPreconditionError("bagua_hvd: an uninitialized variable");
+    }
+    if (i == first) dtype = t.dtype();
+    if (t.dtype() != dtype) {
+      return absl::InvalidArgumentError("bagua_hvd: a bucket holds tensors of one dtype");
+    }
+    n += t.NumElements();
+  }
+  if (!flat->IsInitialized() || flat->dtype() != dtype || flat->NumElements() != n) {
+    *flat = Tensor(dtype, ::tensorflow::TensorShape({n}));
+  }
+  char* dst = Data(*flat);
+  for (int i = first; i < first + count; ++i) {
+    ::tensorflow::tf_shared_lock lock(*vars[i]->mu());
+    const auto src = vars[i]->tensor()->tensor_data();
+    std::memcpy(dst, src.data(), src.size());
+    dst += src.size();
+  }
+  return absl::OkStatus();
+}
+
+// Writes a flat bucket into variables [first, first + count), in place where no read of the
+// variable still holds its buffer (else into a new buffer, as TensorFlow's own updates do).
+absl::Status WriteVariables(const Variables& vars, int first, int count, const Tensor& flat) {
+  const char* src = Data(flat);
+  for (int i = first; i < first + count; ++i) {
+    ::tensorflow::mutex_lock lock(*vars[i]->mu());
+    Tensor* t = vars[i]->tensor();
+    if (vars[i]->copy_on_read_mode.load() || !t->RefCountIsOne()) {
+      *t = Tensor(t->dtype(), t->shape());
+    }
+    const size_t bytes = t->tensor_data().size();
+    if (bytes > 0) std::memcpy(Data(*t), src, bytes);
     src += bytes;
   }
   return absl::OkStatus();
@@ -584,6 +651,10 @@ struct Residuals {  // error feedback of one bucket: the worker's and the server
   Tensor worker, server;
 };
 
+struct BucketBuffers {  // one bucket's buffers, kept from step to step
+  Tensor flat, result;
+};
+
 // Low-precision decentralized, one implementation: per bucket the replicas (self, left, right)
 // and the compressed difference, and the exchanges of the last step still in flight.
 struct Ring {
@@ -591,6 +662,7 @@ struct Ring {
   bool initialized = false;
   std::vector<std::array<Tensor, 3>> replicas;
   std::vector<Tensor> diffs;
+  std::vector<Tensor> flats;  // the weight buckets' staging, kept from step to step
   std::vector<std::pair<int64_t, std::string>> pending;  // handle, name
 };
 
@@ -622,6 +694,7 @@ class Store {
   std::mutex mu;
   std::unordered_map<std::string, Counters> counters;
   std::unordered_map<std::string, std::shared_ptr<Residuals>> residuals;
+  std::unordered_map<std::string, std::shared_ptr<BucketBuffers>> buffers;
   std::unordered_map<std::string, std::shared_ptr<Ring>> rings;
   std::unordered_map<std::string, std::shared_ptr<Averager>> averagers;
 };
@@ -765,13 +838,24 @@ class BaguaHvdBucketsOp : public AsyncOpKernel {
     g->results.resize(nb);
     g->residuals.resize(nb);
     g->names = buckets_.names;
+    Store& store = Store::Get();
     for (size_t b = 0; b < nb; ++b) {
-      OP_REQUIRES_OK_ASYNC(ctx, Pack(ins, buckets_.first(b), buckets_.sizes[b], &g->flats[b]),
+      // A name is in flight once at a time: its buffers are free again when its op completed.
+      auto kept = store.Find(store.buffers, buckets_.names[b]);
+      OP_REQUIRES_OK_ASYNC(ctx, Pack(ins, buckets_.first(b), buckets_.sizes[b], &kept->flat),
                            done);
-      g->results[b] = primitive_ == 0 ? g->flats[b] : Tensor(g->flats[b].dtype(),
-                                                             g->flats[b].shape());
+      g->flats[b] = kept->flat;
+      if (primitive_ == 0) {
+        g->results[b] = g->flats[b];
+      } else {
+        if (!kept->result.IsInitialized() || kept->result.dtype() != kept->flat.dtype() ||
+            kept->result.NumElements() != kept->flat.NumElements()) {
+          kept->result = Tensor(kept->flat.dtype(), kept->flat.shape());
+        }
+        g->results[b] = kept->result;
+      }
       if (!residual_numels_.empty()) {
-        auto r = Store::Get().Find(Store::Get().residuals, buckets_.names[b]);
+        auto r = store.Find(store.residuals, buckets_.names[b]);
         const int64_t nw = residual_numels_[2 * b], ns = residual_numels_[2 * b + 1];
         const auto dtype = g->flats[b].dtype();
         // A new layout starts from zero residuals (the engine's GradientPath.residuals).
@@ -863,7 +947,7 @@ class BaguaHvdBucketsOp : public AsyncOpKernel {
 
 // BaguaHvdLpInit: low-precision decentralized, before the first update: the replicas of every
 // bucket (self, left, right) from the weights as they are on every rank; nothing when the ring
-// of `key` is initialised already.
+// of `key` is initialised already. The inputs are the weights' resource variables.
 class BaguaHvdLpInitOp : public OpKernel {
  public:
   explicit BaguaHvdLpInitOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -877,8 +961,8 @@ class BaguaHvdLpInitOp : public OpKernel {
     std::lock_guard<std::mutex> lock(ring->mu);
     if (ring->initialized) return;
     OP_REQUIRES_OK(ctx, SweepRings(ring.get()));  // an earlier ring's last exchange
-    ::tensorflow::OpInputList ins;
-    OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &ins));
+    Variables vars;
+    OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
     const size_t nb = buckets_.sizes.size();
     std::vector<Tensor> flats(nb);
     std::vector<std::array<Tensor, 3>> replicas(nb);
@@ -886,7 +970,7 @@ class BaguaHvdLpInitOp : public OpKernel {
     absl::Status failed = absl::OkStatus();
     for (size_t b = 0; b < nb && failed.ok(); ++b) {
       int32_t dtype = 0;
-      failed = Pack(ins, buckets_.first(b), buckets_.sizes[b], &flats[b]);
+      failed = PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &flats[b]);
       if (failed.ok()) failed = CoreDtype(flats[b].dtype(), &dtype);
       if (!failed.ok()) break;
       for (auto& rep : replicas[b]) rep = Tensor(flats[b].dtype(), flats[b].shape());
@@ -917,8 +1001,8 @@ class BaguaHvdLpInitOp : public OpKernel {
 
 // BaguaHvdLpStep: low-precision decentralized, after a communicating step's update. split: the
 // local half of every bucket here (the previous exchange waited for first), the exchanges left
-// in flight; else the core runs the whole (hierarchical) step, blocking. Outputs: the new
-// weights, shaped as the inputs.
+// in flight; else the core runs the whole (hierarchical) step, blocking. The inputs are the
+// weights' resource variables: read, and written with the new weights in place.
 class BaguaHvdLpStepOp : public OpKernel {
  public:
   explicit BaguaHvdLpStepOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -930,20 +1014,16 @@ class BaguaHvdLpStepOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     auto ring = Store::Get().Find(Store::Get().rings, key_);
     std::lock_guard<std::mutex> lock(ring->mu);
-    ::tensorflow::OpInputList ins;
-    OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &ins));
-    ::tensorflow::OpOutputList outs;
-    OP_REQUIRES_OK(ctx, ctx->output_list("outputs", &outs));
     const size_t nb = buckets_.sizes.size();
-    if (!ring->initialized) {  // nothing to average with yet (the engine's replicas is None)
-      for (int i = 0; i < ins.size(); ++i) outs.set(i, ins[i]);
-      return;
-    }
+    if (!ring->initialized) return;  // nothing to average with yet (the engine's replicas: None)
+    Variables vars;
+    OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
     OP_REQUIRES(ctx, ring->replicas.size() == nb,
                 absl::InvalidArgumentError("bagua_hvd: the low-precision layout changed"));
-    std::vector<Tensor> flats(nb);
+    std::vector<Tensor>& flats = ring->flats;
+    flats.resize(nb);
     for (size_t b = 0; b < nb; ++b) {
-      OP_REQUIRES_OK(ctx, Pack(ins, buckets_.first(b), buckets_.sizes[b], &flats[b]));
+      OP_REQUIRES_OK(ctx, PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &flats[b]));
     }
     std::vector<std::pair<int64_t, std::string>> handles;
     absl::Status failed = absl::OkStatus();
@@ -1002,8 +1082,8 @@ class BaguaHvdLpStepOp : public OpKernel {
       }
     }
     OP_REQUIRES_OK(ctx, failed);
-    for (size_t b = 0; b < nb; ++b) {
-      OP_REQUIRES_OK(ctx, Unpack(ctx, ins, buckets_.first(b), buckets_.sizes[b], flats[b], &outs));
+    for (size_t b = 0; b < nb; ++b) {  // the new weights, in place
+      OP_REQUIRES_OK(ctx, WriteVariables(vars, buckets_.first(b), buckets_.sizes[b], flats[b]));
     }
   }
 
@@ -1068,8 +1148,8 @@ class BaguaHvdLpReplicasOp : public OpKernel {
 
 // BaguaHvdAsyncStep: asynchronous model averaging after an update (past the warm-up): starts the
 // core's averager over copies of the weight buckets (name: name_prefix + "." + generation), or
-// copies the weights into its buffers; then a step boundary (bhvd_async_step). Outputs: the
-// weights (the merged round's when `merged`); nothing runs while aborted.
+// copies the weights into its buffers; then a step boundary (bhvd_async_step); a merged round
+// is written into the weights' resource variables (the inputs). Nothing runs while aborted.
 class BaguaHvdAsyncStepOp : public OpKernel {
  public:
   explicit BaguaHvdAsyncStepOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -1083,18 +1163,17 @@ class BaguaHvdAsyncStepOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     auto av = Store::Get().Find(Store::Get().averagers, key_);
     std::lock_guard<std::mutex> lock(av->mu);
-    ::tensorflow::OpInputList ins;
-    OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &ins));
-    ::tensorflow::OpOutputList outs;
-    OP_REQUIRES_OK(ctx, ctx->output_list("outputs", &outs));
+    Variables vars;
+    OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
     const size_t nb = buckets_.sizes.size();
     bool merged = false;
     if (!av->aborted) {
-      std::vector<Tensor> flats(nb);
-      for (size_t b = 0; b < nb; ++b) {
-        OP_REQUIRES_OK(ctx, Pack(ins, buckets_.first(b), buckets_.sizes[b], &flats[b]));
-      }
       if (av->id == 0) {
+        std::vector<Tensor> flats(nb);
+        for (size_t b = 0; b < nb; ++b) {
+          OP_REQUIRES_OK(ctx,
+                         PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &flats[b]));
+        }
         std::vector<std::unique_ptr<View>> views;
         std::vector<bhvd_tensor> descs;
         for (size_t b = 0; b < nb; ++b) {
@@ -1111,10 +1190,14 @@ class BaguaHvdAsyncStepOp : public OpKernel {
         av->id = id;
         av->buffers = std::move(flats);
       } else {
-        for (size_t b = 0; b < nb; ++b) {  // staged weights: copied in
-          OP_REQUIRES(ctx, av->buffers[b].NumElements() == flats[b].NumElements(),
+        OP_REQUIRES(ctx, av->buffers.size() == nb,
+                    absl::InternalError("bagua_hvd: asynchronous averaging layout changed"));
+        for (size_t b = 0; b < nb; ++b) {  // staged weights: copied in (the same buffers)
+          const int64_t n = av->buffers[b].NumElements();
+          OP_REQUIRES_OK(
+              ctx, PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &av->buffers[b]));
+          OP_REQUIRES(ctx, av->buffers[b].NumElements() == n,
                       absl::InternalError("bagua_hvd: asynchronous averaging layout changed"));
-          std::memcpy(Data(av->buffers[b]), Data(flats[b]), flats[b].tensor_data().size());
         }
       }
       const int64_t before = bhvd_async_rounds(av->id);
@@ -1122,17 +1205,10 @@ class BaguaHvdAsyncStepOp : public OpKernel {
       OP_REQUIRES(ctx, rc == BHVD_OK, absl::Status(ToCode(rc), bhvd_last_error()));
       merged = bhvd_async_rounds(av->id) != before;
     }
-    for (size_t b = 0; b < nb; ++b) {
-      const int first = buckets_.first(b);
-      if (merged) {
-        OP_REQUIRES_OK(ctx, Unpack(ctx, ins, first, buckets_.sizes[b], av->buffers[b], &outs));
-      } else {
-        for (int i = first; i < first + buckets_.sizes[b]; ++i) outs.set(i, ins[i]);
-      }
+    for (size_t b = 0; b < nb && merged; ++b) {  // the merged round, into the variables
+      OP_REQUIRES_OK(ctx,
+                     WriteVariables(vars, buckets_.first(b), buckets_.sizes[b], av->buffers[b]));
     }
-    Tensor* flag = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output("merged", ::tensorflow::TensorShape({}), &flag));
-    flag->scalar<bool>()() = merged;
   }
 
  private:
@@ -1287,8 +1363,8 @@ REGISTER_OP("BaguaHvdBuckets")
     });
 
 REGISTER_OP("BaguaHvdLpInit")
-    .Attr("T: list(type)")
-    .Input("tensors: T")
+    .Attr("N: int >= 1")
+    .Input("variables: N * resource")
     .Attr("key: string")
     .Attr("bucket_sizes: list(int)")
     .Attr("names: list(string)")
@@ -1298,19 +1374,15 @@ REGISTER_OP("BaguaHvdLpInit")
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext*) { return absl::OkStatus(); });
 
 REGISTER_OP("BaguaHvdLpStep")
-    .Attr("T: list(type)")
-    .Input("tensors: T")
-    .Output("outputs: T")
+    .Attr("N: int >= 1")
+    .Input("variables: N * resource")
     .Attr("key: string")
     .Attr("bucket_sizes: list(int)")
     .Attr("names: list(string)")
     .Attr("process_set_id: int = 0")
     .Attr("split: bool = true")
     .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
-      for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
-      return absl::OkStatus();
-    });
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext*) { return absl::OkStatus(); });
 
 REGISTER_OP("BaguaHvdLpFlush")
     .Attr("key: string")
@@ -1328,21 +1400,15 @@ REGISTER_OP("BaguaHvdLpReplicas")
     .SetShapeFn(::tensorflow::shape_inference::UnknownShape);
 
 REGISTER_OP("BaguaHvdAsyncStep")
-    .Attr("T: list(type)")
-    .Input("tensors: T")
-    .Output("outputs: T")
-    .Output("merged: bool")
+    .Attr("N: int >= 1")
+    .Input("variables: N * resource")
     .Attr("key: string")
     .Attr("name_prefix: string")
     .Attr("bucket_sizes: list(int)")
     .Attr("process_set_id: int = 0")
     .Attr("interval_ms: int = 0")
     .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
-      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
-      c->set_output(c->num_inputs(), c->Scalar());
-      return absl::OkStatus();
-    });
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext*) { return absl::OkStatus(); });
 
 REGISTER_OP("BaguaHvdAsyncControl")
     .Output("result: int64")
