@@ -59,11 +59,17 @@ def test_async_stops_without_abort(how: str, dtype: str):
 
 @pytest.mark.parametrize("how", ["shutdown", "exit"])
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
-def test_low_precision_decentralized_last_exchange(framework: str, how: str):
-    """Rank 0 ends while its last exchange waits for the slower rank 1: the exchange completes
-    on both ranks (shutdown and exit wait for it) instead of failing rank 1's last step with
-    "Horovod has been shut down"."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), BAGUA_HVD_OP_TIMEOUT_SECONDS="60")
+def test_low_precision_decentralized_last_exchange(framework: str, how: str, tmp_path: Path):
+    """Rank 0 ends while its last exchange waits for the slower rank 1 (which takes its last
+    step only after rank 0 has reached the end): the exchange completes on both ranks
+    (shutdown and exit wait for it) instead of failing rank 1's last step with "Horovod has
+    been shut down"."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        BAGUA_HVD_OP_TIMEOUT_SECONDS="60",
+        LP_EXIT_MARKER=str(tmp_path / "rank0-at-end"),
+    )
     for key in [k for k in env if k.startswith("HOROVOD_")]:
         del env[key]
     proc = subprocess.run(
