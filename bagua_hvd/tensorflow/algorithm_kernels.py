@@ -253,9 +253,7 @@ class KernelImpl(AlgorithmImpl):
         staged = self.alg.staged_by_optimizer  # QAdam: the optimizer's count, its momentum
         q = self.optimizer if self.optimizer is not None else self.alg.own_optimizer()
         if staged:
-            if not q.built:  # the momentum slots are read before the first apply() builds them
-                with tf.init_scope():
-                    q.build(variables)
+            self._build_staging(q, variables)
             at = _read(q.iterations)
             at = int(at) if tf.executing_eagerly() else tf.cast(at, tf.int64)
         else:
@@ -286,13 +284,7 @@ class KernelImpl(AlgorithmImpl):
             return run
 
         outs = _branches(index, [branch(plan) for _, plan in stages])
-        if staged:
-            q.set_momentum_in_grad(outs[0])
-            outs = outs[1:]
-        out = list(grads)
-        for i, r in zip(present, outs):
-            out[i] = r
-        return out
+        return self._handed_over(grads, present, outs, q if staged else None)
 
     def _allreduce(
         self, tensors: List[Any], likes: List[Any], plan: engine.StepPlan, kind: str

@@ -3,9 +3,11 @@
 The declarations are the framework-neutral ones of ``bagua_hvd.common.algorithms`` (the same
 classes as ``bagua_hvd.torch.algorithms``), implemented once by ``bagua_hvd.common.engine``;
 this module adds a Keras ``QAdamOptimizer`` and runs the engine at the points of a TensorFlow
-step. The math runs in the C++ core, as for torch: tensors reach it through numpy
-(``tf.numpy_function`` inside ``tf.function``; the engine itself sees buffer descriptors
-only), weights are written back with ``assign``.
+step. The math runs in the C++ core, as for torch; tensors reach it through the kernel
+library (``bagua_hvd.tensorflow.algorithm_kernels``: the engine plans at trace time, the graph
+holds kernels only), or, where the kernels cannot be built or ``BAGUA_HVD_TF_KERNELS=0``,
+through numpy (:class:`NumpyImpl`: ``tf.numpy_function`` inside ``tf.function``, weights
+written back with ``assign``).
 
 Users pass an algorithm to ``hvd.DistributedGradientTape(tape, algorithm=...)`` (or to the
 Keras ``hvd.DistributedOptimizer(opt, algorithm=...)``). Frontend code (the tape, the Keras
@@ -18,9 +20,10 @@ optimizer) calls::
 
 Both methods work eagerly and inside ``tf.function``; ``None`` gradients stay ``None``.
 ``reduce_gradients`` counts the steps (``impl.step``): each call is one training step. The
-count lives on the Python side, advanced by a stateful op where the step runs, so an
-implementation creates no ``tf.Variable`` and can first be used in any trace of a
-``tf.function`` (TensorFlow allows variables only in a function's first trace). ``after_apply`` is required after every step by ``LowPrecisionDecentralized``
+count is advanced by a stateful op where the step runs and kept outside TensorFlow's
+variables (by the kernel library, or in Python on the numpy path), so an implementation
+creates no ``tf.Variable`` and can first be used in any trace of a ``tf.function``
+(TensorFlow allows variables only in a function's first trace). ``after_apply`` is required after every step by ``LowPrecisionDecentralized``
 and ``AsyncModelAverage`` (``impl.needs_after_apply``); for the others it does nothing.
 """
 
@@ -204,7 +207,7 @@ class QAdamOptimizer(tf.keras.optimizers.Optimizer):
 _common.register_qadam_optimizer(QAdamOptimizer)
 
 
-# ---- the engine's TensorFlow side: numpy staging -----------------------------------------------
+# ---- the numpy fallback's staging (NumpyImpl) ----------------------------------------------------
 class NumpyArrays(engine.TensorAdapter):
     """numpy arrays (the values of TF tensors inside ``tf.numpy_function``) for the engine."""
 
@@ -372,6 +375,28 @@ class AlgorithmImpl(engine.Implementation):
         """Advances the step count when the step runs."""
         raise NotImplementedError
 
+    @staticmethod
+    def _build_staging(q: Any, variables: List[Any]) -> None:
+        """QAdam: builds its optimizer (the momentum slots are read before the first
+        apply() would build them)."""
+        if not q.built:
+            with tf.init_scope():
+                q.build(variables)
+
+    @staticmethod
+    def _handed_over(
+        grads: List[Any], present: List[int], outs: List[Any], q: Optional[Any]
+    ) -> List[Any]:
+        """The gradients for the optimizer: ``outs`` (the communicated ones, after QAdam's
+        flag when ``q``, its optimizer, is given) in the places ``present``."""
+        if q is not None:
+            q.set_momentum_in_grad(outs[0])
+            outs = outs[1:]
+        out = list(grads)
+        for i, r in zip(present, outs):
+            out[i] = r
+        return out
+
     def _after_apply_missing(self) -> str:
         return (
             f"{type(self.alg).__name__} needs a call after every optimizer update: "
@@ -458,9 +483,7 @@ class NumpyImpl(AlgorithmImpl):
         extra: List[tf.Tensor] = []
         if staged:
             pvars = [variables[i] for i in present]
-            if not q.built:  # the momentum slots are read before the first apply() builds them
-                with tf.init_scope():
-                    q.build(variables)
+            self._build_staging(q, variables)
             extra = [_read(q.iterations)] + [q.momentum(v, g) for v, g in zip(pvars, ins)]
 
         def fn(*arrays: np.ndarray) -> List[np.ndarray]:
@@ -487,13 +510,7 @@ class NumpyImpl(AlgorithmImpl):
             head + [x.dtype for x in ins],
             head_shapes + [x.shape for x in ins],
         )
-        if staged:
-            q.set_momentum_in_grad(outs[0])
-            outs = outs[1:]
-        out = list(grads)
-        for i, r in zip(present, outs):
-            out[i] = r
-        return out
+        return self._handed_over(grads, present, outs, q if staged else None)
 
     def allreduce_arrays(
         self, arrays: List[np.ndarray], plan: engine.StepPlan, kind: str

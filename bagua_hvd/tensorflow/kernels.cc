@@ -9,8 +9,11 @@
 //                      output in place; reducescatter: the output holds this rank's rows;
 //                      allgather/alltoall: the core's result is copied into an output allocated
 //                      once its size is known.
-//  BaguaHvdRaise       fails with a status computed by the numpy_function path (the algorithms'
-//                      primitives, and every collective with the kernels off), so that graph mode
+//  BAGUA's algorithms  BaguaHvdCounter, BaguaHvdBuckets, BaguaHvdLpInit/LpStep/LpFlush/
+//                      LpReplicas, BaguaHvdAsyncStep/AsyncControl (the section "BAGUA's
+//                      algorithms" below; bagua_hvd/tensorflow/algorithm_kernels.py drives them).
+//  BaguaHvdRaise       fails with a status computed by a numpy_function path (every collective
+//                      with the kernels off, the algorithms' numpy fallback), so that graph mode
 //                      raises the same tf.errors classes as eager mode.
 //
 // The core stays framework-free: this library only calls its C API (c_api.h).
@@ -1262,6 +1265,16 @@ class BaguaHvdAsyncControlOp : public OpKernel {
   int mode_ = 0;
 };
 
+// Shape functions: outputs shaped as the first inputs; no outputs.
+absl::Status SameShapes(::tensorflow::shape_inference::InferenceContext* c) {
+  for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
+  return absl::OkStatus();
+}
+
+absl::Status NoOutputs(::tensorflow::shape_inference::InferenceContext*) {
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 REGISTER_OP("BaguaHvdCollective")
@@ -1276,10 +1289,7 @@ REGISTER_OP("BaguaHvdCollective")
     .Attr("prescale_factor: float = 1.0")
     .Attr("postscale_factor: float = 1.0")
     .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
-      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
-      return absl::OkStatus();
-    });
+    .SetShapeFn(SameShapes);
 
 REGISTER_OP("BaguaHvdReducescatter")
     .Attr("T: list(type)")
@@ -1327,7 +1337,7 @@ REGISTER_OP("BaguaHvdRaise")
     .Input("code: int32")
     .Input("message: string")
     .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext*) { return absl::OkStatus(); });
+    .SetShapeFn(NoOutputs);
 
 REGISTER_KERNEL_BUILDER(Name("BaguaHvdRaise").Device(::tensorflow::DEVICE_CPU), BaguaHvdRaiseOp);
 
@@ -1357,10 +1367,7 @@ REGISTER_OP("BaguaHvdBuckets")
     .Attr("residual_numels: list(int) = []")
     .Attr("peer_mode: int = 0")
     .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
-      for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
-      return absl::OkStatus();
-    });
+    .SetShapeFn(SameShapes);
 
 REGISTER_OP("BaguaHvdLpInit")
     .Attr("N: int >= 1")
@@ -1371,7 +1378,7 @@ REGISTER_OP("BaguaHvdLpInit")
     .Attr("process_set_id: int = 0")
     .Attr("hierarchical: bool = false")
     .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext*) { return absl::OkStatus(); });
+    .SetShapeFn(NoOutputs);
 
 REGISTER_OP("BaguaHvdLpStep")
     .Attr("N: int >= 1")
@@ -1382,12 +1389,12 @@ REGISTER_OP("BaguaHvdLpStep")
     .Attr("process_set_id: int = 0")
     .Attr("split: bool = true")
     .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext*) { return absl::OkStatus(); });
+    .SetShapeFn(NoOutputs);
 
 REGISTER_OP("BaguaHvdLpFlush")
     .Attr("key: string")
     .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext*) { return absl::OkStatus(); });
+    .SetShapeFn(NoOutputs);
 
 REGISTER_OP("BaguaHvdLpReplicas")
     .Output("own: T")
@@ -1408,7 +1415,7 @@ REGISTER_OP("BaguaHvdAsyncStep")
     .Attr("process_set_id: int = 0")
     .Attr("interval_ms: int = 0")
     .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext*) { return absl::OkStatus(); });
+    .SetShapeFn(NoOutputs);
 
 REGISTER_OP("BaguaHvdAsyncControl")
     .Output("result: int64")
