@@ -87,7 +87,8 @@ def _code(dtype: tf.DType) -> int:
 
 def _numel(t: Any, like: Any) -> int:
     """Elements of ``t``, from its static shape (else ``like``'s: the variable's)."""
-    shape = t.shape if t.shape.is_fully_defined() else tf.TensorShape(like.shape)
+    shape = tf.TensorShape(t.shape)
+    shape = shape if shape.is_fully_defined() else tf.TensorShape(like.shape)
     if not shape.is_fully_defined():
         raise ValueError(
             f"BAGUA's algorithms need tensors of known shapes inside tf.function, got {shape}"
@@ -106,14 +107,17 @@ class Buckets(NamedTuple):
 
     @staticmethod
     def of(tensors: Sequence[Any], likes: Sequence[Any]) -> Buckets:
+        """The layout of ``tensors`` (or variables), sized by their static shapes (else by
+        those of ``likes``, their variables)."""
         numels = [_numel(t, v) for t, v in zip(tensors, likes)]
-        infos = [(n, t.dtype, t.dtype.size) for n, t in zip(numels, tensors)]
+        dtypes = [tf.as_dtype(t.dtype) for t in tensors]
+        infos = [(n, dt, dt.size) for n, dt in zip(numels, dtypes)]
         layout = engine.bucket_layout(infos, config.bucket_bytes())
         return Buckets(
             layout,
             [i for b in layout for i in b],
             [len(b) for b in layout],
-            [Spec(sum(numels[i] for i in b), _code(tensors[b[0]].dtype)) for b in layout],
+            [Spec(sum(numels[i] for i in b), _code(dtypes[b[0]])) for b in layout],
         )
 
     def inputs(self, tensors: Sequence[Any]) -> List[Any]:
@@ -320,9 +324,8 @@ class KernelImpl(AlgorithmImpl):
     # -- weights -----------------------------------------------------------------------------------
     def _bind(self, variables: List[Any]) -> Buckets:
         """The weight buckets (one layout per implementation: its state is per model)."""
-        values = [_read(v) for v in variables]
-        b = Buckets.of(values, variables)
-        sig = tuple((tuple(v.shape), v.dtype.name) for v in values)
+        b = Buckets.of(variables, variables)
+        sig = tuple((tuple(v.shape), tf.as_dtype(v.dtype).name) for v in variables)
         if self._bound is None:
             self._bound = (sig, b.layout)
             self._weight_specs = b.specs
