@@ -750,7 +750,7 @@ def test_no_python_on_the_step_data_path(name, make_alg):
     """Inside tf.function every algorithm's step is kernels and TensorFlow's own ops: no
     numpy_function (PyFunc, EagerPyFunc, NumpyFunction) in the traced graph or its branches."""
     if not _kernels_built():
-        pytest.skip("the kernel library cannot be built here")
+        pytest.skip("the kernel library is off (BAGUA_HVD_TF_KERNELS=0) or cannot be built here")
     alg, opt = _make(name, make_alg)
     variables = [tf.Variable(x) for x in init_values()]
     step = make_step(variables, opt, algorithm=alg)
@@ -780,7 +780,7 @@ def test_kernel_path_equals_the_numpy_fallback(name, make_alg, eager):
     """The kernels give the numpy fallback's weights, bit for bit (the same core primitives
     on the same buckets)."""
     if not _kernels_built():
-        pytest.skip("the kernel library cannot be built here")
+        pytest.skip("the kernel library is off (BAGUA_HVD_TF_KERNELS=0) or cannot be built here")
     results = []
     for kernels in (True, False):
         A._algorithm_kernels[0] = kernels
