@@ -145,6 +145,28 @@ def print_report(meta: dict, runs: list[dict]) -> int:
                 f"ms, torch {comm['torch']:.1f} ms, tf/torch {ratio:.2f} (goal <= {GOAL}: "
                 f"{verdict}); core exec tf/torch {exec_ratio:.2f}"
             )
+    if len(runs) > 1:
+        print(f"median over the {len(runs)} runs:")
+        for name in meta["algorithms"].split(","):
+            comm = {fw: statistics.median(r["modes"][f"{fw}:{name}"]["step_ms"]
+                                          - r["modes"][f"{fw}:no-comm"]["step_ms"] for r in runs)
+                    for fw in ("tf", "torch")}  # fmt: skip
+            execs = {fw: statistics.median(r["modes"][f"{fw}:{name}"]["exec_ms"] for r in runs)
+                     for fw in ("tf", "torch")}  # fmt: skip
+            ratios = [
+                (r["modes"][f"tf:{name}"]["step_ms"] - r["modes"]["tf:no-comm"]["step_ms"])
+                / max(
+                    r["modes"][f"torch:{name}"]["step_ms"] - r["modes"]["torch:no-comm"]["step_ms"],
+                    1e-9,
+                )
+                for r in runs
+            ]
+            print(
+                f"  {name}: communication part tf {comm['tf']:.1f} ms, torch {comm['torch']:.1f} "
+                f"ms, tf/torch {comm['tf'] / comm['torch']:.2f} (per run: "
+                f"{', '.join(f'{x:.2f}' for x in ratios)}); core exec tf {execs['tf']:.1f} ms, "
+                f"torch {execs['torch']:.1f} ms"
+            )
     return 0 if ok else 3
 
 

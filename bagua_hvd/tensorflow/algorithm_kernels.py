@@ -268,58 +268,62 @@ class KernelImpl(AlgorithmImpl):
             index = tf.add_n([tf.constant(0)] + [tf.cast(at >= first, tf.int32)
                                                  for first, _ in stages[1:]])  # fmt: skip
 
-        def branch(plan: engine.StepPlan) -> Callable[[], List[Any]]:
+        # The buckets are the same in every stage (momenta are shaped as the gradients). Each
+        # bucket picks its stage on its own, so that inside tf.function its op starts as soon
+        # as its gradients exist (the first bucket holds the last layers', which backward
+        # computes first), overlapping the rest of backward; the graph's order of stateful ops
+        # submits the buckets one after the other, in the same order on every rank.
+        b = Buckets.of(ins, pvars)
+
+        def bucket_in(plan: engine.StepPlan, i: int) -> Callable[[], List[Any]]:
             def run() -> List[Any]:
-                flag = [tf.constant(0, tf.int32)] if staged else []
+                ts = [ins[j] for j in b.layout[i]]
                 if not plan.communicates:
-                    return flag + [tf.identity(g) for g in ins]
+                    return [tf.identity(t) for t in ts]
+                kind = "grad"
                 if plan.momentum:
-                    for g in ins:
-                        if g.dtype != tf.float32:
+                    for t in ts:
+                        if t.dtype != tf.float32:
                             raise ValueError(
-                                f"QAdamOptimizer runs on float32 variables, not {g.dtype.name}"
+                                f"QAdamOptimizer runs on float32 variables, not {t.dtype.name}"
                             )
-                    moms = [q.momentum(v, g) for v, g in zip(pvars, ins)]
-                    return [tf.constant(1, tf.int32)] + self._allreduce(
-                        moms, pvars, plan, "momentum"
-                    )
-                return flag + self._allreduce(ins, pvars, plan, "grad")
+                    ts = [q.momentum(pvars[j], ins[j]) for j in b.layout[i]]
+                    kind = "momentum"
+                return self._bucket_allreduce(ts, i, b.specs[i], plan, kind)
 
             return run
 
-        outs = _branches(index, [branch(plan) for _, plan in stages])
+        outs: List[Any] = [None] * len(ins)
+        for i, bucket in enumerate(b.layout):
+            for j, o in zip(bucket, _branches(index, [bucket_in(p, i) for _, p in stages])):
+                outs[j] = o
+        if staged:  # QAdam: whether the gradients handed over are the averaged momentum
+            flags = [int(p.momentum) for _, p in stages]
+            flag = flags[index] if isinstance(index, int) else tf.gather(flags, index)
+            outs = [tf.constant(flag, tf.int32) if isinstance(flag, int) else flag] + outs
         return self._handed_over(grads, present, outs, q if staged else None)
 
-    def _allreduce(
-        self, tensors: List[Any], likes: List[Any], plan: engine.StepPlan, kind: str
+    def _bucket_allreduce(
+        self, tensors: List[Any], i: int, spec: Spec, plan: engine.StepPlan, kind: str
     ) -> List[Any]:
-        """The engine's bucketed allreduce as ``plan`` says, in one kernel; tensors of the
-        same shapes."""
-        b = Buckets.of(tensors, likes)
-        out: List[Any] = [None] * len(tensors)
-        # One op per bucket: inside tf.function each starts as soon as its gradients are (the
-        # first bucket holds the last layers', which backward computes first) and the graph's
-        # order of stateful ops runs them one after the other, as the core does.
-        for i, (bucket, spec) in enumerate(zip(b.layout, b.specs)):
-            residuals: List[int] = []
-            if plan.residuals:
-                worker, server = self.gradients.residuals(None, spec)
-                residuals = [worker.numel, server.numel]
-            outs = self._ops.bagua_hvd_buckets(
-                [tensors[j] for j in bucket],
-                tf.constant(0, tf.int64),
-                primitive=0,
-                bucket_sizes=[len(bucket)],
-                names=[self._names.op(kind, i)],
-                process_set_id=_ops.process_set_id(self.process_set),
-                reduce_op=self.alg.reduce_op(_ops.Average),
-                compressed=bool(plan.compressed),
-                hierarchical=bool(self.alg.hierarchical),
-                residual_numels=residuals,
-            )
-            for j, o in zip(bucket, outs):
-                out[j] = o
-        return out
+        """The engine's allreduce of bucket ``i`` (``tensors``) as ``plan`` says: tensors of
+        the same shapes."""
+        residuals: List[int] = []
+        if plan.residuals:
+            worker, server = self.gradients.residuals(None, spec)
+            residuals = [worker.numel, server.numel]
+        return self._ops.bagua_hvd_buckets(
+            tensors,
+            tf.constant(0, tf.int64),
+            primitive=0,
+            bucket_sizes=[len(tensors)],
+            names=[self._names.op(kind, i)],
+            process_set_id=_ops.process_set_id(self.process_set),
+            reduce_op=self.alg.reduce_op(_ops.Average),
+            compressed=bool(plan.compressed),
+            hierarchical=bool(self.alg.hierarchical),
+            residual_numels=residuals,
+        )
 
     # -- weights -----------------------------------------------------------------------------------
     def _bind(self, variables: List[Any]) -> Buckets:
