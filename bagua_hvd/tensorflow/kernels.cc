@@ -1044,19 +1044,26 @@ class BaguaHvdLpStepOp : public OpKernel {
           ring->diffs.push_back(Tensor(::tensorflow::DT_UINT8, ::tensorflow::TensorShape({bytes})));
         }
       }
+      // Every local half first, then the exchanges (the engine's order: the core's exchange
+      // work does not compete with the local halves still to do).
+      std::vector<int32_t> dtypes(nb);
       for (size_t b = 0; b < nb && failed.ok(); ++b) {
-        int32_t dtype = 0;
-        failed = CoreDtype(flats[b].dtype(), &dtype);
+        failed = CoreDtype(flats[b].dtype(), &dtypes[b]);
         if (!failed.ok()) break;
         auto& reps = ring->replicas[b];
         const int rc = bhvd_lp_decentralized_local(
-            Data(flats[b]), Data(reps[0]), Data(reps[1]), Data(reps[2]), dtype,
+            Data(flats[b]), Data(reps[0]), Data(reps[1]), Data(reps[2]), dtypes[b],
             flats[b].NumElements(), reinterpret_cast<uint8_t*>(Data(ring->diffs[b])));
-        if (rc != BHVD_OK) {
-          failed = absl::Status(ToCode(rc), bhvd_last_error());
-          break;
-        }
-        View diff(ring->diffs[b], BHVD_UINT8), left(reps[1], dtype), right(reps[2], dtype);
+        if (rc != BHVD_OK) failed = absl::Status(ToCode(rc), bhvd_last_error());
+      }
+      // The new weights (x = self) before the exchanges start: the copy does not compete with
+      // the core's work.
+      for (size_t b = 0; b < nb && failed.ok(); ++b) {
+        failed = WriteVariables(vars, buckets_.first(b), buckets_.sizes[b], flats[b]);
+      }
+      for (size_t b = 0; b < nb && failed.ok(); ++b) {
+        auto& reps = ring->replicas[b];
+        View diff(ring->diffs[b], BHVD_UINT8), left(reps[1], dtypes[b]), right(reps[2], dtypes[b]);
         const bhvd_tensor lr[2] = {left.desc, right.desc};
         int64_t handle = 0;
         failed = Enqueue(LpExchangeRequest(buckets_.names[b].c_str(), buckets_.process_set_id,
@@ -1083,11 +1090,11 @@ class BaguaHvdLpStepOp : public OpKernel {
         absl::Status s = WaitAndRelease(handle, name);
         if (failed.ok()) failed = s;
       }
+      for (size_t b = 0; b < nb && failed.ok(); ++b) {  // the new weights, in place
+        failed = WriteVariables(vars, buckets_.first(b), buckets_.sizes[b], flats[b]);
+      }
     }
     OP_REQUIRES_OK(ctx, failed);
-    for (size_t b = 0; b < nb; ++b) {  // the new weights, in place
-      OP_REQUIRES_OK(ctx, WriteVariables(vars, buckets_.first(b), buckets_.sizes[b], flats[b]));
-    }
   }
 
  private:
