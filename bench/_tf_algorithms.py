@@ -34,49 +34,29 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import run_ranks  # noqa: E402
 from train import (  # noqa: E402
     CLASSES,
     IN_FEATURES,
     LR,
     MOMENTUM,
     RESULT_ENV,
-    STEADY_MALLOC,
     git_commit,
     loadavg,
+    minor_faults,
 )
 
 GOAL = 1.1  # TF's communication part over torch's
 
 
 def launch(args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory(prefix="bagua_hvd_bench_tf_alg_") as tmp:
-        env = dict(os.environ)
-        if args.malloc == "steady":
-            for key, value in STEADY_MALLOC.items():
-                env.setdefault(key, value)
-        env[RESULT_ENV] = tmp
-        env["OMP_NUM_THREADS"] = "1"
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        env.pop("BAGUA_HVD_ALGORITHM", None)
-        cmd = [sys.executable, os.path.abspath(__file__), "--_worker"]
-        cmd += [
-            "--np", str(args.np), "--batch-size", str(args.batch_size),
-            "--warmup", str(args.warmup), "--steps", str(args.steps),
-            "--rounds", str(args.rounds), "--tf-inter-threads", str(args.tf_inter_threads),
-            "--algorithms", args.algorithms,
-        ]  # fmt: skip
-        rc = run_ranks(args.np, cmd, env, args.timeout)
-        if rc is None:
-            raise RuntimeError(f"no result after --timeout {args.timeout:g} s")
-        if rc != 0:
-            raise RuntimeError(f"the ranks failed (launcher exit status {rc})")
-        with open(os.path.join(tmp, "rank00000.json")) as f:
-            return json.load(f)
+    from _tf_train import launch_script
+
+    os.environ.pop("BAGUA_HVD_ALGORITHM", None)  # each mode names its own algorithm
+    extra = ["--tf-inter-threads", str(args.tf_inter_threads), "--algorithms", args.algorithms]
+    return launch_script(args, __file__, extra)
 
 
 def main_launcher(args: argparse.Namespace) -> int:
@@ -127,9 +107,10 @@ def print_report(meta: dict, runs: list[dict]) -> int:
         print(f"run {i + 1} (load {run['load_before']} -> {run['load_after']}): "
               f"{run['params'] / 1e6:.2f}M params, {run['bytes'] / 1e6:.1f} MB")  # fmt: skip
         modes = run["modes"]
-        print(f"  {'mode':<34} {'step ms':>9} {'core exec ms':>13}")
+        print(f"  {'mode':<34} {'step ms':>9} {'core exec ms':>13} {'page faults':>12}")
         for mode, m in modes.items():
-            print(f"  {mode:<34} {m['step_ms']:9.1f} {m['exec_ms']:13.1f}")
+            faults = m.get("faults", float("nan"))
+            print(f"  {mode:<34} {m['step_ms']:9.1f} {m['exec_ms']:13.1f} {faults:12.0f}")
         for name in meta["algorithms"].split(","):
             comm = {}
             for fw in ("tf", "torch"):
@@ -264,9 +245,9 @@ def worker(args: argparse.Namespace) -> int:
                 step()
             hvd_torch.barrier()
             for _ in range(n):
-                e0, t0 = exec_ns(), perf()
+                f0, e0, t0 = minor_faults(), exec_ns(), perf()
                 step()
-                rows[mode].append([perf() - t0, (exec_ns() - e0) * 1e-9])
+                rows[mode].append([perf() - t0, (exec_ns() - e0) * 1e-9, minor_faults() - f0])
 
     def slowest(table: list) -> list:
         t = torch.tensor(table, dtype=torch.float64)
@@ -278,6 +259,7 @@ def worker(args: argparse.Namespace) -> int:
         out[mode] = {
             "step_ms": statistics.median(r[0] for r in t) * 1e3,
             "exec_ms": statistics.median(r[1] for r in t) * 1e3,
+            "faults": statistics.median(r[2] for r in t),
             "steps": len(t),
         }
     result = {
