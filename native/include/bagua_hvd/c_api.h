@@ -157,8 +157,8 @@ typedef struct bhvd_request {
  * every rank must pass the same value. */
 
 typedef struct bhvd_compressed_allreduce_params {
-  int32_t op_type;     /* BHVD_OP_COMPRESSED_ALLREDUCE */
-  int32_t compression; /* enum bhvd_compression */
+  int32_t op_type;      /* BHVD_OP_COMPRESSED_ALLREDUCE */
+  int32_t compression;  /* enum bhvd_compression */
   int32_t hierarchical; /* 1: full precision within each host, compressed among the hosts */
   /* Error feedback (both or neither; NULL: none): the residuals of the first and the second
    * quantization, n * ceil(count / n) and ceil(count / n) elements for
