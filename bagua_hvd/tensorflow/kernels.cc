@@ -57,6 +57,7 @@ absl::StatusCode ToCode(int32_t status) {
     case BHVD_ABORTED: return absl::StatusCode::kAborted;
     case BHVD_NOT_IMPLEMENTED: return absl::StatusCode::kUnimplemented;
     case BHVD_TIMED_OUT: return absl::StatusCode::kDeadlineExceeded;
+    case BHVD_NOT_INITIALIZED: return absl::StatusCode::kFailedPrecondition;  // Horovod's class
     default: return absl::StatusCode::kUnknown;
   }
 }
@@ -88,14 +89,9 @@ double EnvSeconds(const char* name, double fallback) {
 
 using Clock = std::chrono::steady_clock;
 
-// A rejected request's error: Horovod's message and class for a job not initialized
-// (mpi_ops._enqueue), else the core's.
-absl::Status EnqueueError(int rc) {
-  if (!bhvd_is_initialized()) {
-    return absl::FailedPreconditionError("Horovod has not been initialized; use hvd.init().");
-  }
-  return absl::Status(ToCode(rc), bhvd_last_error());
-}
+// A rejected request's error: the core's status and message (BHVD_NOT_INITIALIZED: Horovod's
+// class and text).
+absl::Status EnqueueError(int rc) { return absl::Status(ToCode(rc), bhvd_last_error()); }
 
 // What the watchdog sees of an asynchronous kernel waiting for the core: its context and
 // completion, the name and handle it reports, its deadlines.
@@ -419,61 +415,84 @@ bhvd_request BaseRequest(int32_t op_type, const char* name, int32_t process_set_
   return r;
 }
 
-// The allreduce of one bucket in place: MinMaxUInt8-compressed (ByteGrad) or not, hierarchical or
-// not; residuals (worker, server) for error feedback, or none.
+// The allreduce of one bucket in place: MinMaxUInt8-compressed (ByteGrad; error feedback's
+// residuals worker and server, or both null), or Horovod's allreduce, or the hierarchical one.
+// `params` is the caller's storage (it must outlive the enqueue).
 bhvd_request AllreduceRequest(const char* name, int32_t process_set_id, int32_t reduce_op,
                               bool compressed, bool hierarchical, const bhvd_tensor* buf,
-                              const bhvd_tensor* residuals, int32_t num_residuals) {
-  bhvd_request r = BaseRequest(BHVD_OP_ALLREDUCE, name, process_set_id, buf, buf);
+                              const bhvd_tensor* residual_worker,
+                              const bhvd_tensor* residual_server,
+                              bhvd_compressed_allreduce_params* params) {
+  int32_t op_type = hierarchical ? BHVD_OP_HIERARCHICAL_ALLREDUCE : BHVD_OP_ALLREDUCE;
+  if (compressed) op_type = BHVD_OP_COMPRESSED_ALLREDUCE;
+  bhvd_request r = BaseRequest(op_type, name, process_set_id, buf, buf);
   r.reduce_op = reduce_op;
-  r.compression = compressed ? BHVD_COMPRESSION_MINMAX_UINT8 : BHVD_COMPRESSION_NONE;
-  r.hierarchical = hierarchical ? 1 : 0;
-  r.num_aux = num_residuals;
-  r.aux = num_residuals > 0 ? residuals : nullptr;
+  if (compressed) {
+    *params = bhvd_compressed_allreduce_params{};
+    params->op_type = op_type;
+    params->compression = BHVD_COMPRESSION_MINMAX_UINT8;
+    params->hierarchical = hierarchical ? 1 : 0;
+    params->residual_worker = residual_worker;
+    params->residual_server = residual_server;
+    r.params = params;
+  }
   return r;
 }
 
 // Decentralized SGD's average of buf with the peers of round `round` into out.
 bhvd_request PeerAverageRequest(const char* name, int32_t process_set_id, int32_t peer_mode,
                                 int64_t round, bool hierarchical, const bhvd_tensor* buf,
-                                const bhvd_tensor* out) {
-  bhvd_request r = BaseRequest(BHVD_OP_DECENTRALIZED, name, process_set_id, buf, out);
-  r.peer_mode = peer_mode;
-  r.step = round;
-  r.hierarchical = hierarchical ? 1 : 0;
+                                const bhvd_tensor* out, bhvd_peer_average_params* params) {
+  bhvd_request r = BaseRequest(BHVD_OP_PEER_AVERAGE, name, process_set_id, buf, out);
+  *params = bhvd_peer_average_params{};
+  params->op_type = BHVD_OP_PEER_AVERAGE;
+  params->peer_mode = peer_mode;
+  params->step = round;
+  params->hierarchical = hierarchical ? 1 : 0;
+  r.params = params;
   return r;
 }
 
 // Low-precision decentralized: replicas (self, left, right) = this rank's and its neighbours' x.
 bhvd_request LpInitRequest(const char* name, int32_t process_set_id, bool hierarchical,
-                           const bhvd_tensor* x, const bhvd_tensor* replicas) {
-  bhvd_request r = BaseRequest(BHVD_OP_LP_DECENTRALIZED, name, process_set_id, x, x);
-  r.peer_mode = 1;
-  r.hierarchical = hierarchical ? 1 : 0;
-  r.num_aux = 3;
-  r.aux = replicas;
+                           const bhvd_tensor* x, const bhvd_tensor* replicas,
+                           bhvd_lp_init_params* params) {
+  bhvd_request r = BaseRequest(BHVD_OP_LP_DECENTRALIZED_INIT, name, process_set_id, x, x);
+  *params = bhvd_lp_init_params{};
+  params->op_type = BHVD_OP_LP_DECENTRALIZED_INIT;
+  params->hierarchical = hierarchical ? 1 : 0;
+  params->self = &replicas[0];
+  params->left = &replicas[1];
+  params->right = &replicas[2];
+  r.params = params;
   return r;
 }
 
 // Low-precision decentralized: the whole (hierarchical) step of x in the core.
 bhvd_request LpStepRequest(const char* name, int32_t process_set_id, const bhvd_tensor* x,
-                           const bhvd_tensor* replicas) {
-  bhvd_request r = BaseRequest(BHVD_OP_LP_DECENTRALIZED, name, process_set_id, x, x);
-  r.peer_mode = 0;
-  r.hierarchical = 1;
-  r.num_aux = 3;
-  r.aux = replicas;
+                           const bhvd_tensor* replicas, bhvd_lp_step_params* params) {
+  bhvd_request r = BaseRequest(BHVD_OP_LP_DECENTRALIZED_STEP, name, process_set_id, x, x);
+  *params = bhvd_lp_step_params{};
+  params->op_type = BHVD_OP_LP_DECENTRALIZED_STEP;
+  params->hierarchical = 1;
+  params->self = &replicas[0];
+  params->left = &replicas[1];
+  params->right = &replicas[2];
+  r.params = params;
   return r;
 }
 
 // The exchange half of the split step: diff to both neighbours, theirs decompressed into the left
 // and right replicas.
 bhvd_request LpExchangeRequest(const char* name, int32_t process_set_id, const bhvd_tensor* diff,
-                               const bhvd_tensor* left_right) {
-  bhvd_request r = BaseRequest(BHVD_OP_LP_DECENTRALIZED, name, process_set_id, diff, diff);
-  r.peer_mode = 2;
-  r.num_aux = 2;
-  r.aux = left_right;
+                               const bhvd_tensor* left_right, bhvd_lp_exchange_params* params) {
+  bhvd_request r =
+      BaseRequest(BHVD_OP_LP_DECENTRALIZED_EXCHANGE, name, process_set_id, diff, diff);
+  *params = bhvd_lp_exchange_params{};
+  params->op_type = BHVD_OP_LP_DECENTRALIZED_EXCHANGE;
+  params->left = &left_right[0];
+  params->right = &left_right[1];
+  r.params = params;
   return r;
 }
 
@@ -892,22 +911,20 @@ class BaguaHvdBucketsOp : public AsyncOpKernel {
       if (!failed.ok()) break;
       View buf(g->flats[b], dtype), out(g->results[b], dtype);
       std::unique_ptr<View> rw, rs;
-      bhvd_tensor res[2];
+      bhvd_compressed_allreduce_params compressed_params;
+      bhvd_peer_average_params peer_params;
       bhvd_request r;
       if (primitive_ == 0) {
-        int nres = 0;
         if (g->residuals[b]) {
           rw = std::make_unique<View>(g->residuals[b]->worker, dtype);
           rs = std::make_unique<View>(g->residuals[b]->server, dtype);
-          res[0] = rw->desc;
-          res[1] = rs->desc;
-          nres = 2;
         }
         r = AllreduceRequest(buckets_.names[b].c_str(), buckets_.process_set_id, reduce_op_,
-                             compressed_, hierarchical_, &buf.desc, res, nres);
+                             compressed_, hierarchical_, &buf.desc, rw ? &rw->desc : nullptr,
+                             rs ? &rs->desc : nullptr, &compressed_params);
       } else {
         r = PeerAverageRequest(buckets_.names[b].c_str(), buckets_.process_set_id, peer_mode_,
-                               round, hierarchical_, &buf.desc, &out.desc);
+                               round, hierarchical_, &buf.desc, &out.desc, &peer_params);
       }
       int64_t handle = 0;
       failed = Enqueue(r, &handle);
@@ -980,9 +997,10 @@ class BaguaHvdLpInitOp : public OpKernel {
       View x(flats[b], dtype), own(replicas[b][0], dtype), left(replicas[b][1], dtype),
           right(replicas[b][2], dtype);
       const bhvd_tensor reps[3] = {own.desc, left.desc, right.desc};
+      bhvd_lp_init_params params;
       int64_t handle = 0;
       failed = Enqueue(LpInitRequest(buckets_.names[b].c_str(), buckets_.process_set_id,
-                                     hierarchical_, &x.desc, reps),
+                                     hierarchical_, &x.desc, reps, &params),
                        &handle);
       if (failed.ok()) handles.emplace_back(handle, buckets_.names[b]);
     }
@@ -1065,9 +1083,10 @@ class BaguaHvdLpStepOp : public OpKernel {
         auto& reps = ring->replicas[b];
         View diff(ring->diffs[b], BHVD_UINT8), left(reps[1], dtypes[b]), right(reps[2], dtypes[b]);
         const bhvd_tensor lr[2] = {left.desc, right.desc};
+        bhvd_lp_exchange_params params;
         int64_t handle = 0;
         failed = Enqueue(LpExchangeRequest(buckets_.names[b].c_str(), buckets_.process_set_id,
-                                           &diff.desc, lr),
+                                           &diff.desc, lr, &params),
                          &handle);
         if (failed.ok()) ring->pending.emplace_back(handle, buckets_.names[b]);
       }
@@ -1080,10 +1099,11 @@ class BaguaHvdLpStepOp : public OpKernel {
         auto& reps = ring->replicas[b];
         View x(flats[b], dtype), own(reps[0], dtype), left(reps[1], dtype), right(reps[2], dtype);
         const bhvd_tensor r3[3] = {own.desc, left.desc, right.desc};
+        bhvd_lp_step_params params;
         int64_t handle = 0;
-        failed = Enqueue(
-            LpStepRequest(buckets_.names[b].c_str(), buckets_.process_set_id, &x.desc, r3),
-            &handle);
+        failed = Enqueue(LpStepRequest(buckets_.names[b].c_str(), buckets_.process_set_id,
+                                       &x.desc, r3, &params),
+                         &handle);
         if (failed.ok()) handles.emplace_back(handle, buckets_.names[b]);
       }
       for (auto& [handle, name] : handles) {
