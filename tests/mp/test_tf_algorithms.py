@@ -725,7 +725,10 @@ KERNEL_CASES = [
     ("bytegrad", lambda: A.ByteGrad()),
     ("bytegrad-ef", lambda: A.ByteGrad(error_feedback=True)),
     ("gradient_allreduce-hierarchical", lambda: A.GradientAllReduce(hierarchical=True)),
-    ("decentralized-shift_one-2", lambda: A.Decentralized("shift_one", communication_interval=2)),
+    (
+        "decentralized-shift_one-2",
+        lambda: A.Decentralized(peer_selection_mode="shift_one", communication_interval=2),
+    ),
     ("low_precision_decentralized", lambda: A.LowPrecisionDecentralized()),
     (
         "low_precision_decentralized-2",
