@@ -13,9 +13,10 @@ graph then holds, per step:
 - ``BaguaHvdCounter``: the step counts (kept by the kernel library under the
   implementation's key: no ``tf.Variable``, so an implementation can first appear in any
   trace);
-- ``BaguaHvdBuckets``: the gradient path's allreduce of every bucket (packed and unpacked in
-  C++; residuals in the library), or Decentralized's peer average; one asynchronous kernel
-  per step, so the buckets are in flight together;
+- ``BaguaHvdBuckets``: the gradient path's allreduce of one bucket (packed and unpacked in
+  C++; buffers and residuals kept by the library), one asynchronous kernel per bucket, each
+  started as soon as its gradients exist; or Decentralized's peer average of every weight
+  bucket;
 - ``BaguaHvdLpInit`` / ``BaguaHvdLpStep``: the low-precision ring (replicas and the exchange
   left in flight kept by the library);
 - ``BaguaHvdAsyncStep``: asynchronous model averaging's step boundary;
