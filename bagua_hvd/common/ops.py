@@ -398,6 +398,19 @@ def wait_status(handle: int, what: str = "operation") -> int:
     return status
 
 
+def wait_until(handle: int, timeout_s: float) -> bool:
+    """Blocks until ``handle`` completes or ``timeout_s`` seconds have passed (in slices, so
+    that Ctrl-C is handled); True when it completed."""
+    n = _n if _n is not None else native()
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while True:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if n.lib.bhvd_wait(handle, max(0, min(_WAIT_SLICE_MS, left_ms))) != TIMED_OUT:
+            return True
+        if left_ms <= _WAIT_SLICE_MS:
+            return False
+
+
 def failure_message(handle: int, fallback: str) -> str:
     """The message of a failed handle: the core's, else ``fallback``."""
     return handle_error(handle) or _native.last_error() or fallback

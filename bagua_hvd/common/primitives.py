@@ -128,17 +128,21 @@ class Request:
             raise self.errors.status(status, message)
         self.release()
 
-    def settle(self) -> None:
-        """Blocks until the request completes, without raising or releasing it (a later
-        :meth:`wait` reports its outcome)."""
+    def settle(self, timeout_s: Optional[float] = None) -> bool:
+        """Blocks until the request completes (at most ``timeout_s`` seconds when given),
+        without raising or releasing it (a later :meth:`wait` reports its outcome). Returns
+        False when ``timeout_s`` ran out first."""
         if self.done:
-            return
+            return True
+        if timeout_s is not None:
+            return _ops.wait_until(self.handle, timeout_s)
         try:
             _ops.wait_status(self.handle, self.name)
         except KeyboardInterrupt:
             raise
         except Exception:  # noqa: BLE001  (reported by wait())
             pass
+        return True
 
     def release(self) -> None:
         if not self.done:
