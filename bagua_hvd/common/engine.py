@@ -417,14 +417,19 @@ def _sweep_before_shutdown() -> None:
     not fail a slower rank's last step; bounded by HOROVOD_GLOO_TIMEOUT_SECONDS (a rank that
     never takes that step must not hold this one's exit forever)."""
     limit = _config.gloo_timeout_seconds()
-    late = _sweep_in_flight(limit)
+    warn_exchanges_left(_sweep_in_flight(limit), limit)
+
+
+def warn_exchanges_left(late: int, limit: float) -> None:
+    """The warning of a shutdown that stopped waiting for ``late`` exchanges in flight after
+    ``limit`` seconds (also a frontend's own rings: the TensorFlow kernels')."""
     if late:
         warnings.warn(
             f"bagua_hvd: shutting down with {late} low-precision decentralized exchange(s) still "
             f"in flight after {limit:g} s (HOROVOD_GLOO_TIMEOUT_SECONDS): another rank has not "
             "taken its last step; that step will fail on it",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
 
 

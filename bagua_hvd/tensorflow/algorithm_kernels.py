@@ -169,11 +169,14 @@ _sweep_registered = [False]
 
 
 def _sweep_rings() -> None:
-    """Waits for every low-precision ring's exchange in flight (before hvd.shutdown())."""
+    """Before hvd.shutdown(): waits for every low-precision ring's exchange in flight, at most
+    HOROVOD_GLOO_TIMEOUT_SECONDS (as the engine's own rings)."""
     ops = _kernels.load()
     if ops is not None:
+        limit = config.gloo_timeout_seconds()
         with tf.init_scope():
-            ops.bagua_hvd_lp_flush(key="")
+            late = int(ops.bagua_hvd_lp_flush(key="", timeout_s=limit))
+        engine.warn_exchanges_left(late, limit)
 
 
 class KernelImpl(AlgorithmImpl):

@@ -17,6 +17,7 @@
 //                      raises the same tf.errors classes as eager mode.
 //
 // The core stays framework-free: this library only calls its C API (c_api.h).
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <condition_variable>
@@ -756,6 +757,37 @@ absl::Status SweepRings(Ring* own) {
   return mine;
 }
 
+// At shutdown: waits up to timeout_s in all for every ring's exchanges in flight; those still in
+// flight then stay pending. Returns how many they are.
+int64_t SweepRingsBounded(double timeout_s) {
+  std::vector<std::shared_ptr<Ring>> rings;
+  {
+    Store& store = Store::Get();
+    std::lock_guard<std::mutex> lock(store.mu);
+    for (auto& [key, ring] : store.rings) rings.push_back(ring);
+  }
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(timeout_s));
+  int64_t late = 0;
+  for (auto& ring : rings) {
+    std::unique_lock<std::mutex> lock(ring->mu, std::try_to_lock);
+    if (!lock.owns_lock()) continue;
+    std::vector<std::pair<int64_t, std::string>> still;
+    for (auto& entry : ring->pending) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
+                                                                              Clock::now());
+      if (bhvd_wait(entry.first, std::max<int64_t>(0, left.count())) == BHVD_TIMED_OUT) {
+        ++late;
+        still.push_back(entry);
+      } else {
+        bhvd_release(entry.first);
+      }
+    }
+    ring->pending = std::move(still);
+  }
+  return late;
+}
+
 // BaguaHvdCounter: a step count of an implementation. mode 0: read; 1: add `value`; 2: set to
 // `value`; 3: fail with `message` (InvalidArgument) when the last after_apply is older than the
 // step count (an update not followed by after_apply). Returns the count before the change.
@@ -1124,25 +1156,34 @@ class BaguaHvdLpStepOp : public OpKernel {
 };
 
 // BaguaHvdLpFlush: waits for the exchange of the ring of `key` still in flight (its failure
-// fails the op) and every other ring's.
+// fails the op) and every other ring's. key "" with timeout_s >= 0 (shutdown): every ring's, at
+// most timeout_s in all; output: how many were still in flight then.
 class BaguaHvdLpFlushOp : public OpKernel {
  public:
   explicit BaguaHvdLpFlushOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
+    OP_REQUIRES_OK(c, c->GetAttr("timeout_s", &timeout_s_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    if (key_.empty()) {
+    int64_t late = 0;
+    if (key_.empty() && timeout_s_ >= 0) {
+      late = SweepRingsBounded(timeout_s_);
+    } else if (key_.empty()) {
       SweepRings(nullptr).IgnoreError();
-      return;
+    } else {
+      auto ring = Store::Get().Find(Store::Get().rings, key_);
+      std::lock_guard<std::mutex> lock(ring->mu);
+      OP_REQUIRES_OK(ctx, SweepRings(ring.get()));
     }
-    auto ring = Store::Get().Find(Store::Get().rings, key_);
-    std::lock_guard<std::mutex> lock(ring->mu);
-    OP_REQUIRES_OK(ctx, SweepRings(ring.get()));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &out));
+    out->scalar<int64_t>()() = late;
   }
 
  private:
   std::string key_;
+  float timeout_s_ = -1.f;
 };
 
 // BaguaHvdLpReplicas: copies of bucket `bucket`'s replicas (self, left, right) of the ring of
@@ -1419,9 +1460,11 @@ REGISTER_OP("BaguaHvdLpStep")
     .SetShapeFn(NoOutputs);
 
 REGISTER_OP("BaguaHvdLpFlush")
+    .Output("late: int64")
     .Attr("key: string")
+    .Attr("timeout_s: float = -1.0")
     .SetIsStateful()
-    .SetShapeFn(NoOutputs);
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
 
 REGISTER_OP("BaguaHvdLpReplicas")
     .Output("own: T")
