@@ -188,12 +188,19 @@ class KernelImpl(AlgorithmImpl):
         self._key = f"bagua_tf{self.uid}"  # the library's state of this implementation
         self._bound: Optional[Tuple[Any, List[List[int]]]] = None  # weights: (sig, layout)
         self._weight_specs: List[Spec] = []
-        if isinstance(self.averaging, engine.LowPrecisionRing):
+        # The weight averaging's parts, by the declaration's kind: before the update (given
+        # the step and the variables), after it.
+        kind = alg.weight_averaging
+        before = {"peer_average": self._peer_average, "low_precision_ring": self._lp_init}
+        after = {"low_precision_ring": self._lp_step, "async": self._async_step}
+        self._before_update = before.get(kind)
+        self._after_update = after.get(kind)
+        if kind == "low_precision_ring":
             with _sweep_lock:
                 if not _sweep_registered[0]:
                     _sweep_registered[0] = True
                     _basics.before_shutdown(_sweep_rings)
-        if isinstance(self.averaging, engine.AsyncAveraging):
+        if kind == "async":
             alg.register_impl(self)  # abort() and resume() reach the library's averager
 
     def adapter(self) -> engine.TensorAdapter:
@@ -233,21 +240,14 @@ class KernelImpl(AlgorithmImpl):
                 self._counter(mode=3)
         if self.alg.uses_gradient_path:
             grads = self._gradient_path(grads, variables, step)
-        averaging = self.averaging
-        if isinstance(averaging, engine.PeerAverage):
-            self._peer_average(step, variables)
-        elif isinstance(averaging, engine.LowPrecisionRing):
-            self._lp_init(variables)
+        if self._before_update is not None:
+            self._before_update(step, variables)
         return grads
 
     def _after_apply(self, variables: List[Any]) -> None:
         steps = self._counter()
         self._counter("applied", 2, steps)
-        step = steps - 1  # reduce_gradients counted this step
-        if isinstance(self.averaging, engine.LowPrecisionRing):
-            self._lp_step(step, variables)
-        else:
-            self._async_step(step, variables)
+        self._after_update(steps - 1, variables)  # reduce_gradients counted this step
 
     # -- gradients ---------------------------------------------------------------------------------
     def _gradient_path(self, grads: List[Any], variables: List[Any], step: Any) -> List[Any]:
@@ -371,7 +371,7 @@ class KernelImpl(AlgorithmImpl):
 
         _when(avg.communicating(step), run)
 
-    def _lp_init(self, variables: List[Any]) -> None:
+    def _lp_init(self, step: Any, variables: List[Any]) -> None:
         """Before the first update: the replicas (the kernel does nothing once they exist)."""
         b, handles = self._handles(variables)
         self._ops.bagua_hvd_lp_init(
