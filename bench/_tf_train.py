@@ -110,22 +110,25 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 # ---- launcher side --------------------------------------------------------------------------
 
 
-def launch(args: argparse.Namespace) -> list[dict]:
+def launch_script(
+    args: argparse.Namespace, script: str, extra: list[str], env_extra: dict | None = None
+) -> dict:
+    """Runs ``script --_worker`` as --np ranks through bagua-run (the common flags, then
+    ``extra``; ``env_extra`` added to the environment); returns rank 0's JSON result."""
     with tempfile.TemporaryDirectory(prefix="bagua_hvd_bench_tf_") as tmp:
         env = dict(os.environ)
         if args.malloc == "steady":
             for key, value in STEADY_MALLOC.items():
                 env.setdefault(key, value)
-        env[PORTS_ENV] = ",".join(str(free_port()) for _ in range(args.np))
+        env.update(env_extra or {})
         env[RESULT_ENV] = tmp
         env["OMP_NUM_THREADS"] = "1"
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        cmd = [sys.executable, os.path.abspath(__file__), "--_worker"]
+        cmd = [sys.executable, os.path.abspath(script), "--_worker"]
         cmd += [
             "--np", str(args.np), "--batch-size", str(args.batch_size),
             "--warmup", str(args.warmup), "--steps", str(args.steps),
-            "--rounds", str(args.rounds), "--reduce-reps", str(args.reduce_reps),
-            "--tf-inter-threads", str(args.tf_inter_threads),
+            "--rounds", str(args.rounds), *extra,
         ]  # fmt: skip
         rc = run_ranks(args.np, cmd, env, args.timeout)
         if rc is None:
@@ -134,6 +137,17 @@ def launch(args: argparse.Namespace) -> list[dict]:
             raise RuntimeError(f"the ranks failed (launcher exit status {rc})")
         with open(os.path.join(tmp, "rank00000.json")) as f:
             return json.load(f)
+
+
+def launch(args: argparse.Namespace) -> dict:
+    extra = [
+        "--reduce-reps",
+        str(args.reduce_reps),
+        "--tf-inter-threads",
+        str(args.tf_inter_threads),
+    ]
+    ports = ",".join(str(free_port()) for _ in range(args.np))
+    return launch_script(args, __file__, extra, {PORTS_ENV: ports})
 
 
 def main_launcher(args: argparse.Namespace) -> int:

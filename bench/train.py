@@ -5,6 +5,9 @@
     python bench/train.py --np 1          # 1 rank: DistributedOptimizer vs the plain optimizer
     python bench/train.py --framework tf  # TensorFlow: bagua_hvd vs MultiWorkerMirroredStrategy
                                           # (bench/_tf_train.py describes that mode)
+    python bench/train.py --framework tf --algorithms bytegrad,low_precision_decentralized
+                                          # BAGUA's algorithms, TF frontend vs torch frontend
+                                          # (bench/_tf_algorithms.py)
 
 The model is the peers' reference (/work/shared/reference/peers-on-this-machine.md, section 4):
 an MLP 1024 -> 2048 x6 -> 1000 with ReLU (25.13M float32 parameters, 100.5 MB of gradients),
@@ -135,6 +138,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--timeout", type=float, default=900.0, help="seconds before one invocation is killed"
     )
     parser.add_argument("--json", metavar="FILE", help="also write all results to FILE (JSON)")
+    parser.add_argument(
+        "--algorithms",
+        metavar="NAMES",
+        help="with --framework tf: BAGUA's algorithms (comma-separated bagua-run names, e.g. "
+        "bytegrad,low_precision_decentralized) in the TensorFlow and the torch frontend on "
+        "the same model, and the TF/torch ratio of their communication part "
+        "(bench/_tf_algorithms.py)",
+    )
     from _tf_train import add_args as add_tf_args
 
     add_tf_args(parser)
@@ -716,6 +727,10 @@ def main(argv: list[str] | None = None) -> int:
         return worker_throughput(args)
     if args._worker == "memory":
         return worker_memory(args)
+    if args.framework == "tf" and args.algorithms:
+        from _tf_algorithms import main_launcher as algorithms_main_launcher
+
+        return algorithms_main_launcher(args)
     if args.framework == "tf":
         from _tf_train import main_launcher as tf_main_launcher
 

@@ -85,7 +85,8 @@ def test_low_precision_decentralized_last_exchange(framework: str, how: str, tmp
         assert len(took) == 2 and max(took) < 10, text
 
 
-def test_low_precision_shutdown_wait_is_bounded(tmp_path: Path):
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_low_precision_shutdown_wait_is_bounded(framework: str, tmp_path: Path):
     """A rank that never takes its last step does not hold the other's shutdown forever: the
     wait for the last exchange gives up after HOROVOD_GLOO_TIMEOUT_SECONDS with a warning."""
     env = dict(
@@ -99,7 +100,7 @@ def test_low_precision_shutdown_wait_is_bounded(tmp_path: Path):
         del env[key]
     proc = subprocess.run(
         [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "2", sys.executable,
-         str(LP_WORKER), "stall"],
+         str(LP_WORKER if framework == "torch" else LP_WORKER_TF), "stall"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     text = proc.stdout + proc.stderr

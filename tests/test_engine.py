@@ -111,6 +111,47 @@ def test_gradient_path_plans() -> None:
     assert plans(alg.Decentralized(), 1) == [(False, False, True, False, False)]
 
 
+def test_gradient_path_stages_cover_every_step() -> None:
+    """stages() (what a graph frontend plans at trace time): each stage's plan is the plan of
+    every step from its first step to the next stage's."""
+    alg.register_qadam_optimizer(_Q)
+    cases = [
+        alg.GradientAllReduce(hierarchical=True),
+        alg.ByteGrad(error_feedback=True),
+        alg.QAdamAlgorithm(_Q(), error_feedback=True),
+        alg.AsyncModelAverage(warmup_steps=2),
+        alg.AsyncModelAverage(warmup_steps=0),
+        alg.Decentralized(),
+    ]
+    for a in cases:
+        path = engine.GradientPath(a, None, None)
+        stages = path.stages()
+        assert stages[0][0] == 0, a
+        firsts = [f for f, _ in stages]
+        assert firsts == sorted(set(firsts)), a
+        for s in range(8):
+            current = [p for f, p in stages if f <= s][-1]
+            assert tuple(current)[1:] == tuple(path.plan(s))[1:], (a, s)
+    assert [f for f, _ in engine.GradientPath(cases[2], None, None).stages()] == [0, 3]
+
+
+def test_weight_decisions_take_ints_and_step_tensors() -> None:
+    """The weight algorithms' step decisions are plain expressions of the step, so the same
+    code answers for an int (eager, torch) and for a graph's step count."""
+    names = engine.NumberedNames(0)
+    dec = engine.PeerAverage(alg.Decentralized(communication_interval=3), None, names, None, int)
+    assert [dec.communicating(s) for s in range(7)] == [s % 3 == 0 for s in range(7)]
+    assert [dec.round(s) for s in (0, 3, 6)] == [0, 1, 2]
+    ring_alg = alg.LowPrecisionDecentralized(communication_interval=2)
+    ring = engine._WEIGHT_AVERAGING["low_precision_ring"](ring_alg, None, names, None, int)
+    assert [ring.communicating(s) for s in range(4)] == [True, False, True, False]
+    avg = engine.AsyncAveraging(alg.AsyncModelAverage(warmup_steps=2), None, names, None, int)
+    assert [avg.averages(s) for s in range(4)] == [False, False, True, True]
+    t = torch.tensor(6)
+    assert bool(dec.communicating(t)) and int(dec.round(t)) == 2 and bool(avg.averages(t))
+    assert names.averager_prefix() == "async.bagua_tf0" and names.averager(3) == "async.bagua_tf0.3"
+
+
 def test_declarations_check_their_optimizer_and_options() -> None:
     alg.register_qadam_optimizer(_Q)
     mismatch = "QAdamAlgorithm goes with QAdamOptimizer"

@@ -108,6 +108,13 @@ class Algorithm:
         """The gradient path carries the optimizer's new momentum instead of the gradient."""
         return False
 
+    def gradient_stages(self) -> Tuple[int, ...]:
+        """The steps at which the answers of :meth:`communicates_gradients`,
+        :meth:`compresses_gradients` and :meth:`sends_momentum` change (each the first step
+        of a stage; the first stage starts at 0): a frontend whose step count is a graph
+        value plans every stage once and picks one per step."""
+        return ()
+
     def is_horovod_allreduce(self) -> bool:
         """The gradients go through Horovod's allreduce, configured by the optimizer's own
         arguments (``op=``, ``compression=``, ``groups=``)."""
@@ -263,6 +270,9 @@ class QAdamAlgorithm(Algorithm):
     def sends_momentum(self, step: int) -> bool:
         return step >= self.optimizer.warmup_steps
 
+    def gradient_stages(self) -> Tuple[int, ...]:
+        return (self.optimizer.warmup_steps,)
+
     def check(
         self,
         optimizer: Any,
@@ -320,6 +330,9 @@ class AsyncModelAverage(Algorithm):
 
     def communicates_gradients(self, step: int) -> bool:
         return step < self.warmup_steps
+
+    def gradient_stages(self) -> Tuple[int, ...]:
+        return (self.warmup_steps,)
 
     def register_impl(self, impl: Any) -> None:
         """Called by the engine for each implementation it builds: abort()/resume() reach it."""

@@ -137,7 +137,11 @@ class LabelledNames:
         return f"{self._PREFIX[kind]}.{self.labels[i]}"
 
     def averager(self, generation: int) -> str:
-        return f"async.{self.labels[0]}.{generation}"
+        return f"{self.averager_prefix()}.{generation}"
+
+    def averager_prefix(self) -> str:
+        """The averagers' names without their generation."""
+        return f"async.{self.labels[0]}"
 
 
 class NumberedNames:
@@ -161,7 +165,11 @@ class NumberedNames:
         return f"{op}.bagua_tf{self.uid}.{what}.{i}"
 
     def averager(self, generation: int) -> str:
-        return f"async.bagua_tf{self.uid}.{generation}"
+        return f"{self.averager_prefix()}.{generation}"
+
+    def averager_prefix(self) -> str:
+        """The averagers' names without their generation."""
+        return f"async.bagua_tf{self.uid}"
 
 
 # ---- gradients -----------------------------------------------------------------------------------
@@ -196,17 +204,28 @@ class GradientPath:
         step."""
         plan = self._plan
         if plan is None or plan.step != step:
-            alg = self.alg
-            compressed = alg.compresses_gradients(step)
-            plan = self._plan = StepPlan(
-                step,
-                alg.communicates_gradients(step),
-                alg.sends_momentum(step),
-                alg.hierarchical or compressed,
-                compressed,
-                compressed and alg.error_feedback,
-            )
+            plan = self._plan = self._ask(step)
         return plan
+
+    def stages(self) -> List[Tuple[int, StepPlan]]:
+        """Every stage of the gradient path as ``(first step, plan)``, in order of the steps
+        (the declaration's ``gradient_stages``): what a frontend that builds its step once, as
+        a graph, plans at trace time; the stage of a step is the last whose first step it
+        has reached."""
+        firsts = sorted({0, *(b for b in self.alg.gradient_stages() if b > 0)})
+        return [(first, self._ask(first)) for first in firsts]
+
+    def _ask(self, step: int) -> StepPlan:
+        alg = self.alg
+        compressed = alg.compresses_gradients(step)
+        return StepPlan(
+            step,
+            alg.communicates_gradients(step),
+            alg.sends_momentum(step),
+            alg.hierarchical or compressed,
+            compressed,
+            compressed and alg.error_feedback,
+        )
 
     def residuals(self, current: Optional[Tuple[Any, Any]], buf: Any) -> Tuple[Any, Any]:
         """Error feedback's residuals for bucket ``buf`` (the worker's: the bucket padded to a
@@ -307,8 +326,13 @@ class PeerAverage(_WeightAveraging):
         self.requests: Optional[List[Request]] = None
         self.peers: List[Any] = []
 
-    def communicating(self, step: int) -> bool:
+    def communicating(self, step: Any) -> Any:
+        """Whether ``step`` averages (an int, or a graph's step count: a bool tensor)."""
         return step % self.alg.communication_interval == 0
+
+    def round(self, step: Any) -> Any:
+        """The communication round of a communicating ``step`` (shift_one's peers)."""
+        return step // self.alg.communication_interval
 
     def start(self, step: int, flats: List[Any]) -> None:
         """Starts the averages of a communicating step (the weights must not change until
@@ -316,7 +340,7 @@ class PeerAverage(_WeightAveraging):
         a = self.adapter
         if not self.peers or not a.reuse_outputs:
             self.peers = [a.empty_like(f) for f in flats]
-        k = step // self.alg.communication_interval
+        k = self.round(step)
         self.requests = [
             _prim.peer_average(
                 a.buffer(flat),
@@ -393,14 +417,19 @@ def _sweep_before_shutdown() -> None:
     not fail a slower rank's last step; bounded by HOROVOD_GLOO_TIMEOUT_SECONDS (a rank that
     never takes that step must not hold this one's exit forever)."""
     limit = _config.gloo_timeout_seconds()
-    late = _sweep_in_flight(limit)
+    warn_exchanges_left(_sweep_in_flight(limit), limit)
+
+
+def warn_exchanges_left(late: int, limit: float) -> None:
+    """The warning of a shutdown that stopped waiting for ``late`` exchanges in flight after
+    ``limit`` seconds (also a frontend's own rings: the TensorFlow kernels')."""
     if late:
         warnings.warn(
             f"bagua_hvd: shutting down with {late} low-precision decentralized exchange(s) still "
             f"in flight after {limit:g} s (HOROVOD_GLOO_TIMEOUT_SECONDS): another rank has not "
             "taken its last step; that step will fail on it",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
 
 
@@ -457,8 +486,13 @@ class LowPrecisionRing(_WeightAveraging):
             self._split = not self.alg.hierarchical or group == self.size()
         return self._split
 
+    def communicating(self, step: Any) -> Any:
+        """Whether the update of ``step`` is followed by a ring step (an int, or a graph's
+        step count: a bool tensor)."""
+        return step % self.alg.communication_interval == 0
+
     def after_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
-        if self.replicas is None or step % self.alg.communication_interval != 0:
+        if self.replicas is None or not self.communicating(step):
             return None
         a = self.adapter
         flats = weights()
@@ -536,9 +570,14 @@ class AsyncAveraging(_WeightAveraging):
         self.generation = 0
         self.aborted = False
 
+    def averages(self, step: Any) -> Any:
+        """Whether the update of ``step`` is past the warm-up (an int, or a graph's step
+        count: a bool tensor)."""
+        return step >= self.alg.warmup_steps
+
     def after_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
         """Returns the buffers holding the weights when a round was merged into them."""
-        if step < self.alg.warmup_steps or self.aborted:
+        if not self.averages(step) or self.aborted:
             return None
         a = self.adapter
         flats = weights()

@@ -3,9 +3,11 @@
 The declarations are the framework-neutral ones of ``bagua_hvd.common.algorithms`` (the same
 classes as ``bagua_hvd.torch.algorithms``), implemented once by ``bagua_hvd.common.engine``;
 this module adds a Keras ``QAdamOptimizer`` and runs the engine at the points of a TensorFlow
-step. The math runs in the C++ core, as for torch: tensors reach it through numpy
-(``tf.numpy_function`` inside ``tf.function``; the engine itself sees buffer descriptors
-only), weights are written back with ``assign``.
+step. The math runs in the C++ core, as for torch; tensors reach it through the kernel
+library (``bagua_hvd.tensorflow.algorithm_kernels``: the engine plans at trace time, the graph
+holds kernels only), or, where the kernels cannot be built or ``BAGUA_HVD_TF_KERNELS=0``,
+through numpy (:class:`NumpyImpl`: ``tf.numpy_function`` inside ``tf.function``, weights
+written back with ``assign``).
 
 Users pass an algorithm to ``hvd.DistributedGradientTape(tape, algorithm=...)`` (or to the
 Keras ``hvd.DistributedOptimizer(opt, algorithm=...)``). Frontend code (the tape, the Keras
@@ -18,9 +20,10 @@ optimizer) calls::
 
 Both methods work eagerly and inside ``tf.function``; ``None`` gradients stay ``None``.
 ``reduce_gradients`` counts the steps (``impl.step``): each call is one training step. The
-count lives on the Python side, advanced by a stateful op where the step runs, so an
-implementation creates no ``tf.Variable`` and can first be used in any trace of a
-``tf.function`` (TensorFlow allows variables only in a function's first trace). ``after_apply`` is required after every step by ``LowPrecisionDecentralized``
+count is advanced by a stateful op where the step runs and kept outside TensorFlow's
+variables (by the kernel library, or in Python on the numpy path), so an implementation
+creates no ``tf.Variable`` and can first be used in any trace of a ``tf.function``
+(TensorFlow allows variables only in a function's first trace). ``after_apply`` is required after every step by ``LowPrecisionDecentralized``
 and ``AsyncModelAverage`` (``impl.needs_after_apply``); for the others it does nothing.
 """
 
@@ -39,6 +42,7 @@ from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.algorithms import *  # noqa: F403  (the declarations, re-exported)
 from bagua_hvd.common.primitives import Buffer, wait_all
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
+from bagua_hvd.tensorflow import kernels as _kernels
 from bagua_hvd.tensorflow import mpi_ops as _mpi
 
 __all__ = [*_common.FRONTEND_EXPORTS, "QAdamOptimizer", "reify"]
@@ -203,7 +207,7 @@ class QAdamOptimizer(tf.keras.optimizers.Optimizer):
 _common.register_qadam_optimizer(QAdamOptimizer)
 
 
-# ---- the engine's TensorFlow side: numpy staging -----------------------------------------------
+# ---- the numpy fallback's staging (NumpyImpl) ----------------------------------------------------
 class NumpyArrays(engine.TensorAdapter):
     """numpy arrays (the values of TF tensors inside ``tf.numpy_function``) for the engine."""
 
@@ -306,11 +310,14 @@ def _assign_if(flag: tf.Tensor, variables: Sequence[Any], values: Sequence[tf.Te
     tf.cond(flag, write, lambda: tf.constant(False))
 
 
-# ---- the implementation --------------------------------------------------------------------------
+# ---- the implementation ----------------------------------------------------------------------
 class AlgorithmImpl(engine.Implementation):
     """An algorithm inside one training loop (a tape's algorithm, a Keras optimizer): the
-    engine's gradient path and weight averaging, run on the tensors' numpy values at the
-    points of the step (reduce_gradients before the update, after_apply after it)."""
+    engine's gradient path and weight averaging at the points of the step
+    (reduce_gradients before the update, after_apply after it). Two subclasses run them:
+    ``bagua_hvd.tensorflow.algorithm_kernels.KernelImpl`` through the kernel library (the
+    default), :class:`NumpyImpl` on numpy values (where the kernels cannot be built, or
+    ``BAGUA_HVD_TF_KERNELS=0``)."""
 
     def __init__(self, alg: _common.Algorithm, optimizer: Any, process_set: ProcessSet) -> None:
         self.optimizer = optimizer
@@ -318,11 +325,12 @@ class AlgorithmImpl(engine.Implementation):
         with _uid_lock:
             self.uid = next(_uids)
         self._names = engine.NumberedNames(self.uid)
-        super().__init__(alg, ARRAYS, self._names, process_set, self.size)
-        self._steps = 0  # reduce_gradients calls that ran (advanced by _tick)
-        self._residuals: Dict[Any, List[Any]] = {}
-        self._applied = 0  # completed after_apply calls (numpy side), for the check below
+        super().__init__(alg, self.adapter(), self._names, process_set, self.size)
         self.needs_after_apply = self.averaging is not None and self.averaging.acts_after_update
+
+    def adapter(self) -> engine.TensorAdapter:
+        """What the engine's buffers are for this implementation."""
+        raise NotImplementedError
 
     # -- properties --------------------------------------------------------------------------------
     def size(self) -> int:
@@ -331,7 +339,7 @@ class AlgorithmImpl(engine.Implementation):
     @property
     def step(self) -> int:
         """Completed ``reduce_gradients`` calls (steps)."""
-        return self._steps
+        raise NotImplementedError
 
     # -- the public interface ----------------------------------------------------------------------
     def reduce_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
@@ -345,10 +353,7 @@ class AlgorithmImpl(engine.Implementation):
             )
         self._check_variables(variables)
         if self.process_set.included() and self.size() > 1:
-            if self.alg.uses_gradient_path:
-                grads = self._gradient_path(grads, variables)
-            if self.averaging is not None and self.averaging.acts_before_update:
-                self._weights_op(self._before_update, variables)
+            grads = self._communicate(grads, variables)
         self._tick()
         return grads
 
@@ -357,7 +362,98 @@ class AlgorithmImpl(engine.Implementation):
         variables = list(variables)
         self._check_variables(variables)
         if self.needs_after_apply and self.process_set.included() and self.size() > 1:
-            self._weights_op(self._after_update, variables)
+            self._after_apply(variables)
+
+    def _communicate(self, grads: List[Any], variables: List[Any]) -> List[Any]:
+        """The step's part before the update (there is someone to communicate with)."""
+        raise NotImplementedError
+
+    def _after_apply(self, variables: List[Any]) -> None:
+        raise NotImplementedError
+
+    def _tick(self) -> None:
+        """Advances the step count when the step runs."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _build_staging(q: Any, variables: List[Any]) -> None:
+        """QAdam: builds its optimizer (the momentum slots are read before the first
+        apply() would build them)."""
+        if not q.built:
+            with tf.init_scope():
+                q.build(variables)
+
+    @staticmethod
+    def _handed_over(
+        grads: List[Any], present: List[int], outs: List[Any], q: Optional[Any]
+    ) -> List[Any]:
+        """The gradients for the optimizer: ``outs`` (the communicated ones, after QAdam's
+        flag when ``q``, its optimizer, is given) in the places ``present``."""
+        if q is not None:
+            q.set_momentum_in_grad(outs[0])
+            outs = outs[1:]
+        out = list(grads)
+        for i, r in zip(present, outs):
+            out[i] = r
+        return out
+
+    def _after_apply_missing(self) -> str:
+        return (
+            f"{type(self.alg).__name__} needs a call after every optimizer update: "
+            "tape.step_done() (or impl.after_apply(variables)) after "
+            "optimizer.apply_gradients(...)"
+        )
+
+    def _check_variables(self, variables: List[Any]) -> None:
+        if self.averaging is None:
+            return
+        if not all(hasattr(v, "assign") for v in variables):
+            raise ValueError(
+                f"{type(self.alg).__name__} communicates weights: the sources of the gradients "
+                "must be variables (tf.Variable or Keras variables), not tensors"
+            )
+        sig = tuple((tuple(v.shape), _tf_dtype(v).name) for v in variables)
+        known = getattr(self, "_variables_sig", None)
+        if known is None:
+            self._variables_sig = sig
+        elif known != sig:
+            raise ValueError(self._other_model_error())
+
+    def _other_model_error(self) -> str:
+        return (
+            f"{type(self.alg).__name__} keeps per-model state, but it was given a different "
+            "list of variables than before: use one algorithm object per model"
+        )
+
+
+# ---- the fallback: the engine on numpy values ---------------------------------------------------
+class NumpyImpl(AlgorithmImpl):
+    """The engine's parts run on the tensors' numpy values (``tf.numpy_function`` inside
+    ``tf.function``; buckets concatenated with numpy; weights written back with ``assign``):
+    only where the kernel library cannot be built, or ``BAGUA_HVD_TF_KERNELS=0``."""
+
+    def __init__(self, alg: _common.Algorithm, optimizer: Any, process_set: ProcessSet) -> None:
+        super().__init__(alg, optimizer, process_set)
+        self._steps = 0  # reduce_gradients calls that ran (advanced by _tick)
+        self._residuals: Dict[Any, List[Any]] = {}
+        self._applied = 0  # completed after_apply calls (numpy side), for the check below
+
+    def adapter(self) -> engine.TensorAdapter:
+        return ARRAYS
+
+    @property
+    def step(self) -> int:
+        return self._steps
+
+    def _communicate(self, grads: List[Any], variables: List[Any]) -> List[Any]:
+        if self.alg.uses_gradient_path:
+            grads = self._gradient_path(grads, variables)
+        if self.averaging is not None and self.averaging.acts_before_update:
+            self._weights_op(self._before_update, variables)
+        return grads
+
+    def _after_apply(self, variables: List[Any]) -> None:
+        self._weights_op(self._after_update, variables)
 
     def _tick(self) -> None:
         """Advances the step count when the step runs (a stateful op inside tf.function:
@@ -372,11 +468,7 @@ class AlgorithmImpl(engine.Implementation):
     def _check_after_apply(self, step: int) -> None:
         """A step's reduce_gradients finds every earlier step's after_apply done."""
         if self.needs_after_apply and self._applied < step:
-            raise ValueError(
-                f"{type(self.alg).__name__} needs a call after every optimizer update: "
-                "tape.step_done() (or impl.after_apply(variables)) after "
-                "optimizer.apply_gradients(...)"
-            )
+            raise ValueError(self._after_apply_missing())
 
     # -- gradients ---------------------------------------------------------------------------------
     def _gradient_path(self, grads: List[Any], variables: List[Any]) -> List[Any]:
@@ -391,9 +483,7 @@ class AlgorithmImpl(engine.Implementation):
         extra: List[tf.Tensor] = []
         if staged:
             pvars = [variables[i] for i in present]
-            if not q.built:  # the momentum slots are read before the first apply() builds them
-                with tf.init_scope():
-                    q.build(variables)
+            self._build_staging(q, variables)
             extra = [_read(q.iterations)] + [q.momentum(v, g) for v, g in zip(pvars, ins)]
 
         def fn(*arrays: np.ndarray) -> List[np.ndarray]:
@@ -420,13 +510,7 @@ class AlgorithmImpl(engine.Implementation):
             head + [x.dtype for x in ins],
             head_shapes + [x.shape for x in ins],
         )
-        if staged:
-            q.set_momentum_in_grad(outs[0])
-            outs = outs[1:]
-        out = list(grads)
-        for i, r in zip(present, outs):
-            out[i] = r
-        return out
+        return self._handed_over(grads, present, outs, q if staged else None)
 
     def allreduce_arrays(
         self, arrays: List[np.ndarray], plan: engine.StepPlan, kind: str
@@ -452,27 +536,6 @@ class AlgorithmImpl(engine.Implementation):
         return _split(flats, arrays, flats.flats)
 
     # -- weights -----------------------------------------------------------------------------------
-    def _check_variables(self, variables: List[Any]) -> None:
-        if self.averaging is None:
-            return
-        if not all(hasattr(v, "assign") for v in variables):
-            raise ValueError(
-                f"{type(self.alg).__name__} communicates weights: the sources of the gradients "
-                "must be variables (tf.Variable or Keras variables), not tensors"
-            )
-        sig = tuple((tuple(v.shape), _tf_dtype(v).name) for v in variables)
-        known = getattr(self, "_variables_sig", None)
-        if known is None:
-            self._variables_sig = sig
-        elif known != sig:
-            raise ValueError(self._other_model_error())
-
-    def _other_model_error(self) -> str:
-        return (
-            f"{type(self.alg).__name__} keeps per-model state, but it was given a different "
-            "list of variables than before: use one algorithm object per model"
-        )
-
     def _bind(self, arrays: Sequence[np.ndarray]) -> List[List[int]]:
         sig = _signature(arrays)
         bound = getattr(self, "_bound", None)
@@ -571,7 +634,22 @@ def reify(
     if isinstance(algorithm, str):  # a name, e.g. BAGUA_HVD_ALGORITHM's value
         algorithm = _common.from_name(algorithm)
     check_algorithm(algorithm, optimizer)
-    return AlgorithmImpl(algorithm, optimizer, process_set)
+    if use_kernels():
+        from bagua_hvd.tensorflow.algorithm_kernels import KernelImpl
+
+        return KernelImpl(algorithm, optimizer, process_set)
+    return NumpyImpl(algorithm, optimizer, process_set)
+
+
+# Whether new implementations run through the kernel library when it is built (tests and
+# bench/train.py switch it off to run the numpy fallback beside it).
+_algorithm_kernels = [True]
+
+
+def use_kernels() -> bool:
+    """Whether a new implementation runs through the kernel library (built, not switched off
+    by ``BAGUA_HVD_TF_KERNELS=0``)."""
+    return _algorithm_kernels[0] and _kernels.load() is not None
 
 
 # Tapes are built anew every step: their implementation lives with the algorithm object.

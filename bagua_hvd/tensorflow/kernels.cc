@@ -9,26 +9,37 @@
 //                      output in place; reducescatter: the output holds this rank's rows;
 //                      allgather/alltoall: the core's result is copied into an output allocated
 //                      once its size is known.
-//  BaguaHvdRaise       fails with a status computed by the numpy_function path (the algorithms'
-//                      primitives, and every collective with the kernels off), so that graph mode
+//  BAGUA's algorithms  BaguaHvdCounter, BaguaHvdBuckets, BaguaHvdLpInit/LpStep/LpFlush/
+//                      LpReplicas, BaguaHvdAsyncStep/AsyncControl (the section "BAGUA's
+//                      algorithms" below; bagua_hvd/tensorflow/algorithm_kernels.py drives them).
+//  BaguaHvdRaise       fails with a status computed by a numpy_function path (every collective
+//                      with the kernels off, the algorithms' numpy fallback), so that graph mode
 //                      raises the same tf.errors classes as eager mode.
 //
 // The core stays framework-free: this library only calls its C API (c_api.h).
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "c_api.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
 namespace {
@@ -79,19 +90,28 @@ double EnvSeconds(const char* name, double fallback) {
 
 using Clock = std::chrono::steady_clock;
 
-// One collective in flight. Owns references to its tensors, so their buffers outlive the core's
-// use of them even when the step has already failed with a timeout.
-struct InFlight {
+// A rejected request's error: the core's status and message (BHVD_NOT_INITIALIZED: Horovod's
+// class and text).
+absl::Status EnqueueError(int rc) { return absl::Status(ToCode(rc), bhvd_last_error()); }
+
+// What the watchdog sees of an asynchronous kernel waiting for the core: its context and
+// completion, the name and handle it reports, its deadlines.
+struct Watched {
   OpKernelContext* ctx = nullptr;
-  int32_t op_type = 0;
-  int num_tensors = 0;
   AsyncOpKernel::DoneCallback done;
-  std::vector<Tensor> tensors;  // inputs and outputs
   std::string name;
   int64_t handle = 0;
   Clock::time_point start = Clock::now(), next_warning = Clock::time_point::max(),
                     deadline = Clock::time_point::max();
   bool finished = false;  // done() was called (by the completion or by the watchdog)
+};
+
+// One collective in flight. Owns references to its tensors, so their buffers outlive the core's
+// use of them even when the step has already failed with a timeout.
+struct InFlight : Watched {
+  int32_t op_type = 0;
+  int num_tensors = 0;
+  std::vector<Tensor> tensors;  // inputs and outputs
 };
 
 // Nothing waits forever (the numpy path's ops._wait_long, here for the asynchronous kernel): a
@@ -106,7 +126,7 @@ class Watchdog {
     return *instance;
   }
 
-  void Add(InFlight* f) {
+  void Add(Watched* f) {
     std::lock_guard<std::mutex> lock(mu_);
     const double warn_s = EnvSeconds("BAGUA_HVD_WAIT_WARNING_SECONDS", 60.0);
     const double limit_s = EnvSeconds("BAGUA_HVD_OP_TIMEOUT_SECONDS", 0.0);
@@ -124,7 +144,7 @@ class Watchdog {
   }
 
   // Removes f; true when the caller is to call done() (the watchdog has not).
-  bool Remove(InFlight* f) {
+  bool Remove(Watched* f) {
     std::lock_guard<std::mutex> lock(mu_);
     pending_.erase(f);
     if (f->finished) return false;
@@ -138,7 +158,7 @@ class Watchdog {
     while (true) {
       cv_.wait_for(lock, std::chrono::milliseconds(500));
       const auto now = Clock::now();
-      for (InFlight* f : pending_) {
+      for (Watched* f : pending_) {
         if (f->finished) continue;
         const double waited = std::chrono::duration<double>(now - f->start).count();
         if (now >= f->deadline) {
@@ -171,7 +191,7 @@ class Watchdog {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::unordered_set<InFlight*> pending_;
+  std::unordered_set<Watched*> pending_;
   bool started_ = false;
 };
 
@@ -312,7 +332,7 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
     int64_t handle = 0;
     const int rc = bhvd_enqueue(&r, &handle);
     if (rc != BHVD_OK) {
-      ctx->SetStatus(absl::Status(ToCode(rc), bhvd_last_error()));
+      ctx->SetStatus(EnqueueError(rc));
       done();
       return;
     }
@@ -354,6 +374,975 @@ class BaguaHvdRaiseOp : public OpKernel {
   }
 };
 
+
+// ---- BAGUA's algorithms (docs/tensorflow.md, "How tensors reach the core") ----------------------
+// The Python engine decides, at trace time, the buckets (how many of the op's inputs each one
+// takes, in order), their names on the wire, the primitive and its parameters, and when each op
+// runs (graph conditions); these kernels pack the buckets, call the core's primitive and unpack
+// the results, and keep the state that must outlive a step (error-feedback residuals,
+// low-precision replicas and exchanges in flight, the asynchronous averager, the step counts),
+// keyed by the implementation's unique names.
+
+// Memory of empty buffers: the core wants a non-null pointer for them.
+char kEmptyBuffer[1];
+
+char* Data(const Tensor& t) {
+  return t.NumElements() == 0 ? kEmptyBuffer : const_cast<char*>(t.tensor_data().data());
+}
+
+// A 1-D buffer as the core sees it. Not copyable: desc.shape points at n.
+struct View {
+  int64_t n;
+  bhvd_tensor desc;
+  View(const Tensor& t, int32_t dtype) : n(t.NumElements()), desc{Data(t), dtype, 1, &n} {}
+  View(const View&) = delete;
+  View& operator=(const View&) = delete;
+};
+
+// ---- one request builder per primitive (the core's C API) ----
+bhvd_request BaseRequest(int32_t op_type, const char* name, int32_t process_set_id,
+                         const bhvd_tensor* in, const bhvd_tensor* out) {
+  bhvd_request r{};
+  r.op_type = op_type;
+  r.name = name;
+  r.process_set_id = process_set_id;
+  r.device = -1;
+  r.prescale_factor = 1.0;
+  r.postscale_factor = 1.0;
+  r.num_tensors = 1;
+  r.inputs = in;
+  r.outputs = out;
+  r.urgent = 1;  // the step waits for it: not held back for fusion
+  return r;
+}
+
+// The allreduce of one bucket in place: MinMaxUInt8-compressed (ByteGrad; error feedback's
+// residuals worker and server, or both null), or Horovod's allreduce, or the hierarchical one.
+// `params` is the caller's storage (it must outlive the enqueue).
+bhvd_request AllreduceRequest(const char* name, int32_t process_set_id, int32_t reduce_op,
+                              bool compressed, bool hierarchical, const bhvd_tensor* buf,
+                              const bhvd_tensor* residual_worker,
+                              const bhvd_tensor* residual_server,
+                              bhvd_compressed_allreduce_params* params) {
+  int32_t op_type = hierarchical ? BHVD_OP_HIERARCHICAL_ALLREDUCE : BHVD_OP_ALLREDUCE;
+  if (compressed) op_type = BHVD_OP_COMPRESSED_ALLREDUCE;
+  bhvd_request r = BaseRequest(op_type, name, process_set_id, buf, buf);
+  r.reduce_op = reduce_op;
+  if (compressed) {
+    *params = bhvd_compressed_allreduce_params{};
+    params->op_type = op_type;
+    params->compression = BHVD_COMPRESSION_MINMAX_UINT8;
+    params->hierarchical = hierarchical ? 1 : 0;
+    params->residual_worker = residual_worker;
+    params->residual_server = residual_server;
+    r.params = params;
+  }
+  return r;
+}
+
+// Decentralized SGD's average of buf with the peers of round `round` into out.
+bhvd_request PeerAverageRequest(const char* name, int32_t process_set_id, int32_t peer_mode,
+                                int64_t round, bool hierarchical, const bhvd_tensor* buf,
+                                const bhvd_tensor* out, bhvd_peer_average_params* params) {
+  bhvd_request r = BaseRequest(BHVD_OP_PEER_AVERAGE, name, process_set_id, buf, out);
+  *params = bhvd_peer_average_params{};
+  params->op_type = BHVD_OP_PEER_AVERAGE;
+  params->peer_mode = peer_mode;
+  params->step = round;
+  params->hierarchical = hierarchical ? 1 : 0;
+  r.params = params;
+  return r;
+}
+
+// Low-precision decentralized: replicas (self, left, right) = this rank's and its neighbours' x.
+bhvd_request LpInitRequest(const char* name, int32_t process_set_id, bool hierarchical,
+                           const bhvd_tensor* x, const bhvd_tensor* replicas,
+                           bhvd_lp_init_params* params) {
+  bhvd_request r = BaseRequest(BHVD_OP_LP_DECENTRALIZED_INIT, name, process_set_id, x, x);
+  *params = bhvd_lp_init_params{};
+  params->op_type = BHVD_OP_LP_DECENTRALIZED_INIT;
+  params->hierarchical = hierarchical ? 1 : 0;
+  params->self = &replicas[0];
+  params->left = &replicas[1];
+  params->right = &replicas[2];
+  r.params = params;
+  return r;
+}
+
+// Low-precision decentralized: the whole (hierarchical) step of x in the core.
+bhvd_request LpStepRequest(const char* name, int32_t process_set_id, const bhvd_tensor* x,
+                           const bhvd_tensor* replicas, bhvd_lp_step_params* params) {
+  bhvd_request r = BaseRequest(BHVD_OP_LP_DECENTRALIZED_STEP, name, process_set_id, x, x);
+  *params = bhvd_lp_step_params{};
+  params->op_type = BHVD_OP_LP_DECENTRALIZED_STEP;
+  params->hierarchical = 1;
+  params->self = &replicas[0];
+  params->left = &replicas[1];
+  params->right = &replicas[2];
+  r.params = params;
+  return r;
+}
+
+// The exchange half of the split step: diff to both neighbours, theirs decompressed into the left
+// and right replicas.
+bhvd_request LpExchangeRequest(const char* name, int32_t process_set_id, const bhvd_tensor* diff,
+                               const bhvd_tensor* left_right, bhvd_lp_exchange_params* params) {
+  bhvd_request r =
+      BaseRequest(BHVD_OP_LP_DECENTRALIZED_EXCHANGE, name, process_set_id, diff, diff);
+  *params = bhvd_lp_exchange_params{};
+  params->op_type = BHVD_OP_LP_DECENTRALIZED_EXCHANGE;
+  params->left = &left_right[0];
+  params->right = &left_right[1];
+  r.params = params;
+  return r;
+}
+
+absl::Status Enqueue(const bhvd_request& r, int64_t* handle) {
+  const int rc = bhvd_enqueue(&r, handle);
+  return rc == BHVD_OK ? absl::OkStatus() : EnqueueError(rc);
+}
+
+// The failure of a completed handle (Python: failure_message()).
+absl::Status HandleError(int64_t handle, int32_t status, const std::string& name) {
+  std::string message = bhvd_handle_error(handle);
+  if (message.empty()) message = name + " failed";
+  return absl::Status(ToCode(status), message);
+}
+
+// Blocks until handle completes (BAGUA_HVD_OP_TIMEOUT_SECONDS: DeadlineExceeded after that),
+// releases it and returns its outcome. For the kernels that run synchronously (the
+// low-precision ring and the asynchronous averager), whose buffers the store keeps alive.
+absl::Status WaitAndRelease(int64_t handle, const std::string& name) {
+  const double limit_s = EnvSeconds("BAGUA_HVD_OP_TIMEOUT_SECONDS", 0.0);
+  const int64_t timeout_ms = limit_s > 0 ? static_cast<int64_t>(limit_s * 1000) : -1;
+  const int status = bhvd_wait(handle, timeout_ms);
+  absl::Status out = absl::OkStatus();
+  if (status == BHVD_TIMED_OUT) {
+    char limit[32];
+    std::snprintf(limit, sizeof(limit), "%g", limit_s);
+    out = absl::DeadlineExceededError(name + " (handle " + std::to_string(handle) +
+                                      ") did not complete within BAGUA_HVD_OP_TIMEOUT_SECONDS=" +
+                                      limit +
+                                      " s: other ranks may not have submitted the same operation");
+  } else if (status != BHVD_OK) {
+    out = HandleError(handle, status, name);
+  }
+  bhvd_release(handle);
+  return out;
+}
+
+// ---- buckets ----
+struct BucketAttrs {
+  std::vector<int32_t> sizes;  // inputs per bucket, in input order
+  std::vector<std::string> names;
+  int32_t process_set_id = 0;
+
+  absl::Status Read(OpKernelConstruction* c) {
+    TF_RETURN_IF_ERROR(c->GetAttr("bucket_sizes", &sizes));
+    TF_RETURN_IF_ERROR(c->GetAttr("names", &names));
+    TF_RETURN_IF_ERROR(c->GetAttr("process_set_id", &process_set_id));
+    if (sizes.size() != names.size()) {
+      return absl::InvalidArgumentError("bagua_hvd: one name per bucket");
+    }
+    return absl::OkStatus();
+  }
+  int first(size_t b) const {
+    int i = 0;
+    for (size_t k = 0; k < b; ++k) i += sizes[k];
+    return i;
+  }
+};
+
+absl::Status CoreDtype(::tensorflow::DataType t, int32_t* out) {
+  if (ToDtype(t, out)) return absl::OkStatus();
+  return absl::InvalidArgumentError("Tensor type " + ::tensorflow::DataTypeString(t) +
+                                    " is not supported.");
+}
+
+// The bucket of inputs [first, first + count) of a list argument, copied into a flat tensor:
+// *flat itself when it has the bucket's dtype and size (a buffer kept from the previous step:
+// no allocation, no page faults), else a new one.
+absl::Status Pack(const ::tensorflow::OpInputList& ins, int first, int count, Tensor* flat) {
+  const ::tensorflow::DataType dtype = ins[first].dtype();
+  int64_t n = 0;
+  for (int i = first; i < first + count; ++i) {
+    if (ins[i].dtype() != dtype) {
+      return absl::InvalidArgumentError("bagua_hvd: a bucket holds tensors of one dtype");
+    }
+    n += ins[i].NumElements();
+  }
+  if (!flat->IsInitialized() || flat->dtype() != dtype || flat->NumElements() != n) {
+    *flat = Tensor(dtype, ::tensorflow::TensorShape({n}));
+  }
+  char* dst = Data(*flat);
+  for (int i = first; i < first + count; ++i) {
+    const auto src = ins[i].tensor_data();
+    std::memcpy(dst, src.data(), src.size());
+    dst += src.size();
+  }
+  return absl::OkStatus();
+}
+
+// Outputs [first, first + count), shaped as the same inputs, read from a flat bucket. An input
+// nothing else reads becomes its output (written in place: no allocation). Inputs and outputs
+// are the op's first list argument and its list output.
+absl::Status Unpack(OpKernelContext* ctx, const ::tensorflow::OpInputList& ins, int first,
+                    int count, const Tensor& flat, ::tensorflow::OpOutputList* outs) {
+  const char* src = Data(flat);
+  for (int i = first; i < first + count; ++i) {
+    Tensor* out = nullptr;
+    TF_RETURN_IF_ERROR(ctx->forward_input_or_allocate_output({i}, i, ins[i].shape(), &out));
+    const size_t bytes = ins[i].tensor_data().size();
+    if (bytes > 0) std::memcpy(Data(*out), src, bytes);
+    src += bytes;
+  }
+  return absl::OkStatus();
+}
+
+// ---- weights: the resource variables of a weight op's inputs ----
+using Variables = std::vector<::tensorflow::core::RefCountPtr<::tensorflow::Var>>;
+
+absl::Status LookupVariables(OpKernelContext* ctx, int n, Variables* vars) {
+  vars->clear();
+  for (int i = 0; i < n; ++i) {
+    ::tensorflow::core::RefCountPtr<::tensorflow::Var> v;
+    TF_RETURN_IF_ERROR(LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, i), &v));
+    vars->push_back(std::move(v));
+  }
+  return absl::OkStatus();
+}
+
+// The bucket of variables [first, first + count), copied into *flat (kept when it fits).
+absl::Status PackVariables(const Variables& vars, int first, int count, Tensor* flat) {
+  ::tensorflow::DataType dtype = ::tensorflow::DT_INVALID;
+  int64_t n = 0;
+  for (int i = first; i < first + count; ++i) {
+    ::tensorflow::tf_shared_lock lock(*vars[i]->mu());
+    const Tensor& t = *vars[i]->tensor();
+    if (!vars[i]->is_initialized) {
+      return absl::FailedPreconditionError("bagua_hvd: an uninitialized variable");
+    }
+    if (i == first) dtype = t.dtype();
+    if (t.dtype() != dtype) {
+      return absl::InvalidArgumentError("bagua_hvd: a bucket holds tensors of one dtype");
+    }
+    n += t.NumElements();
+  }
+  if (!flat->IsInitialized() || flat->dtype() != dtype || flat->NumElements() != n) {
+    *flat = Tensor(dtype, ::tensorflow::TensorShape({n}));
+  }
+  char* dst = Data(*flat);
+  for (int i = first; i < first + count; ++i) {
+    ::tensorflow::tf_shared_lock lock(*vars[i]->mu());
+    const auto src = vars[i]->tensor()->tensor_data();
+    std::memcpy(dst, src.data(), src.size());
+    dst += src.size();
+  }
+  return absl::OkStatus();
+}
+
+// Writes a flat bucket into variables [first, first + count), in place where no read of the
+// variable still holds its buffer (else into a new buffer, as TensorFlow's own updates do).
+absl::Status WriteVariables(const Variables& vars, int first, int count, const Tensor& flat) {
+  const char* src = Data(flat);
+  for (int i = first; i < first + count; ++i) {
+    ::tensorflow::mutex_lock lock(*vars[i]->mu());
+    Tensor* t = vars[i]->tensor();
+    if (vars[i]->copy_on_read_mode.load() || !t->RefCountIsOne()) {
+      *t = Tensor(t->dtype(), t->shape());
+    }
+    const size_t bytes = t->tensor_data().size();
+    if (bytes > 0) std::memcpy(Data(*t), src, bytes);
+    src += bytes;
+  }
+  return absl::OkStatus();
+}
+
+Tensor Zeros(::tensorflow::DataType dtype, int64_t n) {
+  Tensor t(dtype, ::tensorflow::TensorShape({n}));
+  if (n > 0) std::memset(Data(t), 0, t.tensor_data().size());
+  return t;
+}
+
+// ---- the state that outlives a step ----
+struct Counters {
+  int64_t steps = 0;    // steps whose gradients were handed over (reduce_gradients calls)
+  int64_t applied = 0;  // the step of the last after_apply
+};
+
+struct Residuals {  // error feedback of one bucket: the worker's and the server's
+  Tensor worker, server;
+};
+
+struct BucketBuffers {  // one bucket's buffers, kept from step to step
+  Tensor flat, result;
+};
+
+// Low-precision decentralized, one implementation: per bucket the replicas (self, left, right)
+// and the compressed difference, and the exchanges of the last step still in flight.
+struct Ring {
+  std::mutex mu;
+  bool initialized = false;
+  std::vector<std::array<Tensor, 3>> replicas;
+  std::vector<Tensor> diffs;
+  std::vector<Tensor> flats;  // the weight buckets' staging, kept from step to step
+  std::vector<std::pair<int64_t, std::string>> pending;  // handle, name
+};
+
+struct Averager {  // asynchronous model averaging, one implementation
+  std::mutex mu;
+  int64_t id = 0;  // the core's averager, 0: none runs
+  int64_t generation = 0;
+  bool aborted = false;
+  std::vector<Tensor> buffers;  // the core writes into them until it is released
+};
+
+class Store {
+ public:
+  static Store& Get() {
+    // Never destroyed: the core may write into the buffers until the process ends.
+    static Store* const instance = std::make_unique<Store>().release();
+    return *instance;
+  }
+
+  template <typename T>
+  std::shared_ptr<T> Find(std::unordered_map<std::string, std::shared_ptr<T>>& map,
+                          const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto& slot = map[key];
+    if (!slot) slot = std::make_shared<T>();
+    return slot;
+  }
+
+  std::mutex mu;
+  std::unordered_map<std::string, Counters> counters;
+  std::unordered_map<std::string, std::shared_ptr<Residuals>> residuals;
+  std::unordered_map<std::string, std::shared_ptr<BucketBuffers>> buffers;
+  std::unordered_map<std::string, std::shared_ptr<Ring>> rings;
+  std::unordered_map<std::string, std::shared_ptr<Averager>> averagers;
+};
+
+// Waits for a ring's exchanges in flight (ring->mu held); the first failure.
+absl::Status SettleRing(Ring* ring) {
+  absl::Status first = absl::OkStatus();
+  for (auto& [handle, name] : ring->pending) {
+    absl::Status s = WaitAndRelease(handle, name);
+    if (first.ok()) first = s;
+  }
+  ring->pending.clear();
+  return first;
+}
+
+// Waits for every ring's exchanges (each flush and each new ring's initialisation: a name stays
+// taken until its handle is seen complete, at the same point of the program on every rank); the
+// failures of rings other than `own` are left to their own flush... which finds them settled:
+// like the engine's sweep, only the owner reports its failure.
+absl::Status SweepRings(Ring* own) {
+  std::vector<std::shared_ptr<Ring>> rings;
+  {
+    Store& store = Store::Get();
+    std::lock_guard<std::mutex> lock(store.mu);
+    for (auto& [key, ring] : store.rings) rings.push_back(ring);
+  }
+  absl::Status mine = absl::OkStatus();
+  for (auto& ring : rings) {
+    if (ring.get() == own) {
+      mine = SettleRing(own);  // own->mu is held by the caller
+      continue;
+    }
+    // A ring busy in its own step (another thread) settles its exchanges there.
+    std::unique_lock<std::mutex> lock(ring->mu, std::try_to_lock);
+    if (lock.owns_lock()) SettleRing(ring.get()).IgnoreError();
+  }
+  return mine;
+}
+
+// At shutdown: waits up to timeout_s in all for every ring's exchanges in flight; those still in
+// flight then stay pending. Returns how many they are.
+int64_t SweepRingsBounded(double timeout_s) {
+  std::vector<std::shared_ptr<Ring>> rings;
+  {
+    Store& store = Store::Get();
+    std::lock_guard<std::mutex> lock(store.mu);
+    for (auto& [key, ring] : store.rings) rings.push_back(ring);
+  }
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(timeout_s));
+  int64_t late = 0;
+  for (auto& ring : rings) {
+    std::unique_lock<std::mutex> lock(ring->mu, std::try_to_lock);
+    if (!lock.owns_lock()) continue;
+    std::vector<std::pair<int64_t, std::string>> still;
+    for (auto& entry : ring->pending) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
+                                                                              Clock::now());
+      if (bhvd_wait(entry.first, std::max<int64_t>(0, left.count())) == BHVD_TIMED_OUT) {
+        ++late;
+        still.push_back(entry);
+      } else {
+        bhvd_release(entry.first);
+      }
+    }
+    ring->pending = std::move(still);
+  }
+  return late;
+}
+
+// BaguaHvdCounter: a step count of an implementation. mode 0: read; 1: add `value`; 2: set to
+// `value`; 3: fail with `message` (InvalidArgument) when the last after_apply is older than the
+// step count (an update not followed by after_apply). Returns the count before the change.
+class BaguaHvdCounterOp : public OpKernel {
+ public:
+  explicit BaguaHvdCounterOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
+    OP_REQUIRES_OK(c, c->GetAttr("counter", &counter_));
+    OP_REQUIRES_OK(c, c->GetAttr("mode", &mode_));
+    OP_REQUIRES_OK(c, c->GetAttr("message", &message_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const int64_t value = ctx->input(0).scalar<int64_t>()();
+    Store& store = Store::Get();
+    int64_t before = 0;
+    {
+      std::lock_guard<std::mutex> lock(store.mu);
+      Counters& c = store.counters[key_];
+      int64_t& x = counter_ == "applied" ? c.applied : c.steps;
+      before = x;
+      if (mode_ == 1) x += value;
+      if (mode_ == 2) x = value;
+      if (mode_ == 3 && c.applied < c.steps) {
+        ctx->SetStatus(absl::InvalidArgumentError(message_));
+        return;
+      }
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &out));
+    out->scalar<int64_t>()() = before;
+  }
+
+ private:
+  std::string key_, counter_, message_;
+  int mode_ = 0;
+};
+
+// Buckets submitted by one asynchronous kernel; done() once the last completes.
+struct BucketGroup : Watched {
+  std::mutex mu;
+  int remaining = 0;
+  absl::Status status;
+  std::vector<Tensor> flats, results;  // per bucket: what was sent, where the result lands
+  std::vector<std::shared_ptr<Residuals>> residuals;
+  std::vector<std::string> names;
+  std::function<absl::Status()> unpack;
+};
+
+struct BucketDone {  // the callback's argument for one handle
+  std::shared_ptr<BucketGroup> group;
+  size_t bucket;
+};
+
+void OnBucketDone(int64_t handle, int32_t status, void* arg) {
+  std::unique_ptr<BucketDone> d(static_cast<BucketDone*>(arg));
+  BucketGroup* g = d->group.get();
+  bool last = false;
+  {
+    std::lock_guard<std::mutex> lock(g->mu);
+    if (status != BHVD_OK && g->status.ok()) {
+      g->status = HandleError(handle, status, g->names[d->bucket]);
+    }
+    last = --g->remaining == 0;
+  }
+  bhvd_release(handle);
+  if (!last || !Watchdog::Get().Remove(g)) return;  // or the step already failed (timeout)
+  absl::Status s = g->status;
+  if (s.ok()) s = g->unpack();
+  if (!s.ok()) g->ctx->SetStatus(s);
+  auto done = std::move(g->done);
+  g->unpack = nullptr;  // holds the context
+  d.reset();            // the group may go now (its buffers are no longer the core's)
+  done();
+}
+
+// BaguaHvdBuckets: the gradient path's allreduce of every bucket (primitive 0: compressed or
+// not, with error feedback's residuals where residual_numels gives their sizes) or
+// Decentralized's peer average of the weight buckets (primitive 1, round `round`), submitted
+// together; outputs shaped as the inputs.
+class BaguaHvdBucketsOp : public AsyncOpKernel {
+ public:
+  explicit BaguaHvdBucketsOp(OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, buckets_.Read(c));
+    OP_REQUIRES_OK(c, c->GetAttr("primitive", &primitive_));
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
+    OP_REQUIRES_OK(c, c->GetAttr("compressed", &compressed_));
+    OP_REQUIRES_OK(c, c->GetAttr("hierarchical", &hierarchical_));
+    OP_REQUIRES_OK(c, c->GetAttr("residual_numels", &residual_numels_));
+    OP_REQUIRES_OK(c, c->GetAttr("peer_mode", &peer_mode_));
+    OP_REQUIRES(c, residual_numels_.empty() || residual_numels_.size() == 2 * buckets_.sizes.size(),
+                absl::InvalidArgumentError("bagua_hvd: two residual sizes per bucket"));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    ::tensorflow::OpInputList ins;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->input_list("tensors", &ins), done);
+    const int64_t round = ctx->input(ins.size()).scalar<int64_t>()();
+    const size_t nb = buckets_.sizes.size();
+    auto g = std::make_shared<BucketGroup>();
+    g->flats.resize(nb);
+    g->results.resize(nb);
+    g->residuals.resize(nb);
+    g->names = buckets_.names;
+    Store& store = Store::Get();
+    for (size_t b = 0; b < nb; ++b) {
+      // A name is in flight once at a time: its buffers are free again when its op completed.
+      auto kept = store.Find(store.buffers, buckets_.names[b]);
+      OP_REQUIRES_OK_ASYNC(ctx, Pack(ins, buckets_.first(b), buckets_.sizes[b], &kept->flat),
+                           done);
+      g->flats[b] = kept->flat;
+      if (primitive_ == 0) {
+        g->results[b] = g->flats[b];
+      } else {
+        if (!kept->result.IsInitialized() || kept->result.dtype() != kept->flat.dtype() ||
+            kept->result.NumElements() != kept->flat.NumElements()) {
+          kept->result = Tensor(kept->flat.dtype(), kept->flat.shape());
+        }
+        g->results[b] = kept->result;
+      }
+      if (!residual_numels_.empty()) {
+        auto r = store.Find(store.residuals, buckets_.names[b]);
+        const int64_t nw = residual_numels_[2 * b], ns = residual_numels_[2 * b + 1];
+        const auto dtype = g->flats[b].dtype();
+        // A new layout starts from zero residuals (the engine's GradientPath.residuals).
+        if (r->worker.NumElements() != nw || r->worker.dtype() != dtype ||
+            r->server.NumElements() != ns) {
+          r->worker = Zeros(dtype, nw);
+          r->server = Zeros(dtype, ns);
+        }
+        g->residuals[b] = r;
+      }
+    }
+    ::tensorflow::OpOutputList outs;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->output_list("outputs", &outs), done);
+    OpKernelContext* c = ctx;
+    BucketGroup* raw = g.get();
+    const BucketAttrs* bk = &buckets_;
+    g->unpack = [c, ins, outs, raw, bk]() mutable {
+      for (size_t b = 0; b < bk->sizes.size(); ++b) {
+        TF_RETURN_IF_ERROR(Unpack(c, ins, bk->first(b), bk->sizes[b], raw->results[b], &outs));
+      }
+      return absl::OkStatus();
+    };
+    g->ctx = ctx;
+    g->done = std::move(done);
+    g->name = nb > 0 ? buckets_.names[0] : "buckets";
+    g->remaining = 1;  // held until every bucket is submitted
+    absl::Status failed = absl::OkStatus();
+    for (size_t b = 0; b < nb && failed.ok(); ++b) {
+      int32_t dtype = 0;
+      failed = CoreDtype(g->flats[b].dtype(), &dtype);
+      if (!failed.ok()) break;
+      View buf(g->flats[b], dtype), out(g->results[b], dtype);
+      std::unique_ptr<View> rw, rs;
+      bhvd_compressed_allreduce_params compressed_params;
+      bhvd_peer_average_params peer_params;
+      bhvd_request r;
+      if (primitive_ == 0) {
+        if (g->residuals[b]) {
+          rw = std::make_unique<View>(g->residuals[b]->worker, dtype);
+          rs = std::make_unique<View>(g->residuals[b]->server, dtype);
+        }
+        r = AllreduceRequest(buckets_.names[b].c_str(), buckets_.process_set_id, reduce_op_,
+                             compressed_, hierarchical_, &buf.desc, rw ? &rw->desc : nullptr,
+                             rs ? &rs->desc : nullptr, &compressed_params);
+      } else {
+        r = PeerAverageRequest(buckets_.names[b].c_str(), buckets_.process_set_id, peer_mode_,
+                               round, hierarchical_, &buf.desc, &out.desc, &peer_params);
+      }
+      int64_t handle = 0;
+      failed = Enqueue(r, &handle);
+      if (!failed.ok()) break;
+      {
+        std::lock_guard<std::mutex> lock(g->mu);
+        ++g->remaining;
+        if (b == 0) g->handle = handle;
+      }
+      if (bhvd_on_done(handle, &OnBucketDone, new BucketDone{g, b}) != BHVD_OK) {
+        failed = absl::InternalError(std::string("bhvd_on_done: ") + bhvd_last_error());
+      }
+    }
+    if (!failed.ok()) {
+      std::lock_guard<std::mutex> lock(g->mu);
+      g->status = failed;
+    }
+    Watchdog::Get().Add(raw);
+    // Drops the submission's hold: completes now if every bucket already has (or none went).
+    {
+      std::lock_guard<std::mutex> lock(g->mu);
+      if (--g->remaining > 0) return;
+    }
+    if (!Watchdog::Get().Remove(raw)) return;
+    absl::Status s = g->status;
+    if (s.ok()) s = g->unpack();
+    if (!s.ok()) ctx->SetStatus(s);
+    auto d = std::move(g->done);
+    g->unpack = nullptr;
+    g.reset();
+    d();
+  }
+
+ private:
+  BucketAttrs buckets_;
+  int primitive_ = 0, reduce_op_ = 0, peer_mode_ = 0;
+  bool compressed_ = false, hierarchical_ = false;
+  std::vector<int64_t> residual_numels_;
+};
+
+// BaguaHvdLpInit: low-precision decentralized, before the first update: the replicas of every
+// bucket (self, left, right) from the weights as they are on every rank; nothing when the ring
+// of `key` is initialised already. The inputs are the weights' resource variables.
+class BaguaHvdLpInitOp : public OpKernel {
+ public:
+  explicit BaguaHvdLpInitOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, buckets_.Read(c));
+    OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
+    OP_REQUIRES_OK(c, c->GetAttr("hierarchical", &hierarchical_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    auto ring = Store::Get().Find(Store::Get().rings, key_);
+    std::lock_guard<std::mutex> lock(ring->mu);
+    if (ring->initialized) return;
+    OP_REQUIRES_OK(ctx, SweepRings(ring.get()));  // an earlier ring's last exchange
+    Variables vars;
+    OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
+    const size_t nb = buckets_.sizes.size();
+    std::vector<Tensor> flats(nb);
+    std::vector<std::array<Tensor, 3>> replicas(nb);
+    std::vector<std::pair<int64_t, std::string>> handles;
+    absl::Status failed = absl::OkStatus();
+    for (size_t b = 0; b < nb && failed.ok(); ++b) {
+      int32_t dtype = 0;
+      failed = PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &flats[b]);
+      if (failed.ok()) failed = CoreDtype(flats[b].dtype(), &dtype);
+      if (!failed.ok()) break;
+      for (auto& rep : replicas[b]) rep = Tensor(flats[b].dtype(), flats[b].shape());
+      View x(flats[b], dtype), own(replicas[b][0], dtype), left(replicas[b][1], dtype),
+          right(replicas[b][2], dtype);
+      const bhvd_tensor reps[3] = {own.desc, left.desc, right.desc};
+      bhvd_lp_init_params params;
+      int64_t handle = 0;
+      failed = Enqueue(LpInitRequest(buckets_.names[b].c_str(), buckets_.process_set_id,
+                                     hierarchical_, &x.desc, reps, &params),
+                       &handle);
+      if (failed.ok()) handles.emplace_back(handle, buckets_.names[b]);
+    }
+    for (auto& [handle, name] : handles) {  // all of them, even after a failure
+      absl::Status s = WaitAndRelease(handle, name);
+      if (failed.ok()) failed = s;
+    }
+    OP_REQUIRES_OK(ctx, failed);
+    ring->replicas = std::move(replicas);
+    ring->diffs.clear();
+    ring->initialized = true;
+  }
+
+ private:
+  BucketAttrs buckets_;
+  std::string key_;
+  bool hierarchical_ = false;
+};
+
+// BaguaHvdLpStep: low-precision decentralized, after a communicating step's update. split: the
+// local half of every bucket here (the previous exchange waited for first), the exchanges left
+// in flight; else the core runs the whole (hierarchical) step, blocking. The inputs are the
+// weights' resource variables: read, and written with the new weights in place.
+class BaguaHvdLpStepOp : public OpKernel {
+ public:
+  explicit BaguaHvdLpStepOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, buckets_.Read(c));
+    OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
+    OP_REQUIRES_OK(c, c->GetAttr("split", &split_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    auto ring = Store::Get().Find(Store::Get().rings, key_);
+    std::lock_guard<std::mutex> lock(ring->mu);
+    const size_t nb = buckets_.sizes.size();
+    if (!ring->initialized) return;  // nothing to average with yet (the engine's replicas: None)
+    Variables vars;
+    OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
+    OP_REQUIRES(ctx, ring->replicas.size() == nb,
+                absl::InvalidArgumentError("bagua_hvd: the low-precision layout changed"));
+    std::vector<Tensor>& flats = ring->flats;
+    flats.resize(nb);
+    for (size_t b = 0; b < nb; ++b) {
+      OP_REQUIRES_OK(ctx, PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &flats[b]));
+    }
+    std::vector<std::pair<int64_t, std::string>> handles;
+    absl::Status failed = absl::OkStatus();
+    if (split_) {
+      // The replicas must have the previous round's differences.
+      OP_REQUIRES_OK(ctx, SweepRings(ring.get()));
+      if (ring->diffs.size() != nb) {
+        ring->diffs.clear();
+        for (size_t b = 0; b < nb; ++b) {
+          int32_t dtype = 0;
+          OP_REQUIRES_OK(ctx, CoreDtype(flats[b].dtype(), &dtype));
+          const int64_t bytes = bhvd_minmax_uint8_size(dtype, flats[b].NumElements(), 1);
+          OP_REQUIRES(ctx, bytes >= 0,
+                      absl::InvalidArgumentError(std::string("bagua_hvd: ") + bhvd_last_error()));
+          ring->diffs.push_back(Tensor(::tensorflow::DT_UINT8, ::tensorflow::TensorShape({bytes})));
+        }
+      }
+      // Every local half first, then the exchanges (the engine's order: the core's exchange
+      // work does not compete with the local halves still to do).
+      std::vector<int32_t> dtypes(nb);
+      for (size_t b = 0; b < nb && failed.ok(); ++b) {
+        failed = CoreDtype(flats[b].dtype(), &dtypes[b]);
+        if (!failed.ok()) break;
+        auto& reps = ring->replicas[b];
+        const int rc = bhvd_lp_decentralized_local(
+            Data(flats[b]), Data(reps[0]), Data(reps[1]), Data(reps[2]), dtypes[b],
+            flats[b].NumElements(), reinterpret_cast<uint8_t*>(Data(ring->diffs[b])));
+        if (rc != BHVD_OK) failed = absl::Status(ToCode(rc), bhvd_last_error());
+      }
+      // The new weights (x = self) before the exchanges start: the copy does not compete with
+      // the core's work.
+      for (size_t b = 0; b < nb && failed.ok(); ++b) {
+        failed = WriteVariables(vars, buckets_.first(b), buckets_.sizes[b], flats[b]);
+      }
+      for (size_t b = 0; b < nb && failed.ok(); ++b) {
+        auto& reps = ring->replicas[b];
+        View diff(ring->diffs[b], BHVD_UINT8), left(reps[1], dtypes[b]), right(reps[2], dtypes[b]);
+        const bhvd_tensor lr[2] = {left.desc, right.desc};
+        bhvd_lp_exchange_params params;
+        int64_t handle = 0;
+        failed = Enqueue(LpExchangeRequest(buckets_.names[b].c_str(), buckets_.process_set_id,
+                                           &diff.desc, lr, &params),
+                         &handle);
+        if (failed.ok()) ring->pending.emplace_back(handle, buckets_.names[b]);
+      }
+      // The exchanges write into the ring's replicas after this returns (the store keeps them).
+    } else {
+      for (size_t b = 0; b < nb && failed.ok(); ++b) {
+        int32_t dtype = 0;
+        failed = CoreDtype(flats[b].dtype(), &dtype);
+        if (!failed.ok()) break;
+        auto& reps = ring->replicas[b];
+        View x(flats[b], dtype), own(reps[0], dtype), left(reps[1], dtype), right(reps[2], dtype);
+        const bhvd_tensor r3[3] = {own.desc, left.desc, right.desc};
+        bhvd_lp_step_params params;
+        int64_t handle = 0;
+        failed = Enqueue(LpStepRequest(buckets_.names[b].c_str(), buckets_.process_set_id,
+                                       &x.desc, r3, &params),
+                         &handle);
+        if (failed.ok()) handles.emplace_back(handle, buckets_.names[b]);
+      }
+      for (auto& [handle, name] : handles) {
+        absl::Status s = WaitAndRelease(handle, name);
+        if (failed.ok()) failed = s;
+      }
+      for (size_t b = 0; b < nb && failed.ok(); ++b) {  // the new weights, in place
+        failed = WriteVariables(vars, buckets_.first(b), buckets_.sizes[b], flats[b]);
+      }
+    }
+    OP_REQUIRES_OK(ctx, failed);
+  }
+
+ private:
+  BucketAttrs buckets_;
+  std::string key_;
+  bool split_ = true;
+};
+
+// BaguaHvdLpFlush: waits for the exchange of the ring of `key` still in flight (its failure
+// fails the op) and every other ring's. key "" with timeout_s >= 0 (shutdown): every ring's, at
+// most timeout_s in all; output: how many were still in flight then.
+class BaguaHvdLpFlushOp : public OpKernel {
+ public:
+  explicit BaguaHvdLpFlushOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
+    OP_REQUIRES_OK(c, c->GetAttr("timeout_s", &timeout_s_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    int64_t late = 0;
+    if (key_.empty() && timeout_s_ >= 0) {
+      late = SweepRingsBounded(timeout_s_);
+    } else if (key_.empty()) {
+      SweepRings(nullptr).IgnoreError();
+    } else {
+      auto ring = Store::Get().Find(Store::Get().rings, key_);
+      std::lock_guard<std::mutex> lock(ring->mu);
+      OP_REQUIRES_OK(ctx, SweepRings(ring.get()));
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &out));
+    out->scalar<int64_t>()() = late;
+  }
+
+ private:
+  std::string key_;
+  float timeout_s_ = -1.f;
+};
+
+// BaguaHvdLpReplicas: copies of bucket `bucket`'s replicas (self, left, right) of the ring of
+// `key` (tests, impl.replicas).
+class BaguaHvdLpReplicasOp : public OpKernel {
+ public:
+  explicit BaguaHvdLpReplicasOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
+    OP_REQUIRES_OK(c, c->GetAttr("bucket", &bucket_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    auto ring = Store::Get().Find(Store::Get().rings, key_);
+    std::lock_guard<std::mutex> lock(ring->mu);
+    OP_REQUIRES(ctx, ring->initialized && bucket_ >= 0 && bucket_ < int(ring->replicas.size()),
+                absl::InvalidArgumentError("bagua_hvd: no such low-precision replica"));
+    for (int k = 0; k < 3; ++k) {
+      const Tensor& rep = ring->replicas[bucket_][k];
+      OP_REQUIRES(ctx, rep.dtype() == ctx->expected_output_dtype(k),
+                  absl::InvalidArgumentError("bagua_hvd: replica dtype mismatch"));
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(k, rep.shape(), &out));
+      if (rep.NumElements() > 0) {
+        std::memcpy(Data(*out), rep.tensor_data().data(), rep.tensor_data().size());
+      }
+    }
+  }
+
+ private:
+  std::string key_;
+  int bucket_ = 0;
+};
+
+// BaguaHvdAsyncStep: asynchronous model averaging after an update (past the warm-up): starts the
+// core's averager over copies of the weight buckets (name: name_prefix + "." + generation), or
+// copies the weights into its buffers; then a step boundary (bhvd_async_step); a merged round
+// is written into the weights' resource variables (the inputs). Nothing runs while aborted.
+class BaguaHvdAsyncStepOp : public OpKernel {
+ public:
+  explicit BaguaHvdAsyncStepOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("bucket_sizes", &buckets_.sizes));
+    OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &buckets_.process_set_id));
+    OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
+    OP_REQUIRES_OK(c, c->GetAttr("name_prefix", &prefix_));
+    OP_REQUIRES_OK(c, c->GetAttr("interval_ms", &interval_ms_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    auto av = Store::Get().Find(Store::Get().averagers, key_);
+    std::lock_guard<std::mutex> lock(av->mu);
+    Variables vars;
+    OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
+    const size_t nb = buckets_.sizes.size();
+    bool merged = false;
+    if (!av->aborted) {
+      if (av->id == 0) {
+        std::vector<Tensor> flats(nb);
+        for (size_t b = 0; b < nb; ++b) {
+          OP_REQUIRES_OK(ctx,
+                         PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &flats[b]));
+        }
+        std::vector<std::unique_ptr<View>> views;
+        std::vector<bhvd_tensor> descs;
+        for (size_t b = 0; b < nb; ++b) {
+          int32_t dtype = 0;
+          OP_REQUIRES_OK(ctx, CoreDtype(flats[b].dtype(), &dtype));
+          views.push_back(std::make_unique<View>(flats[b], dtype));
+          descs.push_back(views.back()->desc);
+        }
+        const std::string name = prefix_ + "." + std::to_string(av->generation);
+        int64_t id = 0;
+        const int rc = bhvd_async_start(name.c_str(), descs.data(), static_cast<int32_t>(nb),
+                                        buckets_.process_set_id, interval_ms_, &id);
+        OP_REQUIRES(ctx, rc == BHVD_OK, absl::Status(ToCode(rc), bhvd_last_error()));
+        av->id = id;
+        av->buffers = std::move(flats);
+      } else {
+        OP_REQUIRES(ctx, av->buffers.size() == nb,
+                    absl::InternalError("bagua_hvd: asynchronous averaging layout changed"));
+        for (size_t b = 0; b < nb; ++b) {  // staged weights: copied in (the same buffers)
+          const int64_t n = av->buffers[b].NumElements();
+          OP_REQUIRES_OK(
+              ctx, PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &av->buffers[b]));
+          OP_REQUIRES(ctx, av->buffers[b].NumElements() == n,
+                      absl::InternalError("bagua_hvd: asynchronous averaging layout changed"));
+        }
+      }
+      const int64_t before = bhvd_async_rounds(av->id);
+      const int rc = bhvd_async_step(av->id);
+      OP_REQUIRES(ctx, rc == BHVD_OK, absl::Status(ToCode(rc), bhvd_last_error()));
+      merged = bhvd_async_rounds(av->id) != before;
+    }
+    for (size_t b = 0; b < nb && merged; ++b) {  // the merged round, into the variables
+      OP_REQUIRES_OK(ctx,
+                     WriteVariables(vars, buckets_.first(b), buckets_.sizes[b], av->buffers[b]));
+    }
+  }
+
+ private:
+  BucketAttrs buckets_;
+  std::string key_, prefix_;
+  int64_t interval_ms_ = 0;
+};
+
+// BaguaHvdAsyncControl: mode 0: abort (stops the rounds on every rank, waits for this rank's,
+// releases the averager); 1: resume (the next step starts a new generation); 2: rounds merged;
+// 3: the core's averager id (0: none runs).
+class BaguaHvdAsyncControlOp : public OpKernel {
+ public:
+  explicit BaguaHvdAsyncControlOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
+    OP_REQUIRES_OK(c, c->GetAttr("mode", &mode_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    auto av = Store::Get().Find(Store::Get().averagers, key_);
+    std::lock_guard<std::mutex> lock(av->mu);
+    int64_t result = 0;
+    if (mode_ == 0) {
+      av->aborted = true;
+      if (av->id != 0) {
+        const int status = bhvd_async_abort(av->id, -1);
+        const std::string message = bhvd_last_error();
+        bhvd_async_release(av->id);
+        av->id = 0;
+        av->buffers.clear();
+        OP_REQUIRES(ctx, status == BHVD_OK || status == BHVD_ABORTED,
+                    absl::Status(ToCode(status), message));
+      }
+    } else if (mode_ == 1) {
+      if (av->aborted) {
+        av->aborted = false;
+        ++av->generation;
+      }
+    } else if (mode_ == 2) {
+      result = av->id != 0 ? bhvd_async_rounds(av->id) : 0;
+    } else {
+      result = av->id;
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &out));
+    out->scalar<int64_t>()() = result;
+  }
+
+ private:
+  std::string key_;
+  int mode_ = 0;
+};
+
+// Shape functions: outputs shaped as the first inputs; no outputs.
+absl::Status SameShapes(::tensorflow::shape_inference::InferenceContext* c) {
+  for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
+  return absl::OkStatus();
+}
+
+absl::Status NoOutputs(::tensorflow::shape_inference::InferenceContext*) {
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 REGISTER_OP("BaguaHvdCollective")
@@ -368,10 +1357,7 @@ REGISTER_OP("BaguaHvdCollective")
     .Attr("prescale_factor: float = 1.0")
     .Attr("postscale_factor: float = 1.0")
     .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
-      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
-      return absl::OkStatus();
-    });
+    .SetShapeFn(SameShapes);
 
 REGISTER_OP("BaguaHvdReducescatter")
     .Attr("T: list(type)")
@@ -419,6 +1405,103 @@ REGISTER_OP("BaguaHvdRaise")
     .Input("code: int32")
     .Input("message: string")
     .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext*) { return absl::OkStatus(); });
+    .SetShapeFn(NoOutputs);
 
 REGISTER_KERNEL_BUILDER(Name("BaguaHvdRaise").Device(::tensorflow::DEVICE_CPU), BaguaHvdRaiseOp);
+
+// ---- BAGUA's algorithms ----
+REGISTER_OP("BaguaHvdCounter")
+    .Input("value: int64")
+    .Output("before: int64")
+    .Attr("key: string")
+    .Attr("counter: string = 'steps'")
+    .Attr("mode: int = 0")
+    .Attr("message: string = ''")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+REGISTER_OP("BaguaHvdBuckets")
+    .Attr("T: list(type)")
+    .Input("tensors: T")
+    .Input("round: int64")
+    .Output("outputs: T")
+    .Attr("primitive: int = 0")
+    .Attr("bucket_sizes: list(int)")
+    .Attr("names: list(string)")
+    .Attr("process_set_id: int = 0")
+    .Attr("reduce_op: int = 0")
+    .Attr("compressed: bool = false")
+    .Attr("hierarchical: bool = false")
+    .Attr("residual_numels: list(int) = []")
+    .Attr("peer_mode: int = 0")
+    .SetIsStateful()
+    .SetShapeFn(SameShapes);
+
+REGISTER_OP("BaguaHvdLpInit")
+    .Attr("N: int >= 1")
+    .Input("variables: N * resource")
+    .Attr("key: string")
+    .Attr("bucket_sizes: list(int)")
+    .Attr("names: list(string)")
+    .Attr("process_set_id: int = 0")
+    .Attr("hierarchical: bool = false")
+    .SetIsStateful()
+    .SetShapeFn(NoOutputs);
+
+REGISTER_OP("BaguaHvdLpStep")
+    .Attr("N: int >= 1")
+    .Input("variables: N * resource")
+    .Attr("key: string")
+    .Attr("bucket_sizes: list(int)")
+    .Attr("names: list(string)")
+    .Attr("process_set_id: int = 0")
+    .Attr("split: bool = true")
+    .SetIsStateful()
+    .SetShapeFn(NoOutputs);
+
+REGISTER_OP("BaguaHvdLpFlush")
+    .Output("late: int64")
+    .Attr("key: string")
+    .Attr("timeout_s: float = -1.0")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+REGISTER_OP("BaguaHvdLpReplicas")
+    .Output("own: T")
+    .Output("left: T")
+    .Output("right: T")
+    .Attr("T: type")
+    .Attr("key: string")
+    .Attr("bucket: int")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::UnknownShape);
+
+REGISTER_OP("BaguaHvdAsyncStep")
+    .Attr("N: int >= 1")
+    .Input("variables: N * resource")
+    .Attr("key: string")
+    .Attr("name_prefix: string")
+    .Attr("bucket_sizes: list(int)")
+    .Attr("process_set_id: int = 0")
+    .Attr("interval_ms: int = 0")
+    .SetIsStateful()
+    .SetShapeFn(NoOutputs);
+
+REGISTER_OP("BaguaHvdAsyncControl")
+    .Output("result: int64")
+    .Attr("key: string")
+    .Attr("mode: int")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+#define BHVD_CPU_KERNEL(name, cls) \
+  REGISTER_KERNEL_BUILDER(Name(name).Device(::tensorflow::DEVICE_CPU), cls)
+BHVD_CPU_KERNEL("BaguaHvdCounter", BaguaHvdCounterOp);
+BHVD_CPU_KERNEL("BaguaHvdBuckets", BaguaHvdBucketsOp);
+BHVD_CPU_KERNEL("BaguaHvdLpInit", BaguaHvdLpInitOp);
+BHVD_CPU_KERNEL("BaguaHvdLpStep", BaguaHvdLpStepOp);
+BHVD_CPU_KERNEL("BaguaHvdLpFlush", BaguaHvdLpFlushOp);
+BHVD_CPU_KERNEL("BaguaHvdLpReplicas", BaguaHvdLpReplicasOp);
+BHVD_CPU_KERNEL("BaguaHvdAsyncStep", BaguaHvdAsyncStepOp);
+BHVD_CPU_KERNEL("BaguaHvdAsyncControl", BaguaHvdAsyncControlOp);
+#undef BHVD_CPU_KERNEL

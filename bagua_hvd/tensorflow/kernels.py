@@ -5,10 +5,13 @@ TensorFlow (docs/tensorflow.md, "How tensors reach the core"):
   ``BaguaHvdAllgather``, ``BaguaHvdAlltoall``: the collectives inside ``tf.function`` as
   asynchronous kernels that hand the tensors' buffers to the core and complete from the core's
   callback (no Python, no GIL in the step);
-- ``BaguaHvdRaise``: the algorithms' primitives run through ``tf.numpy_function`` (as every
-  collective does with ``mpi_ops._collective_kernel`` off); this op fails the step with the
-  status their callback returns, so that graph mode raises the same ``tf.errors.OpError``
-  classes as eager mode.
+- BAGUA's algorithms (``BaguaHvdCounter``, ``BaguaHvdBuckets``, ``BaguaHvdLpInit``,
+  ``BaguaHvdLpStep``, ``BaguaHvdLpFlush``, ``BaguaHvdLpReplicas``, ``BaguaHvdAsyncStep``,
+  ``BaguaHvdAsyncControl``), driven by ``algorithm_kernels.py``;
+- ``BaguaHvdRaise``: where a step runs through ``tf.numpy_function`` (every collective with
+  ``mpi_ops._collective_kernel`` off, the algorithms' numpy fallback), this op fails the step
+  with the status the callback returns, so that graph mode raises the same
+  ``tf.errors.OpError`` classes as eager mode.
 
 The library is built once per TensorFlow build, core library and source, with the compiler in
 ``$CXX`` (default ``g++``) and ``tf.sysconfig``'s flags, linked to the package's core library,

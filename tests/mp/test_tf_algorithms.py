@@ -700,3 +700,114 @@ def test_algorithm_first_used_in_a_later_trace():
     # roundings of a chunk whose range is at most that of the data).
     want = np.arange(4, dtype=np.float32) * np.mean([r + 1 for r in range(hvd.size())])
     np.testing.assert_allclose(g.numpy(), want, atol=2 * 3 * hvd.size() / 255 + 1e-6)
+
+
+# ---- the kernel path ---------------------------------------------------------------------------
+_PY_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc", "NumpyFunction"}
+
+
+def _op_types(concrete):
+    """Every op type of a traced function, its branches (tf.cond, tf.switch_case) included."""
+    gdef = concrete.graph.as_graph_def()
+    types = {n.op for n in gdef.node}
+    for f in gdef.library.function:
+        types |= {n.op for n in f.node_def}
+    return types
+
+
+def _kernels_built():
+    from bagua_hvd.tensorflow import kernels
+
+    return kernels.load() is not None
+
+
+KERNEL_CASES = [
+    ("bytegrad", lambda: A.ByteGrad()),
+    ("bytegrad-ef", lambda: A.ByteGrad(error_feedback=True)),
+    ("gradient_allreduce-hierarchical", lambda: A.GradientAllReduce(hierarchical=True)),
+    (
+        "decentralized-shift_one-2",
+        lambda: A.Decentralized(peer_selection_mode="shift_one", communication_interval=2),
+    ),
+    ("low_precision_decentralized", lambda: A.LowPrecisionDecentralized()),
+    (
+        "low_precision_decentralized-2",
+        lambda: A.LowPrecisionDecentralized(communication_interval=2),
+    ),
+    ("async", lambda: A.AsyncModelAverage(sync_interval_ms=5, warmup_steps=2)),
+    ("qadam", None),
+]
+
+
+def _make(name, make_alg):
+    """(algorithm, optimizer) of a KERNEL_CASES entry."""
+    if make_alg is None:
+        q = A.QAdamOptimizer(learning_rate=2.0**-7, warmup_steps=2, weight_decay=0.01)
+        return A.QAdamAlgorithm(q, error_feedback=True), q
+    return make_alg(), tf.keras.optimizers.SGD(learning_rate=LR)
+
+
+@up_to_two_ranks
+@pytest.mark.parametrize("name,make_alg", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+def test_no_python_on_the_step_data_path(name, make_alg):
+    """Inside tf.function every algorithm's step is kernels and TensorFlow's own ops: no
+    numpy_function (PyFunc, EagerPyFunc, NumpyFunction) in the traced graph or its branches."""
+    if not _kernels_built():
+        pytest.skip("the kernel library is off (BAGUA_HVD_TF_KERNELS=0) or cannot be built here")
+    alg, opt = _make(name, make_alg)
+    variables = [tf.Variable(x) for x in init_values()]
+    step = make_step(variables, opt, algorithm=alg)
+    a, c = data(hvd.rank(), 0)
+    args = ([tf.constant(x) for x in a], [tf.constant(x) for x in c])
+    types = _op_types(step.get_concrete_function(*args))
+    assert not types & _PY_OPS, sorted(types & _PY_OPS)
+    if hvd.size() > 1:
+        assert types & {"BaguaHvdBuckets", "BaguaHvdLpStep", "BaguaHvdAsyncStep"}, sorted(types)
+    for t in range(3):
+        step(*[[tf.constant(x) for x in d] for d in data(hvd.rank(), t)])
+    if name == "async":
+        alg.abort()
+
+
+@pytest.mark.parametrize(
+    "eager",
+    [False, True] if SIZE <= 2 else [False],
+    ids=["graph", "eager"][: 2 if SIZE <= 2 else 1],
+)
+@pytest.mark.parametrize(
+    "name,make_alg",
+    KERNEL_CASES[:-2] + KERNEL_CASES[-1:],
+    ids=[c[0] for c in KERNEL_CASES[:-2] + KERNEL_CASES[-1:]],
+)
+def test_kernel_path_equals_the_numpy_fallback(name, make_alg, eager):
+    """The kernels give the numpy fallback's weights, bit for bit (the same core primitives
+    on the same buckets)."""
+    if not _kernels_built():
+        pytest.skip("the kernel library is off (BAGUA_HVD_TF_KERNELS=0) or cannot be built here")
+    results = []
+    for kernels in (True, False):
+        A._algorithm_kernels[0] = kernels
+        try:
+            alg, opt = _make(name, make_alg)
+            impl = A.reify(alg, opt)
+            assert type(impl).__name__ == ("KernelImpl" if kernels else "NumpyImpl")
+            variables = [tf.Variable(x) for x in init_values()]
+
+            def step(a, c, impl=impl, variables=variables, opt=opt):
+                with tf.GradientTape() as tape:
+                    loss = tf_loss(variables, a, c)
+                grads = impl.reduce_gradients(tape.gradient(loss, variables), variables)
+                opt.apply_gradients(zip(grads, variables))
+                impl.after_apply(variables)
+
+            fn = step if eager else tf.function(step)
+            for t in range(6):
+                fn(*[[tf.constant(x) for x in d] for d in data(hvd.rank(), t)])
+            if isinstance(alg, A.LowPrecisionDecentralized):
+                impl.flush()
+            assert impl.step == 6
+            results.append([v.numpy() for v in variables])
+        finally:
+            A._algorithm_kernels[0] = True
+    for i, (k, n) in enumerate(zip(*results)):
+        np.testing.assert_array_equal(k, n, err_msg=f"{name}: variable {i}")

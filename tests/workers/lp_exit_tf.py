@@ -1,7 +1,8 @@
 """The TensorFlow twin of tests/workers/lp_exit.py: DistributedGradientTape with
 LowPrecisionDecentralized; rank 1 takes its last step only once rank 0 has reached the end
 of the script ($LP_EXIT_MARKER); the script ends by hvd.shutdown()
-(argv[1] == "shutdown") or at interpreter exit."""
+(argv[1] == "shutdown") or at interpreter exit; with argv[1] == "stall", rank 1 never takes its
+last step until rank 0 has shut down."""
 
 import os
 import sys
@@ -22,7 +23,13 @@ b = tf.Variable(tf.zeros([32]))
 alg = LowPrecisionDecentralized()
 opt = tf.keras.optimizers.SGD(0.01)
 marker = Path(os.environ["LP_EXIT_MARKER"])
+stall = sys.argv[1] == "stall"
 for step in range(5):
+    if rank == 1 and step == 4 and stall:
+        # Never takes its last step while rank 0 shuts down: rank 0's wait for its last
+        # exchange must end by itself (HOROVOD_GLOO_TIMEOUT_SECONDS).
+        wait_for(marker.with_suffix(".shut"), "rank 1", "rank 0's shutdown", timeout=120)
+        break
     if rank == 1 and step == 4:
         wait_for(marker, "rank 1", "rank 0 reaching the end of the script")
         time.sleep(0.3)  # rank 0 is now in shutdown (or exit), its last exchange in flight
@@ -36,6 +43,8 @@ print(f"rank {rank} done", flush=True)
 if rank == 0:
     marker.touch()  # rank 1 takes its last step only now
 start = time.monotonic()
-if sys.argv[1] == "shutdown":
+if sys.argv[1] in ("shutdown", "stall"):
     hvd.shutdown()
     print(f"rank {rank} shutdown took {time.monotonic() - start:.2f} s", flush=True)
+    if rank == 0 and stall:
+        marker.with_suffix(".shut").touch()
