@@ -183,6 +183,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-plot", action="store_true", help="write no plot")
     parser.add_argument("--json", metavar="FILE", help="also write all results to FILE (JSON)")
+    parser.add_argument(
+        "--timeline",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed blocks, N traced steps per bagua_hvd mode: prints the per-step "
+        "timeline of each rank's last one (bucket launches, the core's collectives, waits, "
+        "updates; bench/_timeline.py)",
+    )
     parser.add_argument(WORKER_FLAG, choices=NETS, help=argparse.SUPPRESS)
     parser.add_argument("--_modes", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -195,9 +204,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for m in args.mode_list:
             if m not in MODES:
                 parser.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
-    for name in ("warmup", "steps", "rounds", "batch_size"):
+    for name in ("warmup", "steps", "rounds", "batch_size", "timeline"):
         value = getattr(args, name)
-        low = 0 if name == "warmup" else 1
+        low = 0 if name in ("warmup", "timeline") else 1
         if value is not None and value < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     return args
@@ -280,6 +289,7 @@ def worker_cmd(args: argparse.Namespace, net: str, warmup: int, steps: int, mode
         sys.executable, os.path.abspath(__file__), WORKER_FLAG, net,
         "--_modes", ",".join(modes), "--warmup", str(warmup), "--steps", str(steps),
         "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
+        "--timeline", str(args.timeline),
     ]  # fmt: skip
 
 
@@ -429,6 +439,8 @@ def main_launcher(args: argparse.Namespace) -> int:
             result["plan"] = {"warmup": warmup, "steps": steps, "rounds": args.rounds}
             runs[net] = result
             print_network(net, result, args.batch_size)
+            if result.get("timeline"):
+                print_timeline(net, result)
     except _netns.NetnsError as e:
         print(f"algorithms bench: {e}", file=sys.stderr)
         return 1
@@ -564,6 +576,33 @@ def print_network(net: str, result: dict, batch: int) -> None:
             f"{m['loss']:.4g}",
         ]
         print("| " + " | ".join(cells) + " |")
+
+
+def print_timeline(net: str, result: dict) -> None:
+    """--timeline: each mode's last traced step on rank 0 as a table, and a summary line per
+    rank and traced step (ms from the step's start)."""
+    import _timeline
+
+    for mode, ranks in result["timeline"].items():
+        f = mode_figures(net, result, mode, 32) if mode in result["modes"] else {}
+        bound = f.get("bound_s")
+        print(
+            f"\n{net} {mode}: timeline (ms from the step's start); step median "
+            f"{result['modes'][mode]['step_ms']:.1f} ms, bound "
+            + (f"{bound * 1e3:.0f} ms" if bound else "n/a")
+        )
+        for r, steps in enumerate(ranks):
+            for k, st in enumerate(steps):
+                s = _timeline.summary(st["events"], st["t0"])
+                print(
+                    f"  rank {r} step {k}: "
+                    + ", ".join(f"{key.replace('_', ' ')} {v:.1f}" for key, v in s.items())
+                )
+        last = ranks[0][-1]
+        for line in _timeline.format_step(
+            last["events"], last["t0"], f"rank 0, traced step {len(ranks[0]) - 1}:"
+        ):
+            print("  " + line)
 
 
 def print_summary(runs: dict, batch: int, total_s: float) -> None:
@@ -739,6 +778,12 @@ class Worker:
         self.y = torch.randint(0, CLASSES, (args.batch_size,), generator=gen)
         self.modes: dict[str, Mode] = {}
         self.errors: dict[str, str] = {}
+        self.tracer = None
+        if args.timeline:
+            import _timeline
+
+            self.tracer = _timeline.Tracer()
+            _timeline.install(self.tracer)
         self.ddp: dict[str, tuple] = {}
 
     def make_model(self):
@@ -836,14 +881,17 @@ class Worker:
         if not self.all_ok(err is None):
             raise Unavailable(err or "not available on another rank")
         x, y = self.x, self.y
+        mark = self.tracer.mark if self.tracer is not None else lambda what: None
 
         def step() -> tuple:
             t0 = perf()
             dopt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             t1 = perf()
+            mark("forward ends")
             loss.backward()
             t2 = perf()
+            mark("backward ends")
             dopt.step()
             t3 = perf()
             return t3 - t0, t1 - t0, t2 - t1, t3 - t2, loss
@@ -948,6 +996,7 @@ class Worker:
             n = args.steps * (b + 1) // blocks - args.steps * b // blocks
             for name in order if b % 2 == 0 else reversed(order):
                 self.block(self.modes[name], n, rows[name], counters[name])
+        timeline = self.timeline() if self.tracer is not None else {}
         result_modes: dict[str, dict] = {}
         for name in self.arg_modes_with_twins():
             if name in self.errors:
@@ -987,8 +1036,32 @@ class Worker:
             "size": self.size,
             "params": sum(model_param_sizes()),
             "modes": result_modes,
+            "timeline": timeline,
             "peak_rss_mib": [r[0] / 1024 for r in self.gather([vm_hwm_kib()])],
         }
+
+    def timeline(self) -> dict:
+        """--timeline N: per bagua_hvd mode, one warm-up step then N traced steps (no barrier
+        between them: an exchange left in flight by a step shows in the next); every rank's
+        events, gathered: {mode: [per rank: [per step: {"t0": ns, "events": [...]}]]}."""
+        tr = self.tracer
+        out: dict[str, list] = {}
+        for name, m in self.modes.items():
+            if not m.hvd:
+                continue
+            m.begin()
+            self.barrier()
+            m.step()
+            steps = []
+            for _ in range(self.args.timeline):
+                tr.begin_step()
+                m.step()
+                steps.append({"t0": tr.t0, "events": tr.end_step()})
+            m.end()
+            gathered: list = [None] * self.size
+            self.dist.all_gather_object(gathered, steps)
+            out[name] = gathered
+        return out
 
     def arg_modes_with_twins(self) -> list[str]:
         out = []

@@ -9,6 +9,7 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/collectives.h"
+#include "collectives/trace.h"
 #include "compression/minmax_uint8.h"
 
 namespace bagua_hvd {
@@ -54,6 +55,9 @@ void blockwise(DataType dtype, size_t n, void* out, std::initializer_list<const 
 }
 
 enum Slot { kPeerA = 0, kPeerB = 1, kDiff = 2, kMine = 3, kLeft = 4, kRight = 5, kDecoded = 6 };
+
+// Elements per piece of the exchange's decoding, done while further bytes arrive.
+constexpr size_t kLpBlock = 128 << 10;
 
 }  // namespace
 
@@ -116,6 +120,7 @@ void lp_decentralized_local(void* x, void* self, const void* left, const void* r
                                 dtype_name(dtype));
   }
   if (count == 0) return;
+  TraceSpan span(TraceOp::kLpLocal, static_cast<int64_t>(count));
   const size_t bytes = count * dtype_size(dtype);
   // d = x + L/3 + R/3 - (5/3) s, in float32, stored as T for the compressor.
   // (Scratch of the calling thread: the training thread's own when called through the C API.)
@@ -135,23 +140,47 @@ void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* r
                                size_t count, DataType dtype) {
   const int n = comm.size(), me = comm.rank();
   if (n <= 1 || count == 0) return;
-  const size_t bytes = count * dtype_size(dtype);
+  TraceSpan span(TraceOp::kLpExchange, static_cast<int64_t>(count));
+  const size_t es = dtype_size(dtype);
   const size_t cbytes = minmax_uint8_bytes(dtype, count, 1);
+  const size_t header = cbytes - ((count + 31) / 32) * 32;
   uint8_t* cl = scratch_slot(kLeft, cbytes);
   uint8_t* cr = cl;
   const int l = (me + n - 1) % n, r = (me + 1) % n;
-  if (l == r) {
-    exchange(comm, {r}, c, cbytes, {l}, {cl}, "low-precision decentralized");
-  } else {
+  std::vector<Comm::Xfer> xs;
+  xs.push_back({Comm::Xfer::SEND, r, const_cast<uint8_t*>(c), cbytes});
+  if (l != r) {
     cr = scratch_slot(kRight, cbytes);
-    exchange(comm, {l, r}, c, cbytes, {l, r}, {cl, cr}, "low-precision decentralized");
+    xs.push_back({Comm::Xfer::SEND, l, const_cast<uint8_t*>(c), cbytes});
   }
-  // The neighbours' replicas advance by their decoded differences.
-  unsigned char* dec = scratch_slot(kDecoded, bytes);
-  minmax_uint8_decompress(cl, dtype, count, 1, dec);
-  reduce_into(left, dec, count, dtype, ReduceOp::SUM);
-  if (cr != cl) minmax_uint8_decompress(cr, dtype, count, 1, dec);
-  reduce_into(right, dec, count, dtype, ReduceOp::SUM);
+  const size_t rx_left = xs.size();
+  xs.push_back({Comm::Xfer::RECV, l, cl, cbytes});
+  if (l != r) xs.push_back({Comm::Xfer::RECV, r, cr, cbytes});
+  // The neighbours' replicas advance by their decoded differences, block by block as the bytes
+  // arrive (element-wise: the same bits as decoding the whole difference after the exchange).
+  // n = 2: the one neighbour's difference advances both replicas.
+  unsigned char* dec = scratch_slot(kDecoded, kLpBlock * es);
+  size_t done_l = 0, done_r = 0;
+  auto advance = [&](const uint8_t* cd, size_t arrived, size_t& done, void* rep, void* rep2) {
+    const size_t avail = arrived <= header ? 0 : std::min(count, arrived - header);
+    if (avail <= done) return false;
+    const size_t m = std::min(kLpBlock, avail - done);
+    minmax_uint8_decompress_range(cd, dtype, done, m, dec);
+    reduce_into(static_cast<unsigned char*>(rep) + done * es, dec, m, dtype, ReduceOp::SUM);
+    if (rep2) reduce_into(static_cast<unsigned char*>(rep2) + done * es, dec, m, dtype,
+                          ReduceOp::SUM);
+    done += m;
+    return true;
+  };
+  auto work = [&]() -> bool {
+    if (l == r) return advance(cl, xs[rx_left].done, done_l, left, right);
+    const bool a = advance(cl, xs[rx_left].done, done_l, left, nullptr);
+    const bool b = advance(cr, xs[rx_left + 1].done, done_r, right, nullptr);
+    return a || b;
+  };
+  comm.run(xs, "low-precision decentralized", work);
+  if (done_l != count || (l != r && done_r != count))
+    throw std::logic_error("low-precision decentralized: a difference is undecoded");
 }
 
 void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, size_t count,
