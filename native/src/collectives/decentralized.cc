@@ -122,18 +122,37 @@ void lp_decentralized_local(void* x, void* self, const void* left, const void* r
   if (count == 0) return;
   TraceSpan span(TraceOp::kLpLocal, static_cast<int64_t>(count));
   const size_t bytes = count * dtype_size(dtype);
-  // d = x + L/3 + R/3 - (5/3) s, in float32, stored as T for the compressor.
+  // d = x + L/3 + R/3 - (5/3) s, in float32, stored as T for the compressor, and the chunk's
+  // min and max on the way. Then, per block: c = MinMaxUInt8(d), and x becomes exactly what the
+  // neighbours will hold: s += D(c), x = s. Two passes over the bucket, each block's decoded
+  // difference staying in cache (element-wise: the bits of compress(d), decompress, add, copy).
   // (Scratch of the calling thread: the training thread's own when called through the C API.)
+  const size_t es = dtype_size(dtype);
   unsigned char* d = scratch_slot(kDiff, bytes);
   const float third = 1.0f / 3.0f, five_thirds = 5.0f / 3.0f;
-  blockwise(dtype, count, d, {x, left, right, self}, [&](const float* v) {
-    return ((v[0] + v[1] * third) + v[2] * third) - v[3] * five_thirds;
-  });
-  minmax_uint8_compress(d, dtype, count, 1, c);
-  // x becomes exactly what the neighbours will hold: s + D(c).
-  minmax_uint8_decompress(c, dtype, count, 1, d);
-  reduce_into(self, d, count, dtype, ReduceOp::SUM);
-  std::memcpy(x, self, bytes);
+  MinMaxUint8Scan scan;
+  for (size_t i = 0; i < count; i += kLpBlock) {
+    const size_t m = std::min(kLpBlock, count - i);
+    const size_t o = i * es;
+    blockwise(dtype, m, d + o,
+              {static_cast<const unsigned char*>(x) + o, static_cast<const unsigned char*>(left) + o,
+               static_cast<const unsigned char*>(right) + o, static_cast<unsigned char*>(self) + o},
+              [&](const float* v) {
+                return ((v[0] + v[1] * third) + v[2] * third) - v[3] * five_thirds;
+              });
+    minmax_uint8_scan_range(d + o, dtype, m, &scan);
+  }
+  minmax_uint8_write_header(scan, dtype, count, c);
+  unsigned char* dec = scratch_slot(kDecoded, kLpBlock * es);
+  for (size_t i = 0; i < count; i += kLpBlock) {
+    const size_t m = std::min(kLpBlock, count - i);
+    const size_t o = i * es;
+    unsigned char* s_i = static_cast<unsigned char*>(self) + o;
+    minmax_uint8_compress_range(d + o, dtype, i, m, c);
+    minmax_uint8_decompress_range(c, dtype, i, m, dec);
+    reduce_into(s_i, dec, m, dtype, ReduceOp::SUM);
+    std::memcpy(static_cast<unsigned char*>(x) + o, s_i, m * es);
+  }
 }
 
 void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* right,

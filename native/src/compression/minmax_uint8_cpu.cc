@@ -366,11 +366,27 @@ void minmax_uint8_decompress_add_f32(const uint8_t* in, DataType dtype, size_t n
 }
 
 // ---- one chunk in pieces ------------------------------------------------------------------
-void minmax_uint8_compress_header(const void* in, DataType dtype, size_t c, uint8_t* chunk) {
+void minmax_uint8_scan_range(const void* in, DataType dtype, size_t m, MinMaxUint8Scan* acc) {
+  minmax_uint8_check_args(dtype, m, 1);
+  if (m == 0) return;
+  dispatch(dtype, [&](auto ty) {
+    using Ty = decltype(ty);
+    const Scan s = scan<Ty>(static_cast<const typename Ty::Storage*>(in), m);
+    if (!acc->any) {
+      *acc = MinMaxUint8Scan{s.mn, s.mx, s.finite, true};
+      return;
+    }
+    acc->finite = acc->finite && s.finite;
+    acc->mn = s.mn < acc->mn ? s.mn : acc->mn;
+    acc->mx = s.mx > acc->mx ? s.mx : acc->mx;
+  });
+}
+
+void minmax_uint8_write_header(const MinMaxUint8Scan& s, DataType dtype, size_t c,
+                               uint8_t* chunk) {
   minmax_uint8_check_args(dtype, c, 1);
   dispatch(dtype, [&](auto ty) {
     using Ty = decltype(ty);
-    const Scan s = scan<Ty>(static_cast<const typename Ty::Storage*>(in), c);
     write_header<Ty>(chunk, mmu8::make_header(s.mn, s.mx, s.finite));
     uint8_t* q = chunk + mmu8::kHeaderBytes;
     if (!s.finite) {
@@ -379,6 +395,12 @@ void minmax_uint8_compress_header(const void* in, DataType dtype, size_t c, uint
       std::memset(q + c, 0, mmu8::align32(c) - c);
     }
   });
+}
+
+void minmax_uint8_compress_header(const void* in, DataType dtype, size_t c, uint8_t* chunk) {
+  MinMaxUint8Scan s;
+  minmax_uint8_scan_range(in, dtype, c, &s);
+  minmax_uint8_write_header(s, dtype, c, chunk);
 }
 
 void minmax_uint8_compress_range(const void* in, DataType dtype, size_t i0, size_t m,
