@@ -54,13 +54,15 @@ class Tracer:
         if self.on:
             self.events.append((time.monotonic_ns(), what, bucket, elements))
 
-    def launched(self, key: Any, elements: int, what: str = "launch") -> None:
+    def launched(self, key: Any, elements: int, t_ns: int, what: str = "launch") -> None:
+        """A bucket was submitted at ``t_ns`` (taken before the call: the core may begin its
+        collective before the call returns)."""
         if self.on:
             label = str(self._launches)
             self._launches += 1
             self._label[id(key)] = label
-            self._pending.append([time.monotonic_ns(), elements, label])
-            self.mark(what, label, elements)
+            self._pending.append([t_ns, elements, label])
+            self.events.append((t_ns, what, label, elements))
 
     def waited(self, key: Any) -> None:
         if self.on:
@@ -168,16 +170,18 @@ def install(tracer: Tracer) -> None:
 
     @functools.wraps(orig_allreduce)
     def allreduce(buf: Any, *a: Any, **k: Any) -> Any:
+        t = time.monotonic_ns()
         req = orig_allreduce(buf, *a, **k)
-        tracer.launched(req, numel_of(buf))
+        tracer.launched(req, numel_of(buf), t)
         return req
 
     orig_exchange = primitives.lp_exchange_half
 
     @functools.wraps(orig_exchange)
     def lp_exchange_half(diff: Any, left: Any, *a: Any, **k: Any) -> Any:
+        t = time.monotonic_ns()
         req = orig_exchange(diff, left, *a, **k)
-        tracer.launched(req, numel_of(left), "exchange launch")
+        tracer.launched(req, numel_of(left), t, "exchange launch")
         return req
 
     orig_wait = primitives.Request.wait
@@ -193,8 +197,9 @@ def install(tracer: Tracer) -> None:
 
     @functools.wraps(orig_bucket)
     def bucket_allreduce_async(tensors: Any, *a: Any, **k: Any) -> Any:
+        t = time.monotonic_ns()
         handle = orig_bucket(tensors, *a, **k)
-        tracer.launched(handle, sum(t.numel() for t in tensors))
+        tracer.launched(handle, sum(x.numel() for x in tensors), t)
         return handle
 
     orig_sync = mpi_ops.synchronize

@@ -45,10 +45,13 @@ enum Slot { kInput, kCompressed, kDecoded, kMine, kSum, kChunk, kGathered, kBloc
 class ChunkCompressor {
  public:
   ChunkCompressor() = default;
+  // scanned: the chunk's min and max when the caller already has them (no scan here).
   ChunkCompressor(const unsigned char* src, size_t c, DataType dtype, uint8_t* dst,
-                  unsigned char* residual, size_t* ready)
+                  unsigned char* residual, size_t* ready,
+                  const MinMaxUint8Scan* scanned = nullptr)
       : src_(src), c_(c), dtype_(dtype), dst_(dst), residual_(residual), ready_(ready),
-        bytes_(minmax_uint8_bytes(dtype, c, 1)), header_(bytes_ - ((c + 31) / 32) * 32) {}
+        scanned_(scanned), bytes_(minmax_uint8_bytes(dtype, c, 1)),
+        header_(bytes_ - ((c + 31) / 32) * 32) {}
 
   bool done() const { return started_ && next_ == c_; }
 
@@ -57,7 +60,11 @@ class ChunkCompressor {
     if (done()) return false;
     const size_t es = dtype_size(dtype_);
     if (!started_) {
-      minmax_uint8_compress_header(src_, dtype_, c_, dst_);
+      if (scanned_) {
+        minmax_uint8_write_header(*scanned_, dtype_, c_, dst_);
+      } else {
+        minmax_uint8_compress_header(src_, dtype_, c_, dst_);
+      }
       started_ = true;
     } else {
       const size_t m = std::min(kPipeBlock, c_ - next_);
@@ -81,6 +88,7 @@ class ChunkCompressor {
   uint8_t* dst_ = nullptr;
   unsigned char* residual_ = nullptr;
   size_t* ready_ = nullptr;
+  const MinMaxUint8Scan* scanned_ = nullptr;
   size_t bytes_ = 0, header_ = 0;
   bool started_ = false;
   size_t next_ = 0;
@@ -152,6 +160,7 @@ void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype,
   std::vector<size_t> summed(n, 0);  // elements of chunk `me` rank j's copy was added for
   size_t finished = 0;               // elements of `a` final (mean, rounded, server residual)
   size_t next_comp = 0;
+  MinMaxUint8Scan a_scan;
   const float fn = static_cast<float>(n);
   auto phase1 = [&]() -> bool {
     bool did = false;
@@ -184,6 +193,7 @@ void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype,
       from_float(acc + i0, dtype, m, a + i0 * es);
       // 5. Plus the server residual.
       if (es_srv) reduce_into(a + i0 * es, es_srv + i0 * es, m, dtype, ReduceOp::SUM);
+      minmax_uint8_scan_range(a + i0 * es, dtype, m, &a_scan);  // for the header of step 6
       finished += m;
       did = true;
     }
@@ -211,7 +221,7 @@ void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype,
     recv_of[j] = static_cast<int>(xfers.size());
     xfers.push_back({Comm::Xfer::RECV, j, all + j * cbytes, cbytes});
   }
-  ChunkCompressor mine_comp(a, chunk, dtype, all + me * cbytes, es_srv, &released);
+  ChunkCompressor mine_comp(a, chunk, dtype, all + me * cbytes, es_srv, &released, &a_scan);
   std::vector<size_t> decoded(n, 0);
   auto phase2 = [&]() -> bool {
     bool did = false;
