@@ -446,6 +446,7 @@ class LowPrecisionRing(_WeightAveraging):
             # math is the same as when all local halves ran first: the same bits.
             old, self.pending = self.pending, []
             _in_flight[:] = [e for e in _in_flight if e[1] is not old]
+            _sweep_in_flight()  # the other rings' exchanges, as flush() does
             try:
                 for i, (flat, (own, left, right), c) in enumerate(
                     zip(flats, self.replicas, self.diffs)
@@ -485,7 +486,6 @@ class LowPrecisionRing(_WeightAveraging):
                     _in_flight.append(
                         (weakref.ref(self), self.pending, (self.replicas, self.diffs))
                     )
-            _sweep_in_flight()  # the other rings' exchanges, as flush() does
         else:  # hierarchical: the host average needs communication first, one blocking op
             requests = [
                 _prim.lp_step(
