@@ -45,6 +45,7 @@ class Tracer:
         self._open: Dict[Tuple[int, int], List[str]] = {}  # core ops begun, not ended: labels
         self._launches = 0  # this step's
         self.t0 = 0
+        self.cpu0 = self.cpu_ns = 0  # CPU time of the process (all its threads) in the step
 
     @property
     def has_core(self) -> bool:
@@ -86,6 +87,7 @@ class Tracer:
             self._drain()  # older events belong to earlier steps
             self._core[1].bhvd_trace_enable(1)
         self.on = True
+        self.cpu0 = time.process_time_ns()
         self.t0 = time.monotonic_ns()
         self.mark("step begins")
 
@@ -93,6 +95,7 @@ class Tracer:
         """The step's events, sorted, core events included (an exchange launched by the
         previous step shows with its label + PREV)."""
         self.mark("step ends")
+        self.cpu_ns = time.process_time_ns() - self.cpu0
         self.on = False
         events = self.events + self._label_core(self._drain())
         events.sort(key=lambda e: e[0])

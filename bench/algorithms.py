@@ -60,7 +60,9 @@ Communication per step, per rank (the table shows the maximum over ranks):
   bound ms  sent bytes (measured if the counter exists, else analytic) / link rate
   comm/bnd  comm ms / bound ms: goal <= 1.2 on the shaped links (printed on loopback too,
             where the bound uses the TCP loopback rate but bagua_hvd uses shared memory)
-The goals also show, per bagua_hvd mode on a shaped link, step ms / max(the no-communication
+The goals also show each mode's CPU time per step (a rank's process, every thread: the
+training thread, the core's; less sensitive to other load than wall time) and, per bagua_hvd
+mode on a shaped link, step ms / max(the no-communication
 step of its baseline's twin, bound ms): goal <= 1.15 (communication overlapped with compute).
 --timeline N adds N traced steps per bagua_hvd mode after the blocks and prints their per-step
 timeline (bench/_timeline.py; bench/timeline.py runs it for the three modes of interest).
@@ -600,6 +602,8 @@ def print_timeline(net: str, result: dict) -> None:
         for r, steps in enumerate(ranks):
             for k, st in enumerate(steps):
                 s = _timeline.summary(st["events"], st["t0"])
+                if "cpu_ms" in st:
+                    s["cpu_time"] = st["cpu_ms"]  # the process's, all threads: load-independent
                 print(
                     f"  rank {r} step {k}: "
                     + ", ".join(f"{key.replace('_', ' ')} {v:.1f}" for key, v in s.items())
@@ -652,6 +656,16 @@ def print_summary(runs: dict, batch: int, total_s: float) -> None:
                     f"  {net} {mode}: {fmt(f['ratio'], '.3f')}x {baseline_of(mode)} "
                     f"(goal >= {goal}x): {'met' if ok else 'NOT met'}"
                 )
+        cpus = [
+            f"{mode} {max(m['cpu_ms_per_step']):.0f}"
+            for mode, m in r["modes"].items()
+            if m.get("status") == "ok" and m.get("cpu_ms_per_step")
+        ]
+        if cpus:
+            print(
+                f"  {net}: CPU ms per step (a rank's process, all threads; max over ranks): "
+                + ", ".join(cpus)
+            )
         if not shaped:
             continue
         for mode, m in r["modes"].items():
@@ -769,6 +783,7 @@ class Mode:
         self.begin = self.end = lambda: None
         self.hvd = True
         self.loss = math.nan
+        self.cpu_s = 0.0  # CPU time of the process (all threads) in the timed steps
 
 
 class Worker:
@@ -976,11 +991,13 @@ class Worker:
                 m.step()
         self.barrier()
         before = (core_stat("exec_ns"), core_stat("bytes_sent"), wire_tx_bytes())
+        cpu0 = time.process_time()
         for _ in range(n):
             *times, loss = m.step()
             rows.append(times)
             m.loss = loss.item()
         after = (core_stat("exec_ns"), core_stat("bytes_sent"), wire_tx_bytes())
+        m.cpu_s += time.process_time() - cpu0
         m.end()
         counters.append([None if a is None or b is None else a - b for a, b in zip(after, before)])
 
@@ -1030,6 +1047,7 @@ class Worker:
             per_rank = self.gather(totals)
             sums = self.gather(self.checksum(m.model))
             losses = self.gather([m.loss], keep_nan=True)
+            cpu = self.gather([m.cpu_s / steps * 1e3])
             result_modes[name] = {
                 "status": "ok",
                 "note": m.note,
@@ -1041,6 +1059,7 @@ class Worker:
                 "exec_ns_per_step": [r[0] for r in per_rank],
                 "bytes_sent_per_step": [r[1] for r in per_rank],
                 "wire_bytes_per_step": [r[2] for r in per_rank],
+                "cpu_ms_per_step": [c[0] for c in cpu],
                 # A DDP replica also runs its no_sync twin's steps: never equal, not shown.
                 "replicas_equal": None
                 if name.split(":")[0] in DDP_MODES
@@ -1072,7 +1091,8 @@ class Worker:
             for _ in range(self.args.timeline):
                 tr.begin_step()
                 m.step()
-                steps.append({"t0": tr.t0, "events": tr.end_step()})
+                events = tr.end_step()
+                steps.append({"t0": tr.t0, "events": events, "cpu_ms": tr.cpu_ns / 1e6})
             m.end()
             gathered: list = [None] * self.size
             self.dist.all_gather_object(gathered, steps)

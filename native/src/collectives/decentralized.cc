@@ -134,12 +134,24 @@ void lp_decentralized_local(void* x, void* self, const void* left, const void* r
   for (size_t i = 0; i < count; i += kLpBlock) {
     const size_t m = std::min(kLpBlock, count - i);
     const size_t o = i * es;
-    blockwise(dtype, m, d + o,
-              {static_cast<const unsigned char*>(x) + o, static_cast<const unsigned char*>(left) + o,
-               static_cast<const unsigned char*>(right) + o, static_cast<unsigned char*>(self) + o},
-              [&](const float* v) {
-                return ((v[0] + v[1] * third) + v[2] * third) - v[3] * five_thirds;
-              });
+    if (dtype == DataType::FLOAT32) {  // the same expression on the buffers themselves
+      const float* xf = static_cast<const float*>(x) + i;
+      const float* lf = static_cast<const float*>(left) + i;
+      const float* rf = static_cast<const float*>(right) + i;
+      const float* sf = static_cast<const float*>(self) + i;
+      float* df = reinterpret_cast<float*>(d) + i;
+      for (size_t k = 0; k < m; ++k)
+        df[k] = ((xf[k] + lf[k] * third) + rf[k] * third) - sf[k] * five_thirds;
+    } else {
+      blockwise(dtype, m, d + o,
+                {static_cast<const unsigned char*>(x) + o,
+                 static_cast<const unsigned char*>(left) + o,
+                 static_cast<const unsigned char*>(right) + o,
+                 static_cast<unsigned char*>(self) + o},
+                [&](const float* v) {
+                  return ((v[0] + v[1] * third) + v[2] * third) - v[3] * five_thirds;
+                });
+    }
     minmax_uint8_scan_range(d + o, dtype, m, &scan);
   }
   minmax_uint8_write_header(scan, dtype, count, c);
@@ -150,8 +162,15 @@ void lp_decentralized_local(void* x, void* self, const void* left, const void* r
     unsigned char* s_i = static_cast<unsigned char*>(self) + o;
     minmax_uint8_compress_range(d + o, dtype, i, m, c);
     minmax_uint8_decompress_range(c, dtype, i, m, dec);
-    reduce_into(s_i, dec, m, dtype, ReduceOp::SUM);
-    std::memcpy(static_cast<unsigned char*>(x) + o, s_i, m * es);
+    if (dtype == DataType::FLOAT32) {  // s += D(c); x = s, in one pass
+      float* sf = reinterpret_cast<float*>(s_i);
+      float* xf = static_cast<float*>(x) + i;
+      const float* df = reinterpret_cast<const float*>(dec);
+      for (size_t k = 0; k < m; ++k) xf[k] = sf[k] = sf[k] + df[k];
+    } else {
+      reduce_into(s_i, dec, m, dtype, ReduceOp::SUM);
+      std::memcpy(static_cast<unsigned char*>(x) + o, s_i, m * es);
+    }
   }
 }
 
