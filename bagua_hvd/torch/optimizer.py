@@ -74,6 +74,9 @@ _NO_HANDLE = -1
 # foreach or fused kernels too, which work tensor by tensor): updating the buckets one at a time
 # gives the bits of one update of all. Exact classes: a subclass may override step().
 _BUCKETWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+# Buckets are updated together until they hold this many bytes of parameters: an update call
+# costs tens of microseconds, which small buckets (BAGUA_HVD_BUCKET_MB=0) must not pay each.
+_BUCKETWISE_MIN_BYTES = 1 << 20
 
 
 def _global_step_hooks() -> bool:
@@ -249,7 +252,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._layout_final = False
         self._hooks_registered = False
         self._bucket_cap = _alg_common.bucket_bytes()
-        self._bucketwise_steps = 0  # steps whose update ran bucket by bucket (tests read it)
+        # Steps whose update ran bucket by bucket, and the update calls they made (tests).
+        self._bucketwise_steps = self._bucketwise_updates = 0
         self._cast_dtype = _CAST_COMPRESSORS.get(compression, False)
 
         if self.process_set.included() and (size() > 1 or config.elastic()):
@@ -398,6 +402,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             update = getattr(update, "__wrapped__", update)
         groups = self.param_groups
         updated: set = set()
+        ready: set = set()  # reduced, not yet updated
+        ready_bytes = 0
 
         def update_only(ids: set) -> None:
             subset = []
@@ -411,6 +417,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     update(self)
                 finally:
                     self.param_groups = groups
+                self._bucketwise_updates += 1
             updated.update(ids)
 
         with torch.autograd.profiler.record_function(f"Optimizer.step#{base.__name__}.step"):
@@ -423,7 +430,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                             mpi_ops.synchronize(handle)
                         self._finish(key, ctx)
                         # Its sparse gradients (sent on their own) are not final yet.
-                        update_only({id(p) for p in key.params if p not in key.skip})
+                        for p in key.params:
+                            if p not in key.skip:
+                                ready.add(id(p))
+                                ready_bytes += p.numel() * p.element_size()
+                        if ready_bytes >= _BUCKETWISE_MIN_BYTES:
+                            update_only(ready)
+                            ready, ready_bytes = set(), 0
                     else:
                         self._finish_sparse(key, handle())
                 self._reset_round()

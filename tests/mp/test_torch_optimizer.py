@@ -651,6 +651,15 @@ BUCKETWISE = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _update_every_bucket(monkeypatch):
+    """The bucket-by-bucket update merges buckets below 1 MiB: here every bucket is updated
+    on its own, so the tests below see as many separate updates as buckets."""
+    from bagua_hvd.torch import optimizer as _optimizer
+
+    monkeypatch.setattr(_optimizer, "_BUCKETWISE_MIN_BYTES", 0)
+
+
 def _train_split(make_opt, seed, dtype, bucketwise, algorithm=None, extras=False, use_extra=False):
     """STEPS steps of the same model and batches; ``bucketwise=False`` takes Horovod's
     synchronize() + skip_synchronize() path, which updates once after every wait."""
@@ -697,6 +706,7 @@ def test_bucketwise_update_gives_the_same_bits(opt_name, dtype, monkeypatch):
     theirs, topt = _train_split(BUCKETWISE[opt_name], seed, dtype, bucketwise=False)
     assert len(opt._buckets) > 1
     assert opt._bucketwise_steps == STEPS - 1  # all but the first (its layout is a guess)
+    assert opt._bucketwise_updates >= (STEPS - 1) * len(opt._buckets)  # one per bucket
     assert topt._bucketwise_steps == 0
     _assert_same_bits(mine, opt, theirs, topt, opt_name)
 
@@ -713,6 +723,21 @@ def test_bucketwise_update_with_bytegrad_gives_the_same_bits(error_feedback, mon
     ]
     assert runs[0][1]._bucketwise_steps == STEPS - 1
     _assert_same_bits(*runs[0], *runs[1], "bytegrad")
+
+
+def test_bucketwise_update_merges_small_buckets(monkeypatch):
+    """Buckets below 1 MiB are updated together (an update call has a fixed cost)."""
+    from bagua_hvd.torch import optimizer as _optimizer
+
+    monkeypatch.setattr(_optimizer, "_BUCKETWISE_MIN_BYTES", 1 << 20)
+    monkeypatch.setenv("BAGUA_HVD_BUCKET_MB", "0.0005")
+    seed = ref.seed_for("bucketwise_merged")
+    mine, opt = _train_split(_sgd, seed, torch.float64, bucketwise=True)
+    theirs, topt = _train_split(_sgd, seed, torch.float64, bucketwise=False)
+    assert len(opt._buckets) > 2
+    assert opt._bucketwise_steps == STEPS - 1
+    assert opt._bucketwise_updates == STEPS - 1  # the model is far below 1 MiB: one each
+    _assert_same_bits(mine, opt, theirs, topt, "merged")
 
 
 def test_bucketwise_update_falls_back_where_it_could_be_seen(monkeypatch):
