@@ -43,6 +43,8 @@ class Tracer:
         self._label: Dict[int, str] = {}  # id(request or handle) -> bucket label, until waited
         self._pending: List[List[Any]] = []  # launches not matched to a core begin: t, n, label
         self._open: Dict[Tuple[int, int], List[str]] = {}  # core ops begun, not ended: labels
+        self._carry: List[Event] = []  # core events after the last step's end
+        self._early: List[Event] = []  # core events of this step drained at its start
         self._launches = 0  # this step's
         self.t0 = 0
         self.cpu0 = self.cpu_ns = 0  # CPU time of the process (all its threads) in the step
@@ -70,7 +72,13 @@ class Tracer:
             self.mark("wait returns", self._label.pop(id(key), "?"))
 
     def begin_step(self) -> None:
-        self.events = []
+        self.cpu0 = time.process_time_ns()
+        self.t0 = time.monotonic_ns()
+        # Core events since the last step's end, labelled with that step's buckets, are shown
+        # in this step (those between the two steps with negative times).
+        late = self._carry + (self._label_core(self._drain()) if self._core is not None else [])
+        self._carry = []
+        self.events = [(self.t0, "step begins", "", 0)]
         self._launches = 0
         # What the previous step launched and this one may still see.
         for key in list(self._label):
@@ -79,26 +87,23 @@ class Tracer:
             else:
                 del self._label[key]
         self._pending = [[t, n, lab + PREV] for t, n, lab in self._pending if PREV not in lab]
-        self._open = {
-            k: [lab if lab.endswith(PREV) else lab + PREV for lab in v]
-            for k, v in self._open.items()
-        }
+        self._open = {k: [_prev(lab) for lab in v] for k, v in self._open.items()}
+        self._early = [(t, w, _prev(lab), n) for t, w, lab, n in late]
         if self._core is not None:
-            self._drain()  # older events belong to earlier steps
             self._core[1].bhvd_trace_enable(1)
         self.on = True
-        self.cpu0 = time.process_time_ns()
-        self.t0 = time.monotonic_ns()
-        self.mark("step begins")
 
     def end_step(self) -> List[Event]:
         """The step's events, sorted, core events included (an exchange launched by the
         previous step shows with its label + PREV)."""
-        self.mark("step ends")
+        t_end = time.monotonic_ns()
+        self.events.append((t_end, "step ends", "", 0))
         self.cpu_ns = time.process_time_ns() - self.cpu0
         self.on = False
-        events = self.events + self._label_core(self._drain())
-        events.sort(key=lambda e: e[0])
+        core = self._label_core(self._drain())
+        self._carry = [e for e in core if e[0] > t_end]  # the next step's
+        events = self.events + self._early + [e for e in core if self.t0 <= e[0] <= t_end]
+        events.sort(key=lambda e: e[0])  # stable: "step ends" last
         return events
 
     def _drain(self) -> List[Tuple[int, int, int, int]]:
@@ -140,6 +145,11 @@ class Tracer:
                     stack.pop(0)
             out.append((t, f"core {name} {_CORE_PHASES.get(phase, phase)}", label, count))
         return out
+
+
+def _prev(label: str) -> str:
+    """A label of the previous step's bucket as this step shows it."""
+    return label if not label or label == "?" or label.endswith(PREV) else label + PREV
 
 
 def _core_trace() -> Optional[Tuple[Any, Any]]:

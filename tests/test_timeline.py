@@ -47,7 +47,10 @@ def _check_common(steps, n_buckets, what_launch="launch"):
     for st in steps:
         ev = st["events"]
         assert [e[0] for e in ev] == sorted(e[0] for e in ev)
-        assert ev[0][1] == "step begins" and ev[-1][1] == "step ends"
+        # Only the core's events of the previous step's collectives may come before the start.
+        t0 = next(t for t, w, _b, _n in ev if w == "step begins")
+        assert t0 == st["t0"] and ev[-1][1] == "step ends"
+        assert all(w.startswith("core ") for t, w, _b, _n in ev if t < t0)
         launches = [e for e in ev if e[1] == what_launch]
         assert [e[2] for e in launches] == [str(b) for b in range(n_buckets)]
 
@@ -96,13 +99,13 @@ def test_low_precision_exchange_overlaps_the_next_step(timeline):
         # The previous step's exchange ran in the core (begun after its launch), ending before
         # its wait returned; its end shows in whichever step it happened.
         prev = data["steps"][-2]["events"]
-        assert _first(prev, "exchange launch", b) <= _first(prev, "core lp exchange begin", b)
-        ends = [
-            t
-            for t, w, lab, _n in prev + last
-            if w == "core lp exchange end" and lab in (b, b + " (prev. step)")
+        labels = (b, b + " (prev. step)")
+        begins = [
+            t for t, w, lab, _n in prev + last if w == "core lp exchange begin" and lab in labels
         ]
-        assert ends and ends[0] <= wait
+        ends = [t for t, w, lab, _n in prev + last if w == "core lp exchange end" and lab in labels]
+        assert begins and ends
+        assert _first(prev, "exchange launch", b) <= begins[0] <= ends[0] <= wait
     # Bucket 0's exchange is launched before the last bucket's local half begins.
     assert _first(last, "exchange launch", "0") < _first(last, "core lp local begin", str(n - 1))
 
