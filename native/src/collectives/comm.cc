@@ -162,8 +162,8 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what, const Work& work) {
                                 " received");
   }
   if (lanes.empty()) {
-    if (work) while (work()) {
-      }
+    while (work && work()) {
+    }
     return;
   }
 
@@ -241,7 +241,7 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what, const Work& work) {
   auto next_check = start + std::chrono::duration_cast<Clock::duration>(
                                 std::chrono::duration<double>(kCheckSeconds));
   uint64_t pass = 0;
-  bool working = static_cast<bool>(work);
+  const bool working = static_cast<bool>(work);
   while (!active.empty()) {
     bool progress = false;
     bool need_now = (++pass & 255) == 0;
@@ -300,8 +300,8 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what, const Work& work) {
       }
     }
   }
-  if (working) while (work()) {
-    }
+  while (working && work()) {  // what is left once every byte moved (the last decoding)
+  }
 }
 
 void Comm::send(int peer, const void* buf, size_t len, const char* what) {
