@@ -284,9 +284,9 @@ def test_low_precision_exchange_is_left_in_flight_by_step(monkeypatch):
     for method in ("wait", "settle"):
         orig = getattr(Request, method)
 
-        def spy(self, _orig=orig):
+        def spy(self, *args, _orig=orig, **kwargs):
             waited.append(id(self))
-            return _orig(self)
+            return _orig(self, *args, **kwargs)
 
         monkeypatch.setattr(Request, method, spy)
     for step in range(3):
