@@ -59,11 +59,17 @@ def test_async_stops_without_abort(how: str, dtype: str):
 
 @pytest.mark.parametrize("how", ["shutdown", "exit"])
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
-def test_low_precision_decentralized_last_exchange(framework: str, how: str):
-    """Rank 0 ends while its last exchange waits for the slower rank 1: the exchange completes
-    on both ranks (shutdown and exit wait for it) instead of failing rank 1's last step with
-    "Horovod has been shut down"."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), BAGUA_HVD_OP_TIMEOUT_SECONDS="60")
+def test_low_precision_decentralized_last_exchange(framework: str, how: str, tmp_path: Path):
+    """Rank 0 ends while its last exchange waits for the slower rank 1 (which takes its last
+    step only after rank 0 has reached the end): the exchange completes on both ranks
+    (shutdown and exit wait for it) instead of failing rank 1's last step with "Horovod has
+    been shut down"."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        BAGUA_HVD_OP_TIMEOUT_SECONDS="60",
+        LP_EXIT_MARKER=str(tmp_path / "rank0-at-end"),
+    )
     for key in [k for k in env if k.startswith("HOROVOD_")]:
         del env[key]
     proc = subprocess.run(
@@ -77,3 +83,27 @@ def test_low_precision_decentralized_last_exchange(framework: str, how: str):
     if how == "shutdown":
         took = [float(t) for t in re.findall(r"shutdown took ([\d.]+) s", text)]
         assert len(took) == 2 and max(took) < 10, text
+
+
+def test_low_precision_shutdown_wait_is_bounded(tmp_path: Path):
+    """A rank that never takes its last step does not hold the other's shutdown forever: the
+    wait for the last exchange gives up after HOROVOD_GLOO_TIMEOUT_SECONDS with a warning."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        BAGUA_HVD_OP_TIMEOUT_SECONDS="60",
+        HOROVOD_GLOO_TIMEOUT_SECONDS="3",
+        LP_EXIT_MARKER=str(tmp_path / "rank0-at-end"),
+    )
+    for key in [k for k in env if k.startswith("HOROVOD_") and k != "HOROVOD_GLOO_TIMEOUT_SECONDS"]:
+        del env[key]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "2", sys.executable,
+         str(LP_WORKER), "stall"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "1 low-precision decentralized exchange(s) still in flight after 3 s" in text, text
+    took = [float(t) for t in re.findall(r"rank 0 shutdown took ([\d.]+) s", text)]
+    assert len(took) == 1 and 3 <= took[0] < 15, text

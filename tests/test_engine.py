@@ -1,6 +1,7 @@
 """The framework-neutral algorithm engine (bagua_hvd/common/engine.py) and the declarations'
-checks (bagua_hvd/common/algorithms.py), without a core or a framework: bucketing against the
-independent reference, the op names on the wire, and what each declaration asks for. The
+checks (bagua_hvd/common/algorithms.py), without a core (torch only for its dtypes, which the
+reference's layouts are keyed by): bucketing against the independent reference, the op names on
+the wire, and what each declaration asks for. The
 primitives themselves run in the multi-process tests (tests/mp/test_*_algorithms.py)."""
 
 from __future__ import annotations

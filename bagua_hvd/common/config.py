@@ -17,6 +17,8 @@ BUCKET_MB_ENV = "BAGUA_HVD_BUCKET_MB"
 DEFAULT_BUCKET_MB = 25.0
 OP_TIMEOUT_ENV = "BAGUA_HVD_OP_TIMEOUT_SECONDS"
 WAIT_WARNING_ENV = "BAGUA_HVD_WAIT_WARNING_SECONDS"
+GLOO_TIMEOUT_ENV = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+DEFAULT_GLOO_TIMEOUT_S = 30.0  # Horovod's default, as native/src/config.cc
 DEFAULT_WAIT_WARNING_S = 60.0
 TIMELINE_ENV = "HOROVOD_TIMELINE"
 DYNAMIC_PROCESS_SETS_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
@@ -44,6 +46,13 @@ def op_timeout_seconds() -> float:
     """``BAGUA_HVD_OP_TIMEOUT_SECONDS``: a wait on one operation fails after this long (0: no
     limit)."""
     return seconds(OP_TIMEOUT_ENV, 0.0)
+
+
+def gloo_timeout_seconds() -> float:
+    """``HOROVOD_GLOO_TIMEOUT_SECONDS`` (default 30): the core's bound on a wait without
+    progress; also the longest :func:`bagua_hvd.common.basics` shutdown waits for work an
+    algorithm left in flight."""
+    return seconds(GLOO_TIMEOUT_ENV, DEFAULT_GLOO_TIMEOUT_S)
 
 
 def wait_warning_seconds() -> float:

@@ -23,10 +23,13 @@ This module imports no framework and no numpy.
 
 from __future__ import annotations
 
+import time
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from bagua_hvd.common import basics as _basics
+from bagua_hvd.common import config as _config
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common import primitives as _prim
 from bagua_hvd.common.primitives import Buffer, Errors, Request
@@ -359,21 +362,46 @@ class PeerAverage(_WeightAveraging):
 _in_flight: List[Tuple[Any, List[Request], Any]] = []
 
 
-def _sweep_in_flight() -> None:
+def _sweep_in_flight(timeout_s: Optional[float] = None) -> int:
     """Waits for every ring's exchange, and releases those whose ring was dropped. Waits rather
     than polls, whether or not the owner is still alive: whether a request has completed, or
     whether the garbage collector has freed its owner yet, may differ between ranks, while this
-    point of the program is the same on all. A live owner sees its failure in its own flush()."""
+    point of the program is the same on all. A live owner sees its failure in its own flush().
+    With ``timeout_s``, waits that long in all and returns how many exchanges were still in
+    flight then (they stay listed)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     keep = []
+    late = 0
     for owner, requests, buffers in _in_flight:
         for r in requests:
-            r.settle()
-        if owner() is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not r.settle(left):
+                late += 1
+        if late:
+            keep.append((owner, requests, buffers))
+        elif owner() is None:
             for r in requests:
                 r.release()
         else:
             keep.append((owner, requests, buffers))
     _in_flight[:] = keep
+    return late
+
+
+def _sweep_before_shutdown() -> None:
+    """At shutdown: the exchanges in flight complete first, so that a rank that ends first does
+    not fail a slower rank's last step; bounded by HOROVOD_GLOO_TIMEOUT_SECONDS (a rank that
+    never takes that step must not hold this one's exit forever)."""
+    limit = _config.gloo_timeout_seconds()
+    late = _sweep_in_flight(limit)
+    if late:
+        warnings.warn(
+            f"bagua_hvd: shutting down with {late} low-precision decentralized exchange(s) still "
+            f"in flight after {limit:g} s (HOROVOD_GLOO_TIMEOUT_SECONDS): another rank has not "
+            "taken its last step; that step will fail on it",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 class LowPrecisionRing(_WeightAveraging):
@@ -393,7 +421,7 @@ class LowPrecisionRing(_WeightAveraging):
         self._split: Optional[bool] = None
         # A rank that ends first must not stop the job while a slower one's last exchange
         # still needs it: hvd.shutdown() (and exit) waits for the exchanges first.
-        _basics.before_shutdown(_sweep_in_flight)
+        _basics.before_shutdown(_sweep_before_shutdown)
 
     def before_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
         # Before the first update: replicas from the weights as they are on every rank. One

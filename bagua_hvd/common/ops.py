@@ -16,7 +16,7 @@ import math
 import threading
 import time
 import warnings
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 from bagua_hvd.common import _native, config, exceptions
 from bagua_hvd.common.exceptions import HorovodInternalError
@@ -31,6 +31,7 @@ INVALID_ARGUMENT = _STATUS["INVALID_ARGUMENT"]
 IN_PROGRESS = _STATUS["IN_PROGRESS"]
 TIMED_OUT = _STATUS["TIMED_OUT"]
 NOT_IMPLEMENTED = _STATUS["NOT_IMPLEMENTED"]
+NOT_INITIALIZED = _STATUS["NOT_INITIALIZED"]
 
 _DTYPE = _native.enum("bhvd_dtype", "BHVD_")
 UINT8, INT8, UINT16, INT16 = _DTYPE["UINT8"], _DTYPE["INT8"], _DTYPE["UINT16"], _DTYPE["INT16"]
@@ -48,11 +49,15 @@ OP_ADASUM = _OP["ADASUM"]
 OP_ALLTOALL = _OP["ALLTOALL"]
 OP_BARRIER = _OP["BARRIER"]
 OP_REDUCESCATTER = _OP["REDUCESCATTER"]
-OP_DECENTRALIZED = _OP["DECENTRALIZED"]
-OP_LP_DECENTRALIZED = _OP["LP_DECENTRALIZED"]
+# BAGUA's primitives, each with its parameter struct (c_api.h; built by common/primitives.py).
+OP_HIERARCHICAL_ALLREDUCE = _OP["HIERARCHICAL_ALLREDUCE"]
+OP_COMPRESSED_ALLREDUCE = _OP["COMPRESSED_ALLREDUCE"]
+OP_PEER_AVERAGE = _OP["PEER_AVERAGE"]
+OP_LP_DECENTRALIZED_INIT = _OP["LP_DECENTRALIZED_INIT"]
+OP_LP_DECENTRALIZED_STEP = _OP["LP_DECENTRALIZED_STEP"]
+OP_LP_DECENTRALIZED_EXCHANGE = _OP["LP_DECENTRALIZED_EXCHANGE"]
 
 _COMPRESSION = _native.enum("bhvd_compression", "BHVD_COMPRESSION_")
-COMPRESSION_NONE = _COMPRESSION["NONE"]
 COMPRESSION_MINMAX_UINT8 = _COMPRESSION["MINMAX_UINT8"]
 PEER_MODES = {
     name.lower(): code for name, code in _native.enum("bhvd_peer_mode", "BHVD_PEER_").items()
@@ -79,10 +84,11 @@ _WAIT_SLICE_MS = 100  # wait in slices so that Ctrl-C is handled promptly
 def exception_for_status(status: int, message: str) -> Exception:
     """The Python exception for a failed core status (Horovod's torch mapping).
 
-    INVALID_ARGUMENT -> ValueError, NOT_IMPLEMENTED -> NotImplementedError, everything else
-    (precondition, aborted, unknown, timed out) -> HorovodInternalError (a RuntimeError).
+    INVALID_ARGUMENT and NOT_INITIALIZED -> ValueError, NOT_IMPLEMENTED -> NotImplementedError,
+    everything else (precondition, aborted, unknown, timed out) -> HorovodInternalError (a
+    RuntimeError).
     """
-    if status == INVALID_ARGUMENT:
+    if status == INVALID_ARGUMENT or status == NOT_INITIALIZED:
         return ValueError(message)
     if status == NOT_IMPLEMENTED:
         return NotImplementedError(message)
@@ -181,25 +187,24 @@ def enqueue(
     postscale_factor: float = 1.0,
     splits: Sequence[int] | None = None,
     urgent: bool = False,
-    compression: int = 0,
-    peer_mode: int = 0,
-    step: int = 0,
-    aux: Sequence[TensorDesc] | None = None,
-    hierarchical: bool = False,
+    params: Any = None,
+    status_error: Callable[[int, str], Exception] = exception_for_status,
 ) -> Tuple[int, Any]:
     """Queues one request (grouped when ``len(inputs) > 1``) and returns ``(handle, keepalive)``.
 
     ``name`` is the full core name (``"allreduce.grad0"``) or None for ``"<op>.noname.<handle>"``.
     ``keepalive`` holds C structs that must outlive the call (None when there are none); the
-    caller keeps the tensors' memory alive until :func:`release`. ``compression``,
-    ``peer_mode``, ``step``, ``aux`` (state buffers) and ``hierarchical`` describe BAGUA's
-    primitives (docs/algorithms.md).
-    Raises ValueError (invalid argument), NotImplementedError, or HorovodInternalError.
+    caller keeps the tensors' memory alive until :func:`release`. ``params``: the cdata pointer
+    to the parameter struct of BAGUA's primitive ``op_type`` (c_api.h, built by
+    :mod:`bagua_hvd.common.primitives`; the core copies it during the call), None for the others.
+    A failed core status raises ``status_error(status, message)`` (by default
+    :func:`exception_for_status`: ValueError, NotImplementedError or HorovodInternalError); the
+    checks made here before the core raise ValueError.
     """
     global _scratch
     n = _n if _n is not None else native()
     newp = n.newp
-    if len(inputs) == 1 and splits is None and aux is None:
+    if len(inputs) == 1 and splits is None:
         # Hot path: one tensor, reusable structs, no allocation but the name.
         s = _scratch if _scratch is not None else _init_scratch()
         req = s.req
@@ -234,12 +239,7 @@ def enqueue(
                 postscale_factor,
                 urgent,
             )
-            req.compression = compression
-            req.peer_mode = peer_mode
-            req.step = step
-            req.hierarchical = 1 if hierarchical else 0
-            req.num_aux = 0
-            req.aux = n.null
+            req.params = n.null if params is None else params
             req.num_tensors = 1
             req.splits = n.null
             req.num_splits = 0
@@ -251,8 +251,9 @@ def enqueue(
                 req.name = cname
                 status = n.lib.bhvd_enqueue(req, s.hout)
                 req.name = n.null
+            req.params = n.null  # the caller's struct may go now
             if status != OK:
-                _raise_enqueue_error(n, status)
+                raise status_error(status, _native.last_error())
             return s.hout[0], None
 
     req = newp(n.req_t, None)
@@ -291,15 +292,8 @@ def enqueue(
         urgent,
     )
     req.num_tensors = num
-    req.compression = compression
-    req.peer_mode = peer_mode
-    req.step = step
-    req.hierarchical = 1 if hierarchical else 0
-    if aux:
-        ashapes = newp(n.i64_t, sum(len(d[2]) for d in aux) or 1)
-        req.aux = taux = _fill(n, newp(n.tensors_t, len(aux)), aux, ashapes, 0)
-        req.num_aux = len(aux)
-        keep += [ashapes, taux]
+    if params is not None:
+        req.params = params
     if splits is not None:
         csplits = newp(n.i32_t, list(splits) or [0])
         keep.append(csplits)
@@ -308,7 +302,7 @@ def enqueue(
     handle_out = newp(n.i64p_t, None)
     status = n.lib.bhvd_enqueue(req, handle_out)
     if status != OK:
-        _raise_enqueue_error(n, status)
+        raise status_error(status, _native.last_error())
     return handle_out[0], keep
 
 
@@ -363,13 +357,6 @@ def _init_scratch() -> _Scratch:
     return _scratch
 
 
-def _raise_enqueue_error(n: _Native, status: int) -> None:
-    message = _native.last_error()
-    if not n.lib.bhvd_is_initialized():
-        raise ValueError(NOT_INITIALIZED_ERROR)
-    raise exception_for_status(status, message)
-
-
 def _fill(n: _Native, arr: Any, descs: Sequence[TensorDesc], shapes: Any, off: int) -> Any:
     cast, voidp, empty = n.cast, n.voidp, n.empty
     for i, (ptr, dtype, shape) in enumerate(descs):
@@ -409,6 +396,19 @@ def wait_status(handle: int, what: str = "operation") -> int:
     if status == TIMED_OUT:
         status = _wait_long(n, handle, what)
     return status
+
+
+def wait_until(handle: int, timeout_s: float) -> bool:
+    """Blocks until ``handle`` completes or ``timeout_s`` seconds have passed (in slices, so
+    that Ctrl-C is handled); True when it completed."""
+    n = _n if _n is not None else native()
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while True:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if n.lib.bhvd_wait(handle, max(0, min(_WAIT_SLICE_MS, left_ms))) != TIMED_OUT:
+            return True
+        if left_ms <= _WAIT_SLICE_MS:
+            return False
 
 
 def failure_message(handle: int, fallback: str) -> str:

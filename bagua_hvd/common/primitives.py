@@ -7,10 +7,12 @@ initialisation, its blocking hierarchical form, and its split form: a local half
 caller's thread and an exchange half in the core), asynchronous model averaging (a small class
 that releases the core's averager) and the sizes the algorithms allocate by.
 
-A buffer is described by a :class:`Buffer`: address, dtype code, element count, device and
-stream (device -1 and stream 0 for host memory, the only memory the primitives accept
-today). The caller keeps the memory alive until the request it was given to completes; the
-:class:`Request` objects returned here hold what the core's C structs need.
+Each primitive is its own op type of the core with its own parameter struct (c_api.h:
+``bhvd_compressed_allreduce_params``, ``bhvd_peer_average_params``, ``bhvd_lp_*_params``), built
+here and nowhere else. A buffer is described by a :class:`Buffer`: address, dtype code, element
+count, device and stream (device -1 and stream 0 for host memory, the only memory the
+primitives accept today). The caller keeps the memory alive until the request it was given to
+completes; the :class:`Request` objects returned here hold what the core's C structs need.
 
 Failures are reported through an :class:`Errors` object, so that each frontend raises its own
 exception classes (Python's for torch, ``tf.errors`` for TensorFlow) from the same code.
@@ -47,10 +49,6 @@ _GPU_MESSAGE = (
     "supported yet"
 )
 
-# peer_mode values of BHVD_OP_LP_DECENTRALIZED: the step (hierarchical), the replicas'
-# initialisation, the exchange half of the split step.
-_LP_STEP, _LP_INIT, _LP_EXCHANGE = 0, 1, 2
-
 
 class Buffer(NamedTuple):
     """A contiguous buffer as the core sees it."""
@@ -70,10 +68,14 @@ class Errors:
     """How a frontend reports a failure of the core (the default: Python's exceptions, as
     the torch frontend raises them)."""
 
-    def enqueue(self, error: Exception) -> Exception:
-        """The exception for ``error`` (ValueError, NotImplementedError,
-        HorovodInternalError) raised while a request was submitted."""
+    def enqueue(self, error: ValueError) -> Exception:
+        """The exception for ``error``, a ValueError of the checks made before the core while a
+        request was submitted."""
         return error
+
+    def enqueue_status(self, status: int, message: str) -> Exception:
+        """The exception for a core status that refused a request at submission."""
+        return _ops.exception_for_status(status, message)
 
     def status(self, status: int, message: str) -> Exception:
         """The exception for a failed core status."""
@@ -126,17 +128,21 @@ class Request:
             raise self.errors.status(status, message)
         self.release()
 
-    def settle(self) -> None:
-        """Blocks until the request completes, without raising or releasing it (a later
-        :meth:`wait` reports its outcome)."""
+    def settle(self, timeout_s: Optional[float] = None) -> bool:
+        """Blocks until the request completes (at most ``timeout_s`` seconds when given),
+        without raising or releasing it (a later :meth:`wait` reports its outcome). Returns
+        False when ``timeout_s`` ran out first."""
         if self.done:
-            return
+            return True
+        if timeout_s is not None:
+            return _ops.wait_until(self.handle, timeout_s)
         try:
             _ops.wait_status(self.handle, self.name)
         except KeyboardInterrupt:
             raise
         except Exception:  # noqa: BLE001  (reported by wait())
             pass
+        return True
 
     def release(self) -> None:
         if not self.done:
@@ -174,10 +180,9 @@ def _submit(
     name: str,
     process_set_id: int,
     errors: Errors,
-    aux: Sequence[Buffer] = (),
+    params: Any = None,
     **kwargs: Any,
 ) -> Request:
-    _host(buf, out, *aux)
     desc = buf.desc()
     try:
         handle, keep = _ops.enqueue(
@@ -187,12 +192,35 @@ def _submit(
             name=name,
             process_set_id=process_set_id,
             urgent=True,
-            aux=[a.desc() for a in aux] or None,
+            params=params,
+            status_error=errors.enqueue_status,
             **kwargs,
         )
-    except (ValueError, NotImplementedError, HorovodInternalError) as e:
+    except ValueError as e:  # the checks made before the core
         raise errors.enqueue(e) from None
     return Request(handle, name, keep, errors)
+
+
+def _params(c_type: str, op_type: int, keep: List[Any]) -> Any:
+    """A zeroed parameter struct of ``c_type`` for ``op_type`` (its first field), kept alive in
+    ``keep`` until the enqueue returns."""
+    p = _ops.native().ffi.new(f"{c_type} *")
+    p.op_type = op_type
+    keep.append(p)
+    return p
+
+
+def _state(b: Buffer, keep: List[Any]) -> Any:
+    """A ``bhvd_tensor *`` describing state buffer ``b`` (kept alive in ``keep``)."""
+    n = _ops.native()
+    t = n.ffi.new("bhvd_tensor *")
+    shape = n.newp(n.i64_t, [b.numel])
+    t.data = n.cast(n.voidp, b.ptr) if b.numel else n.empty
+    t.dtype = b.dtype
+    t.ndim = 1
+    t.shape = shape
+    keep += (t, shape)
+    return t
 
 
 def allreduce(
@@ -211,20 +239,34 @@ def allreduce(
     """The allreduce of one bucket, in place: MinMaxUInt8-compressed (ByteGrad) when
     ``compressed``, with ``residuals`` = (residual of the first quantization, of the second;
     see :func:`compression_group_size`) for error feedback; within each host first when
-    ``hierarchical``."""
+    ``hierarchical``. Uncompressed: Horovod's allreduce, or the hierarchical allreduce op."""
+    _host(buf, *residuals)
+    keep: List[Any] = []
+    params = None
+    if compressed:
+        op_type = _ops.OP_COMPRESSED_ALLREDUCE
+        params = _params("bhvd_compressed_allreduce_params", op_type, keep)
+        params.compression = _ops.COMPRESSION_MINMAX_UINT8
+        params.hierarchical = int(hierarchical)
+        if residuals:
+            worker, server = residuals
+            params.residual_worker = _state(worker, keep)
+            params.residual_server = _state(server, keep)
+    else:
+        if residuals:
+            raise ValueError("error-feedback residuals belong to the compressed allreduce")
+        op_type = _ops.OP_HIERARCHICAL_ALLREDUCE if hierarchical else _ops.OP_ALLREDUCE
     return _submit(
-        _ops.OP_ALLREDUCE,
+        op_type,
         buf,
         buf,
         name,
         process_set_id,
         errors,
-        residuals,
+        params,
         reduce_op=reduce_op,
         prescale_factor=prescale_factor,
         postscale_factor=postscale_factor,
-        compression=_ops.COMPRESSION_MINMAX_UINT8 if compressed else _ops.COMPRESSION_NONE,
-        hierarchical=hierarchical,
     )
 
 
@@ -240,17 +282,26 @@ def peer_average(
     errors: Errors = PYTHON_ERRORS,
 ) -> Request:
     """Decentralized SGD's average of ``buf`` with the peers of round ``step`` into ``out``."""
-    return _submit(
-        _ops.OP_DECENTRALIZED,
-        buf,
-        out,
-        name,
-        process_set_id,
-        errors,
-        peer_mode=_ops.PEER_MODES[peer_selection_mode],
-        step=step,
-        hierarchical=hierarchical,
-    )
+    _host(buf, out)
+    keep: List[Any] = []
+    params = _params("bhvd_peer_average_params", _ops.OP_PEER_AVERAGE, keep)
+    params.peer_mode = _ops.PEER_MODES[peer_selection_mode]
+    params.step = step
+    params.hierarchical = int(hierarchical)
+    return _submit(_ops.OP_PEER_AVERAGE, buf, out, name, process_set_id, errors, params)
+
+
+def _lp_replicas(
+    c_type: str, op_type: int, replicas: Sequence[Buffer], hierarchical: bool, keep: List[Any]
+) -> Any:
+    """The parameters of the ring's INIT and STEP: ``replicas`` = (self, left, right)."""
+    own, left, right = replicas
+    params = _params(c_type, op_type, keep)
+    params.hierarchical = int(hierarchical)
+    params.self = _state(own, keep)
+    params.left = _state(left, keep)
+    params.right = _state(right, keep)
+    return params
 
 
 def lp_init(
@@ -264,17 +315,11 @@ def lp_init(
 ) -> Request:
     """Low-precision decentralized: ``replicas`` (self, left, right) = this rank's and its ring
     neighbours' ``buf``."""
-    return _submit(
-        _ops.OP_LP_DECENTRALIZED,
-        buf,
-        buf,
-        name,
-        process_set_id,
-        errors,
-        replicas,
-        peer_mode=_LP_INIT,
-        hierarchical=hierarchical,
-    )
+    _host(buf, *replicas)
+    keep: List[Any] = []
+    op_type = _ops.OP_LP_DECENTRALIZED_INIT
+    params = _lp_replicas("bhvd_lp_init_params", op_type, replicas, hierarchical, keep)
+    return _submit(op_type, buf, buf, name, process_set_id, errors, params)
 
 
 def lp_step(
@@ -285,18 +330,13 @@ def lp_step(
     *,
     errors: Errors = PYTHON_ERRORS,
 ) -> Request:
-    """Low-precision decentralized: the whole (hierarchical) step of ``buf`` in the core."""
-    return _submit(
-        _ops.OP_LP_DECENTRALIZED,
-        buf,
-        buf,
-        name,
-        process_set_id,
-        errors,
-        replicas,
-        peer_mode=_LP_STEP,
-        hierarchical=True,
-    )
+    """Low-precision decentralized: the whole hierarchical step of ``buf`` in the core (the
+    flat step is split: :func:`lp_local_half`, :func:`lp_exchange_half`)."""
+    _host(buf, *replicas)
+    keep: List[Any] = []
+    op_type = _ops.OP_LP_DECENTRALIZED_STEP
+    params = _lp_replicas("bhvd_lp_step_params", op_type, replicas, True, keep)
+    return _submit(op_type, buf, buf, name, process_set_id, errors, params)
 
 
 def lp_local_half(
@@ -338,16 +378,13 @@ def lp_exchange_half(
 ) -> Request:
     """The exchange half of the split step: ``diff`` to both neighbours, theirs decompressed
     into the ``left`` and ``right`` replicas."""
-    return _submit(
-        _ops.OP_LP_DECENTRALIZED,
-        diff,
-        diff,
-        name,
-        process_set_id,
-        errors,
-        (left, right),
-        peer_mode=_LP_EXCHANGE,
-    )
+    _host(diff, left, right)
+    keep: List[Any] = []
+    op_type = _ops.OP_LP_DECENTRALIZED_EXCHANGE
+    params = _params("bhvd_lp_exchange_params", op_type, keep)
+    params.left = _state(left, keep)
+    params.right = _state(right, keep)
+    return _submit(op_type, diff, diff, name, process_set_id, errors, params)
 
 
 def compression_group_size(process_set_id: int, hierarchical: bool) -> int:

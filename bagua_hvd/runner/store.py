@@ -59,6 +59,10 @@ class StoreError(RuntimeError):
     """A store request failed (connection lost, protocol error, refused request)."""
 
 
+class StoreConnectionClosed(StoreError):
+    """The peer closed the connection (between requests: a client's orderly end)."""
+
+
 class AuthenticationError(StoreError):
     """The other end does not know the job secret, or talks to the wrong kind of endpoint."""
 
@@ -122,7 +126,7 @@ def _recv_exact(sock: socket.socket, n: int, what: str, deadline: Optional[float
         except socket.timeout:
             raise StoreTimeoutError(f"timed out waiting for data from {what}") from None
         if not chunk:
-            raise StoreError(f"{what} closed the connection")
+            raise StoreConnectionClosed(f"{what} closed the connection")
         buf += chunk
     return bytes(buf)
 
@@ -544,7 +548,7 @@ class StoreServer:
                 try:
                     request = _recv_frame(sock, self._max_frame, what)
                 except StoreError as e:
-                    if "closed the connection" not in str(e) and not self._stopping:
+                    if not isinstance(e, StoreConnectionClosed) and not self._stopping:
                         logger.warning("rendezvous store: dropped %s: %s", what, e)
                         self._reply_error(sock, str(e))
                     return

@@ -47,6 +47,7 @@ absl::StatusCode ToCode(int32_t status) {
     case BHVD_ABORTED: return absl::StatusCode::kAborted;
     case BHVD_NOT_IMPLEMENTED: return absl::StatusCode::kUnimplemented;
     case BHVD_TIMED_OUT: return absl::StatusCode::kDeadlineExceeded;
+    case BHVD_NOT_INITIALIZED: return absl::StatusCode::kFailedPrecondition;  // Horovod's class
     default: return absl::StatusCode::kUnknown;
   }
 }
@@ -311,13 +312,7 @@ class BaguaHvdCollectiveOp : public AsyncOpKernel {
     int64_t handle = 0;
     const int rc = bhvd_enqueue(&r, &handle);
     if (rc != BHVD_OK) {
-      // Horovod's message and class for a job not initialized (mpi_ops._enqueue).
-      if (!bhvd_is_initialized()) {
-        ctx->SetStatus(
-            absl::FailedPreconditionError("Horovod has not been initialized; use hvd.init()."));
-      } else {
-        ctx->SetStatus(absl::Status(ToCode(rc), bhvd_last_error()));
-      }
+      ctx->SetStatus(absl::Status(ToCode(rc), bhvd_last_error()));
       done();
       return;
     }

@@ -102,6 +102,13 @@ _STATUS_ERRORS = {
     _ops.ABORTED: tf.errors.AbortedError,
     _ops.NOT_IMPLEMENTED: tf.errors.UnimplementedError,
     _ops.TIMED_OUT: tf.errors.DeadlineExceededError,
+    _ops.NOT_INITIALIZED: tf.errors.FailedPreconditionError,  # Horovod's class for it
+}
+# At submission (Horovod's enqueue path): a refusal by the core that is not a bad argument or a
+# missing feature fails a precondition.
+_ENQUEUE_ERRORS = {
+    _ops.INVALID_ARGUMENT: tf.errors.InvalidArgumentError,
+    _ops.NOT_IMPLEMENTED: tf.errors.UnimplementedError,
 }
 
 # Arrays the core may still touch after an interrupted wait: never freed.
@@ -144,14 +151,11 @@ def numpy_dtype_code(a: np.ndarray) -> int:
 class TFErrors(Errors):
     """Core failures as TensorFlow errors (Horovod's ToTFStatus)."""
 
-    def enqueue(self, error: Exception) -> Exception:
-        if isinstance(error, ValueError):
-            if str(error) == _ops.NOT_INITIALIZED_ERROR:
-                return tf.errors.FailedPreconditionError(None, None, str(error))
-            return tf.errors.InvalidArgumentError(None, None, str(error))
-        if isinstance(error, NotImplementedError):
-            return tf.errors.UnimplementedError(None, None, str(error))
-        return tf.errors.FailedPreconditionError(None, None, str(error))
+    def enqueue(self, error: ValueError) -> Exception:
+        return tf.errors.InvalidArgumentError(None, None, str(error))
+
+    def enqueue_status(self, status: int, message: str) -> Exception:
+        return _ENQUEUE_ERRORS.get(status, tf.errors.FailedPreconditionError)(None, None, message)
 
     def status(self, status: int, message: str) -> Exception:
         return _tf_error(status, message)
@@ -231,8 +235,8 @@ def _empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
 
 def _enqueue(op_type: int, descs: list, outs: list | None, **kw: Any) -> Tuple[int, Any]:
     try:
-        return _ops.enqueue(op_type, descs, outs, **kw)
-    except (ValueError, NotImplementedError, HorovodInternalError) as e:
+        return _ops.enqueue(op_type, descs, outs, status_error=TF_ERRORS.enqueue_status, **kw)
+    except ValueError as e:  # the checks made before the core
         raise TF_ERRORS.enqueue(e) from None
 
 

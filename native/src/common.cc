@@ -61,8 +61,12 @@ const char* op_type_name(OpType t) {
     case OpType::ALLTOALL: return "ALLTOALL";
     case OpType::BARRIER: return "BARRIER";
     case OpType::REDUCESCATTER: return "REDUCESCATTER";
-    case OpType::DECENTRALIZED: return "DECENTRALIZED";
-    case OpType::LP_DECENTRALIZED: return "LP_DECENTRALIZED";
+    case OpType::HIERARCHICAL_ALLREDUCE: return "HIERARCHICAL_ALLREDUCE";
+    case OpType::COMPRESSED_ALLREDUCE: return "COMPRESSED_ALLREDUCE";
+    case OpType::PEER_AVERAGE: return "PEER_AVERAGE";
+    case OpType::LP_DECENTRALIZED_INIT: return "LP_DECENTRALIZED_INIT";
+    case OpType::LP_DECENTRALIZED_STEP: return "LP_DECENTRALIZED_STEP";
+    case OpType::LP_DECENTRALIZED_EXCHANGE: return "LP_DECENTRALIZED_EXCHANGE";
   }
   return "UNKNOWN";
 }

@@ -44,9 +44,20 @@ enum class OpType : int32_t {
   ALLTOALL = BHVD_OP_ALLTOALL,
   BARRIER = BHVD_OP_BARRIER,
   REDUCESCATTER = BHVD_OP_REDUCESCATTER,
-  DECENTRALIZED = BHVD_OP_DECENTRALIZED,
-  LP_DECENTRALIZED = BHVD_OP_LP_DECENTRALIZED,
+  HIERARCHICAL_ALLREDUCE = BHVD_OP_HIERARCHICAL_ALLREDUCE,
+  COMPRESSED_ALLREDUCE = BHVD_OP_COMPRESSED_ALLREDUCE,
+  PEER_AVERAGE = BHVD_OP_PEER_AVERAGE,
+  LP_DECENTRALIZED_INIT = BHVD_OP_LP_DECENTRALIZED_INIT,
+  LP_DECENTRALIZED_STEP = BHVD_OP_LP_DECENTRALIZED_STEP,
+  LP_DECENTRALIZED_EXCHANGE = BHVD_OP_LP_DECENTRALIZED_EXCHANGE,
 };
+
+// The allreduce op types (plain, hierarchical, compressed): the checks of Horovod's allreduce
+// (reduce op, scale factors) apply to each.
+inline bool is_allreduce(int32_t type) {
+  return type == BHVD_OP_ALLREDUCE || type == BHVD_OP_HIERARCHICAL_ALLREDUCE ||
+         type == BHVD_OP_COMPRESSED_ALLREDUCE;
+}
 
 // Size in bytes of one element; 0 for an unknown type.
 size_t dtype_size(DataType t);
@@ -65,6 +76,7 @@ enum class StatusType : int32_t {
   IN_PROGRESS = BHVD_IN_PROGRESS,
   TIMED_OUT = BHVD_TIMED_OUT,
   NOT_IMPLEMENTED = BHVD_NOT_IMPLEMENTED,
+  NOT_INITIALIZED = BHVD_NOT_INITIALIZED,
 };
 
 struct Status {
@@ -80,6 +92,7 @@ struct Status {
     return {StatusType::INVALID_ARGUMENT, std::move(r)};
   }
   static Status Aborted(std::string r) { return {StatusType::ABORTED, std::move(r)}; }
+  static Status NotInitialized();  // kNotInitialized, below
 };
 
 // Raised by transports and collectives when a peer fails, times out or sends garbage. The
@@ -105,9 +118,10 @@ void log_message(LogLevel level, const std::string& msg);
 
 // The environment is read in one place: config.h.
 
-// Horovod's text, the one "not initialized" message of the core (an INVALID_ARGUMENT status,
-// which the frontends raise as ValueError like Horovod).
+// Horovod's text, the one "not initialized" message of the core, always with the status
+// NOT_INITIALIZED (by which the frontends choose their error class).
 inline constexpr const char* kNotInitialized = "Horovod has not been initialized; use hvd.init().";
+inline Status Status::NotInitialized() { return {StatusType::NOT_INITIALIZED, kNotInitialized}; }
 
 inline int64_t num_elements(const std::vector<int64_t>& shape) {
   int64_t n = 1;

@@ -42,14 +42,19 @@ TEST(CApiGuard, NotInitializedIsOneMessage) {
   ASSERT_EQ(bhvd_is_initialized(), 0);
   bhvd_request req{};
   int64_t handle = 0;
-  EXPECT_EQ(bhvd_enqueue(&req, &handle), BHVD_INVALID_ARGUMENT);
+  EXPECT_EQ(bhvd_enqueue(&req, &handle), BHVD_NOT_INITIALIZED);
   EXPECT_STREQ(bhvd_last_error(), kHorovodNotInitialized);
   float w = 0;
   int64_t shape = 1;
   bhvd_tensor t{&w, BHVD_FLOAT32, 1, &shape};
   int64_t id = 0;
-  EXPECT_EQ(bhvd_async_start("avg", &t, 1, 0, 10, &id), BHVD_INVALID_ARGUMENT);
+  EXPECT_EQ(bhvd_async_start("avg", &t, 1, 0, 10, &id), BHVD_NOT_INITIALIZED);
   EXPECT_STREQ(bhvd_last_error(), kHorovodNotInitialized);
+  int32_t set_id = 0;
+  const int32_t ranks[] = {0};
+  EXPECT_EQ(bhvd_add_process_set(ranks, 1, &set_id), BHVD_NOT_INITIALIZED);
+  EXPECT_STREQ(bhvd_last_error(), kHorovodNotInitialized);
+  EXPECT_EQ(bhvd_remove_process_set(1), BHVD_NOT_INITIALIZED);
   EXPECT_EQ(bhvd_enqueue(nullptr, &handle), BHVD_INVALID_ARGUMENT);
   EXPECT_STREQ(bhvd_last_error(), "NULL request");
 }

@@ -189,15 +189,83 @@ TEST_F(Negotiation, LargeAndCompressedTensorsRunAlone) {
   start();
   submit_all(allreduce("small1", {4}));
   submit_all(allreduce("big", {1 << 15}));  // 128 KiB >= no_fuse_bytes (64 KiB)
-  Request c = allreduce("compressed", {4});
-  c.compression = BHVD_COMPRESSION_MINMAX_UINT8;
+  Request c = req("compressed", BHVD_OP_COMPRESSED_ALLREDUCE, DataType::FLOAT32, {4});
+  c.params = CompressedAllreduceParams{BHVD_COMPRESSION_MINMAX_UINT8, false};
   submit_all(c);
+  submit_all(req("hier1", BHVD_OP_HIERARCHICAL_ALLREDUCE, DataType::FLOAT32, {4}));
+  submit_all(req("hier2", BHVD_OP_HIERARCHICAL_ALLREDUCE, DataType::FLOAT32, {4}));
   submit_all(allreduce("small2", {4}));
   ResponseList out = build();
-  ASSERT_EQ(out.responses.size(), 3u);
+  ASSERT_EQ(out.responses.size(), 5u);
   EXPECT_EQ(out.responses[0].names, (std::vector<std::string>{"small1", "small2"}));
   EXPECT_EQ(out.responses[1].names, (std::vector<std::string>{"big"}));
   EXPECT_EQ(out.responses[2].names, (std::vector<std::string>{"compressed"}));
+  EXPECT_EQ(out.responses[2].type, BHVD_OP_COMPRESSED_ALLREDUCE);
+  EXPECT_TRUE(std::holds_alternative<CompressedAllreduceParams>(out.responses[2].params));
+  EXPECT_EQ(out.responses[3].names, (std::vector<std::string>{"hier1"}));
+  EXPECT_EQ(out.responses[4].names, (std::vector<std::string>{"hier2"}));
+}
+
+TEST_F(Negotiation, ResponsesCarryTheAgreedParameters) {
+  start();
+  Request a = req("avg", BHVD_OP_PEER_AVERAGE, DataType::FLOAT32, {8});
+  a.params = PeerAverageParams{BHVD_PEER_RING, 12, true};
+  submit_all(a);
+  ResponseList out = build();
+  ASSERT_EQ(out.responses.size(), 1u);
+  ASSERT_EQ(out.responses[0].kind, Response::OP);
+  const auto& p = std::get<PeerAverageParams>(out.responses[0].params);
+  EXPECT_EQ(p.peer_mode, BHVD_PEER_RING);
+  EXPECT_EQ(p.step, 12);
+  EXPECT_TRUE(p.hierarchical);
+}
+
+TEST_F(Negotiation, MismatchedAlgorithmParameters) {
+  start();
+  Request a = req("avg", BHVD_OP_PEER_AVERAGE, DataType::FLOAT32, {8});
+  a.params = PeerAverageParams{BHVD_PEER_SHIFT_ONE, 3, false};
+  submit(0, a);
+  submit(1, a);
+  a.params = PeerAverageParams{BHVD_PEER_SHIFT_ONE, 4, false};
+  submit(2, a);
+  EXPECT_EQ(error(),
+            "Mismatched PEER_AVERAGE algorithm parameters: One rank sent (peer mode 1, step 3, "
+            "hierarchical 0), but another rank sent (peer mode 1, step 4, hierarchical 0): every "
+            "rank must use the same algorithm and step.");
+  Request s = req("lp", BHVD_OP_LP_DECENTRALIZED_STEP, DataType::FLOAT32, {8});
+  s.params = LpRingParams{true};
+  submit(0, s);
+  submit(1, s);
+  s.params = LpRingParams{false};
+  submit(2, s);
+  EXPECT_EQ(error(),
+            "Mismatched LP_DECENTRALIZED_STEP algorithm parameters: One rank sent (hierarchical "
+            "1), but another rank sent (hierarchical 0): every rank must use the same algorithm "
+            "and step.");
+}
+
+TEST_F(Negotiation, ACompressedAndAPlainAllreduceAreDifferentOperations) {
+  start();
+  Request c = req("g", BHVD_OP_COMPRESSED_ALLREDUCE, DataType::FLOAT32, {8});
+  c.params = CompressedAllreduceParams{};
+  submit(0, c);
+  submit(1, allreduce("g", {8}));
+  submit(2, c);
+  EXPECT_EQ(error(),
+            "Mismatched operations: One rank did an COMPRESSED_ALLREDUCE, but another rank did an "
+            "ALLREDUCE.");
+}
+
+TEST_F(Negotiation, MismatchedScaleFactorsOfAHierarchicalAllreduce) {
+  start();
+  Request h = req("h", BHVD_OP_HIERARCHICAL_ALLREDUCE, DataType::FLOAT32, {2});
+  submit(0, h);
+  submit(1, h);
+  h.postscale = 0.5;
+  submit(2, h);
+  EXPECT_EQ(error(),
+            "Mismatched prescale and/or postscale factors: One rank sent factors (1, 1), but "
+            "another rank sent factors (1, 0.5).");
 }
 
 TEST_F(Negotiation, NoFusionWithThresholdZero) {

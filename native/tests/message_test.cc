@@ -11,7 +11,24 @@
 namespace bagua_hvd {
 namespace {
 
-// Field by field, written here rather than through Request::same_params (the code under test).
+// Field by field, written here rather than through Request::same_params or the params'
+// operator== (the code under test).
+void expect_same(const OpParams& a, const OpParams& b) {
+  ASSERT_EQ(a.index(), b.index());
+  if (auto* p = std::get_if<CompressedAllreduceParams>(&a)) {
+    const auto& q = std::get<CompressedAllreduceParams>(b);
+    EXPECT_EQ(p->compression, q.compression);
+    EXPECT_EQ(p->hierarchical, q.hierarchical);
+  } else if (auto* p = std::get_if<PeerAverageParams>(&a)) {
+    const auto& q = std::get<PeerAverageParams>(b);
+    EXPECT_EQ(p->peer_mode, q.peer_mode);
+    EXPECT_EQ(p->step, q.step);
+    EXPECT_EQ(p->hierarchical, q.hierarchical);
+  } else if (auto* p = std::get_if<LpRingParams>(&a)) {
+    EXPECT_EQ(p->hierarchical, std::get<LpRingParams>(b).hierarchical);
+  }
+}
+
 void expect_same(const Request& a, const Request& b) {
   EXPECT_EQ(a.rank, b.rank);
   EXPECT_EQ(a.type, b.type);
@@ -26,10 +43,7 @@ void expect_same(const Request& a, const Request& b) {
   EXPECT_EQ(a.shape, b.shape);
   EXPECT_EQ(a.splits, b.splits);
   EXPECT_EQ(a.urgent, b.urgent);
-  EXPECT_EQ(a.compression, b.compression);
-  EXPECT_EQ(a.peer_mode, b.peer_mode);
-  EXPECT_EQ(a.step, b.step);
-  EXPECT_EQ(a.hierarchical, b.hierarchical);
+  expect_same(a.params, b.params);
 }
 
 void expect_same(const Response& a, const Response& b) {
@@ -42,10 +56,7 @@ void expect_same(const Response& a, const Response& b) {
   EXPECT_EQ(a.device, b.device);
   EXPECT_EQ(std::memcmp(&a.prescale, &b.prescale, sizeof(double)), 0);
   EXPECT_EQ(std::memcmp(&a.postscale, &b.postscale, sizeof(double)), 0);
-  EXPECT_EQ(a.compression, b.compression);
-  EXPECT_EQ(a.peer_mode, b.peer_mode);
-  EXPECT_EQ(a.step, b.step);
-  EXPECT_EQ(a.hierarchical, b.hierarchical);
+  expect_same(a.params, b.params);
   EXPECT_EQ(a.error, b.error);
   EXPECT_EQ(a.names, b.names);
   EXPECT_EQ(a.shapes, b.shapes);
@@ -97,11 +108,32 @@ class Random {
     return v;
   }
   DataType dtype() { return kTypes[num(0, 10)]; }
+  // An op type: one of the public ones (BAGUA's primitives among them) most of the time, else
+  // anything (internal and unknown types carry no parameters).
+  int32_t type(int32_t lo) {
+    return coin() ? static_cast<int32_t>(num(BHVD_OP_ALLREDUCE, BHVD_OP_LP_DECENTRALIZED_EXCHANGE))
+                  : static_cast<int32_t>(num(lo, 101));
+  }
+  // Random values of the parameters type takes.
+  OpParams params(int32_t type) {
+    OpParams p = params_for_type(type);
+    if (auto* c = std::get_if<CompressedAllreduceParams>(&p)) {
+      c->compression = static_cast<int32_t>(num(-(1 << 20), 1 << 20));
+      c->hierarchical = coin();
+    } else if (auto* a = std::get_if<PeerAverageParams>(&p)) {
+      a->peer_mode = static_cast<int32_t>(num(-1, 2));
+      a->step = num(0, int64_t(1) << 50);
+      a->hierarchical = coin();
+    } else if (auto* l = std::get_if<LpRingParams>(&p)) {
+      l->hierarchical = coin();
+    }
+    return p;
+  }
 
   Request request() {
     Request r;
     r.rank = static_cast<int32_t>(num(0, 1 << 20));
-    r.type = static_cast<int32_t>(num(0, 101));
+    r.type = type(0);
     r.dtype = dtype();
     r.name = text(40);
     r.process_set_id = static_cast<int32_t>(num(0, 1000));
@@ -113,17 +145,14 @@ class Random {
     r.shape = vec<int64_t>(6, 0, int64_t(1) << 40);
     r.splits = vec<int32_t>(9, 0, 1 << 30);
     r.urgent = coin();
-    r.compression = static_cast<int32_t>(num(0, 1));
-    r.peer_mode = static_cast<int32_t>(num(0, 2));
-    r.step = num(0, int64_t(1) << 50);
-    r.hierarchical = static_cast<int32_t>(num(0, 1));
+    r.params = params(r.type);
     return r;
   }
 
   Response response() {
     Response r;
     r.kind = coin() ? Response::OP : Response::ERROR;
-    r.type = static_cast<int32_t>(num(-1, 101));
+    r.type = type(-1);
     r.process_set_id = static_cast<int32_t>(num(0, 1000));
     r.dtype = dtype();
     r.reduce_op = static_cast<ReduceOp>(num(0, 5));
@@ -131,10 +160,7 @@ class Random {
     r.device = static_cast<int32_t>(num(-1, 7));
     r.prescale = real();
     r.postscale = real();
-    r.compression = static_cast<int32_t>(num(0, 1));
-    r.peer_mode = static_cast<int32_t>(num(0, 2));
-    r.step = num(0, int64_t(1) << 50);
-    r.hierarchical = static_cast<int32_t>(num(0, 1));
+    r.params = params(r.type);
     r.error = text(80);
     const int tensors = static_cast<int>(num(0, 5));
     for (int i = 0; i < tensors; ++i) {
@@ -199,6 +225,57 @@ TEST(Message, HandWrittenRequestRoundTrips) {
   expect_same(back, l);
   EXPECT_EQ(back.requests[0].name.size(), 8u);
   EXPECT_TRUE(std::signbit(back.requests[0].prescale));
+}
+
+TEST(Message, EachPrimitivesParamsRoundTrip) {
+  RequestList l;
+  ResponseList rl;
+  auto add = [&](int32_t type, OpParams params) {
+    Request r;
+    r.type = type;
+    r.name = op_type_name(static_cast<OpType>(type));
+    r.params = params;
+    l.requests.push_back(r);
+    Response s;
+    s.type = type;
+    s.params = params;
+    rl.responses.push_back(s);
+  };
+  add(BHVD_OP_HIERARCHICAL_ALLREDUCE, std::monostate{});
+  add(BHVD_OP_COMPRESSED_ALLREDUCE, CompressedAllreduceParams{BHVD_COMPRESSION_MINMAX_UINT8, true});
+  add(BHVD_OP_PEER_AVERAGE, PeerAverageParams{BHVD_PEER_SHIFT_ONE, (int64_t(1) << 40) + 3, true});
+  add(BHVD_OP_LP_DECENTRALIZED_INIT, LpRingParams{true});
+  add(BHVD_OP_LP_DECENTRALIZED_STEP, LpRingParams{false});
+  add(BHVD_OP_LP_DECENTRALIZED_EXCHANGE, std::monostate{});
+  const RequestList back = decode_request_list(encode(l));
+  expect_same(back, l);
+  expect_same(decode_response_list(encode(rl)), rl);
+  const auto& avg = std::get<PeerAverageParams>(back.requests[2].params);
+  EXPECT_EQ(avg.peer_mode, BHVD_PEER_SHIFT_ONE);
+  EXPECT_EQ(avg.step, (int64_t(1) << 40) + 3);
+  EXPECT_TRUE(avg.hierarchical);
+  EXPECT_TRUE(std::get<LpRingParams>(back.requests[3].params).hierarchical);
+}
+
+TEST(Message, ParamsOfAnotherOpTypeAreRejected) {
+  // Encoded as sent; the receiver knows which parameters each op type takes.
+  for (auto [type, params] : {std::pair<int32_t, OpParams>{BHVD_OP_PEER_AVERAGE, std::monostate{}},
+                              {BHVD_OP_ALLREDUCE, CompressedAllreduceParams{}},
+                              {BHVD_OP_LP_DECENTRALIZED_STEP, PeerAverageParams{}},
+                              {BHVD_OP_COMPRESSED_ALLREDUCE, LpRingParams{}}}) {
+    RequestList l;
+    Request r;
+    r.type = type;
+    r.params = params;
+    l.requests.push_back(r);
+    EXPECT_THROW(decode_request_list(encode(l)), TransportError) << type;
+    ResponseList rl;
+    Response s;
+    s.type = type;
+    s.params = params;
+    rl.responses.push_back(s);
+    EXPECT_THROW(decode_response_list(encode(rl)), TransportError) << type;
+  }
 }
 
 TEST(Message, RandomRequestListsRoundTrip) {

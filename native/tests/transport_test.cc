@@ -60,9 +60,22 @@ void run_ranks(int n, Kind kind, const std::function<void(Comm&)>& body,
   MemoryStore store;
   const std::string job_id = "unit" + std::to_string(getpid()) + "_" + std::to_string(++job);
   std::vector<std::string> errors(n);
+  // Every rank keeps its transport until all are done, as ranks of a job do until a negotiated
+  // shutdown: one that closed its connections first would look like a failed peer to a rank
+  // still stalled on another (TcpPair::check_alive sees the orderly close).
+  std::mutex done_mu;
+  std::condition_variable done_cv;
+  int done = 0;
+  auto arrive = [&] {
+    std::unique_lock<std::mutex> lock(done_mu);
+    ++done;
+    done_cv.notify_all();
+    done_cv.wait(lock, [&] { return done == n; });
+  };
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
+      bool arrived = false;
       try {
         BootstrapConfig cfg;
         cfg.rank = r;
@@ -86,9 +99,12 @@ void run_ranks(int n, Kind kind, const std::function<void(Comm&)>& body,
         for (int k = 0; k < n; ++k) all[k] = k;
         Comm comm(*transport, all);
         body(comm);
+        arrived = true;
+        arrive();
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }
+      if (!arrived) arrive();
     });
   }
   for (auto& t : threads) t.join();

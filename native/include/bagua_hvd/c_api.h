@@ -24,7 +24,9 @@ extern "C" {
 
 /* BHVD_CDEF_BEGIN */
 
-/* Status codes; the values follow Horovod's StatusType. */
+/* Status codes. 0-5 are Horovod's StatusType values; TIMED_OUT, NOT_IMPLEMENTED and
+ * NOT_INITIALIZED are bagua_hvd's. Each frontend chooses its error class by this code (never by
+ * the message text). */
 enum bhvd_status {
   BHVD_OK = 0,
   BHVD_UNKNOWN_ERROR = 1,
@@ -33,7 +35,11 @@ enum bhvd_status {
   BHVD_INVALID_ARGUMENT = 4,   /* bad input at enqueue: ValueError */
   BHVD_IN_PROGRESS = 5,
   BHVD_TIMED_OUT = 6,
-  BHVD_NOT_IMPLEMENTED = 7     /* NotImplementedError */
+  BHVD_NOT_IMPLEMENTED = 7,    /* NotImplementedError */
+  BHVD_NOT_INITIALIZED = 8     /* a call that needs hvd.init() before it (or after hvd.shutdown()),
+                                  with Horovod's text; Horovod reports it as a PRECONDITION_ERROR.
+                                  torch: ValueError, TensorFlow: FailedPreconditionError, as
+                                  Horovod's frontends raise it */
 };
 
 /* Data types; values follow Horovod's DataType, bfloat16 added. */
@@ -61,7 +67,10 @@ enum bhvd_reduce_op {
   BHVD_PRODUCT = 5
 };
 
-/* Request types; values follow Horovod's Request::RequestType. */
+/* Request types. 0-7 are Horovod's Request::RequestType values; the others are BAGUA's
+ * primitives (docs/algorithms.md), one op type each. An op type with parameters beyond the
+ * common ones of bhvd_request takes them in its own struct (bhvd_request.params, below); the
+ * others take params = NULL. */
 enum bhvd_op_type {
   BHVD_OP_ALLREDUCE = 0,
   BHVD_OP_ALLGATHER = 1,
@@ -71,23 +80,43 @@ enum bhvd_op_type {
   BHVD_OP_ALLTOALL = 5,
   BHVD_OP_BARRIER = 6,
   BHVD_OP_REDUCESCATTER = 7,
-  /* BAGUA's primitives beyond Horovod's (docs/algorithms.md). */
-  BHVD_OP_DECENTRALIZED = 8,   /* full-precision peer average of weights (peer_mode, step) */
-  BHVD_OP_LP_DECENTRALIZED = 9 /* low-precision ring; aux: replicas self, left, right */
+  /* An allreduce within each host, then among one leader per host, then back within each host
+   * (flat when the set does not span several hosts or no host has several of its ranks); one
+   * tensor, never fused. Same fields as BHVD_OP_ALLREDUCE; params NULL. */
+  BHVD_OP_HIERARCHICAL_ALLREDUCE = 8,
+  /* ByteGrad's MinMaxUInt8-compressed allreduce of one tensor (a bucket), in place or into the
+   * output: compressed alltoall, mean, compressed allgather. reduce_op Average or Sum, scale
+   * factors as for BHVD_OP_ALLREDUCE. params: bhvd_compressed_allreduce_params. */
+  BHVD_OP_COMPRESSED_ALLREDUCE = 9,
+  /* Decentralized SGD's average of one weight buffer (input) with the peers of a round into the
+   * output. params: bhvd_peer_average_params. */
+  BHVD_OP_PEER_AVERAGE = 10,
+  /* Low-precision decentralized SGD on the ring (W = 1/3), one weight buffer x per request
+   * (input == output; float32, float16 or bfloat16) and its replicas:
+   * INIT: self = x, left/right = the ring neighbours' x. params: bhvd_lp_init_params.
+   * STEP: the whole step, in place: d = x + left/3 + right/3 - 5/3 self, c = MinMaxUInt8(d) to
+   *   both neighbours, self += decompress(c), left/right += the neighbours' decompressed c,
+   *   x = self. params: bhvd_lp_step_params.
+   * EXCHANGE: the exchange half of a step split around bhvd_lp_decentralized_local: the input
+   *   is this rank's c (uint8, bhvd_minmax_uint8_size(dtype, count, 1) bytes), sent to both
+   *   neighbours; theirs are decompressed into left and right. Never hierarchical.
+   *   params: bhvd_lp_exchange_params. */
+  BHVD_OP_LP_DECENTRALIZED_INIT = 11,
+  BHVD_OP_LP_DECENTRALIZED_STEP = 12,
+  BHVD_OP_LP_DECENTRALIZED_EXCHANGE = 13
 };
 
-/* Compression of an allreduce (BHVD_OP_ALLREDUCE only). */
+/* Compression of BHVD_OP_COMPRESSED_ALLREDUCE. */
 enum bhvd_compression {
-  BHVD_COMPRESSION_NONE = 0,
-  BHVD_COMPRESSION_MINMAX_UINT8 = 1 /* ByteGrad: compressed alltoall, mean, compressed allgather;
-                                       aux (optional): error-feedback residuals worker, server */
+  BHVD_COMPRESSION_MINMAX_UINT8 = 1 /* 8 bits per element, per chunk min and max
+                                       (docs/compression.md) */
 };
 
-/* Peer selection of BHVD_OP_DECENTRALIZED. */
+/* Peer selection of BHVD_OP_PEER_AVERAGE. */
 enum bhvd_peer_mode {
-  BHVD_PEER_ALL = 0,
-  BHVD_PEER_SHIFT_ONE = 1,
-  BHVD_PEER_RING = 2
+  BHVD_PEER_ALL = 0,       /* every rank of the set */
+  BHVD_PEER_SHIFT_ONE = 1, /* one peer per round, the pairing shifted by the round `step` */
+  BHVD_PEER_RING = 2       /* the two ring neighbours */
 };
 
 typedef struct bhvd_tensor {
@@ -101,31 +130,72 @@ typedef struct bhvd_request {
   int32_t op_type;        /* enum bhvd_op_type */
   const char* name;       /* full name, e.g. "allreduce.grad0"; NULL: the core names it "<op>.noname.<handle>" */
   int32_t process_set_id; /* 0: global */
-  int32_t reduce_op;      /* enum bhvd_reduce_op (allreduce, reducescatter) */
+  int32_t reduce_op;      /* enum bhvd_reduce_op (allreduces, reducescatter) */
   int32_t root_rank;      /* broadcast: a GLOBAL rank */
   int32_t device;         /* -1: CPU, >= 0: CUDA device ordinal */
   double prescale_factor;
   double postscale_factor;
   int32_t num_tensors;    /* > 1 for grouped ops: members are fused together */
   const bhvd_tensor* inputs;
-  const bhvd_tensor* outputs; /* allreduce/broadcast/reducescatter: caller-allocated (may alias inputs) */
+  const bhvd_tensor* outputs; /* allreduces, broadcast, reducescatter, BAGUA's primitives:
+                                 caller-allocated (may alias inputs) */
   const int32_t* splits;      /* alltoall: one entry per process-set rank, or NULL */
   int32_t num_splits;
-  int32_t urgent;             /* the caller blocks on this handle at once: do not hold it for fusion */
-  int32_t compression;        /* enum bhvd_compression */
-  int32_t peer_mode;          /* enum bhvd_peer_mode (BHVD_OP_DECENTRALIZED); for
-                                 BHVD_OP_LP_DECENTRALIZED 0 = a step, 1 = initialise the
-                                 replicas (self = x, left/right = the neighbours' x), 2 = the
-                                 exchange half of a step: the input is this rank's compressed
-                                 difference (uint8, from bhvd_lp_decentralized_local), aux =
-                                 left, right replicas (not hierarchical) */
-  int64_t step;               /* communication round k (BHVD_OP_DECENTRALIZED shift_one) */
-  int32_t hierarchical;       /* 1: within each host, then among one leader per host, then
-                                 back within each host (when the set spans several hosts and
-                                 some host has several of its ranks; else flat) */
-  int32_t num_aux;
-  const bhvd_tensor* aux;     /* this rank's algorithm state buffers, same dtype as the input */
+  int32_t urgent;             /* the caller blocks on this handle at once: do not hold it for
+                                 fusion */
+  const void* params;         /* the parameter struct of op_type (named at enum bhvd_op_type),
+                                 whose first field repeats op_type; NULL for op types without
+                                 one. Copied by bhvd_enqueue like the rest of the request. */
 } bhvd_request;
+
+/* Parameters of BAGUA's primitives, one struct per op type. Each starts with the op type it
+ * belongs to, which the core checks against bhvd_request.op_type. Buffers are this rank's
+ * algorithm state: same dtype as the request's tensor (except where said), kept alive by the
+ * caller until the handle completes; they are not negotiated. `hierarchical` (where present):
+ * 1 to run within each host first, then among one leader per host, then back within each host
+ * (when the set spans several hosts and some host has several of its ranks; else flat), 0 flat;
+ * every rank must pass the same value. */
+
+typedef struct bhvd_compressed_allreduce_params {
+  int32_t op_type;      /* BHVD_OP_COMPRESSED_ALLREDUCE */
+  int32_t compression;  /* enum bhvd_compression */
+  int32_t hierarchical; /* 1: full precision within each host, compressed among the hosts */
+  /* Error feedback (both or neither; NULL: none): the residuals of the first and the second
+   * quantization, n * ceil(count / n) and ceil(count / n) elements for
+   * n = bhvd_compression_group_size(process_set_id, hierarchical). */
+  const bhvd_tensor* residual_worker;
+  const bhvd_tensor* residual_server;
+} bhvd_compressed_allreduce_params;
+
+typedef struct bhvd_peer_average_params {
+  int32_t op_type;      /* BHVD_OP_PEER_AVERAGE */
+  int32_t peer_mode;    /* enum bhvd_peer_mode */
+  int64_t step;         /* communication round k >= 0 (chooses the peer for shift_one) */
+  int32_t hierarchical; /* 1: the hosts' averages are averaged among the hosts' leaders */
+} bhvd_peer_average_params;
+
+typedef struct bhvd_lp_init_params {
+  int32_t op_type;      /* BHVD_OP_LP_DECENTRALIZED_INIT */
+  int32_t hierarchical; /* 1: the ring of the hosts' leaders (the others copy x) */
+  const bhvd_tensor* self;  /* this rank's replica, as many elements as x */
+  const bhvd_tensor* left;  /* the left neighbour's */
+  const bhvd_tensor* right; /* the right neighbour's */
+} bhvd_lp_init_params;
+
+typedef struct bhvd_lp_step_params {
+  int32_t op_type;      /* BHVD_OP_LP_DECENTRALIZED_STEP */
+  int32_t hierarchical; /* 1: the host's average of x, the step among the hosts' leaders, the
+                           result to the host */
+  const bhvd_tensor* self;
+  const bhvd_tensor* left;
+  const bhvd_tensor* right;
+} bhvd_lp_step_params;
+
+typedef struct bhvd_lp_exchange_params {
+  int32_t op_type;          /* BHVD_OP_LP_DECENTRALIZED_EXCHANGE */
+  const bhvd_tensor* left;  /* float32, float16 or bfloat16: the replicas the compressed */
+  const bhvd_tensor* right; /* difference decompresses for (the request's input is uint8) */
+} bhvd_lp_exchange_params;
 
 /* ---- lifecycle ---------------------------------------------------------------------------- */
 
@@ -230,16 +300,16 @@ int64_t bhvd_stat(const char* key);
 int bhvd_hmac_sha256(const uint8_t* key, int32_t key_len, const uint8_t* msg, int32_t msg_len,
                      uint8_t* out);
 
-/* Ranks taking part in a compressed allreduce of the set (set size, or with hierarchical = 1 the
- * number of hosts when the set spans several and one has several ranks): the error-feedback
- * residuals hold n * ceil(count / n) (worker) and ceil(count / n) (server) elements for this n.
- * -1 for an unknown set. */
+/* Ranks taking part in a BHVD_OP_COMPRESSED_ALLREDUCE of the set (set size, or with
+ * hierarchical = 1 the number of hosts when the set spans several and one has several ranks):
+ * the error-feedback residuals hold n * ceil(count / n) (worker) and ceil(count / n) (server)
+ * elements for this n. -1 for an unknown set or before hvd.init(). */
 int bhvd_compression_group_size(int32_t process_set_id, int32_t hierarchical);
 
 /* The local half of a low-precision decentralized step, on the caller's thread (no
  * communication): d = x + left/3 + right/3 - 5/3 self, c_out = MinMaxUInt8(d) (1 chunk,
  * bhvd_minmax_uint8_size(dtype, count, 1) bytes), self += decompress(c_out), x = self. Its
- * exchange half is BHVD_OP_LP_DECENTRALIZED with peer_mode 2. */
+ * exchange half is BHVD_OP_LP_DECENTRALIZED_EXCHANGE. */
 int bhvd_lp_decentralized_local(void* x, void* self, const void* left, const void* right,
                                 int32_t dtype, int64_t count, uint8_t* c_out);
 

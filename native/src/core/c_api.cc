@@ -337,7 +337,7 @@ int bhvd_async_start(const char* name, const bhvd_tensor* weights, int32_t num_t
   return guarded([&]() -> int {
     using bagua_hvd::AsyncAverager;
     auto& rt = Runtime::get();
-    if (!rt.initialized()) return report(Status::InvalidArgument(bagua_hvd::kNotInitialized));
+    if (!rt.initialized()) return report(Status::NotInitialized());
     if (!name || !*name)
       return report(Status::InvalidArgument("async model averaging: a name is required"));
     if (num_tensors < 1 || !weights)

@@ -149,10 +149,7 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
   resp.device = a.device;
   resp.prescale = a.prescale;
   resp.postscale = a.postscale;
-  resp.compression = a.compression;
-  resp.peer_mode = a.peer_mode;
-  resp.step = a.step;
-  resp.hierarchical = a.hierarchical;
+  resp.params = a.params;
   resp.shapes = {a.shape};
   resp.per_rank = {{}};
   resp.cache_ids = {-1};
@@ -191,25 +188,23 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
         return fail("Reducescatter is not supported with Join at this time.");
       case BHVD_OP_BROADCAST:
         return fail("Broadcast is not supported with Join at this time.");
-      case kOpAddProcessSet:
-      case kOpRemoveProcessSet:
-      case BHVD_OP_BARRIER:
-      case BHVD_OP_DECENTRALIZED:
-      case BHVD_OP_LP_DECENTRALIZED:
-        return fail(std::string(tn) + " is not supported with Join at this time.");
+      case BHVD_OP_COMPRESSED_ALLREDUCE:
+        return fail("Compressed allreduce (ByteGrad) is not supported with Join at this time.");
+      case BHVD_OP_HIERARCHICAL_ALLREDUCE:
+        return fail("Hierarchical allreduce is not supported with Join at this time.");
       case BHVD_OP_ALLREDUCE:
-        if (a.compression != 0)
-          return fail("Compressed allreduce (ByteGrad) is not supported with Join at this time.");
-        if (a.hierarchical != 0)
-          return fail("Hierarchical allreduce is not supported with Join at this time.");
+      case BHVD_OP_ADASUM:
+      case BHVD_OP_JOIN:
         break;
-      default:
-        break;
+      default:  // process-set changes, barrier, BAGUA's other primitives
+        return fail(std::string(tn) + " is not supported with Join at this time.");
     }
   }
   const bool gather_like = t == BHVD_OP_ALLGATHER || t == BHVD_OP_ALLTOALL;
-  if (t == BHVD_OP_ALLREDUCE || t == BHVD_OP_BROADCAST || t == BHVD_OP_REDUCESCATTER ||
-      t == BHVD_OP_ADASUM || t == BHVD_OP_DECENTRALIZED || t == BHVD_OP_LP_DECENTRALIZED) {
+  // Every op type but the gather-like ones (and the control ones, which carry no tensor) needs
+  // the same shape on every rank.
+  if (!gather_like && t != BHVD_OP_JOIN && t != BHVD_OP_BARRIER && t != kOpAddProcessSet &&
+      t != kOpRemoveProcessSet) {
     for (size_t i = 0; i < p.reqs.size(); ++i) {
       if (!p.have[i] || i == first) continue;
       if (p.reqs[i].shape != a.shape)
@@ -254,27 +249,20 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
       return fail("Mismatched BROADCAST root ranks: One rank specified root rank " +
                   std::to_string(a.root_rank) + ", but another rank specified root rank " +
                   std::to_string(b.root_rank) + ".");
-    if ((t == BHVD_OP_ALLREDUCE || t == BHVD_OP_REDUCESCATTER) &&
+    if ((is_allreduce(t) || t == BHVD_OP_REDUCESCATTER) &&
         (b.prescale != a.prescale || b.postscale != a.postscale))
       return fail("Mismatched prescale and/or postscale factors: One rank sent factors (" +
                   num_str(a.prescale) + ", " + num_str(a.postscale) +
                   "), but another rank sent factors (" + num_str(b.prescale) + ", " +
                   num_str(b.postscale) + ").");
-    if ((t == BHVD_OP_ALLREDUCE || t == BHVD_OP_REDUCESCATTER) && b.reduce_op != a.reduce_op)
+    if ((is_allreduce(t) || t == BHVD_OP_REDUCESCATTER) && b.reduce_op != a.reduce_op)
       return fail("Mismatched reduction operation: One rank sent reduction op " +
                   std::to_string(static_cast<int>(a.reduce_op)) +
                   ", but another rank sent reduction op " +
                   std::to_string(static_cast<int>(b.reduce_op)) + ".");
-    if (b.compression != a.compression || b.peer_mode != a.peer_mode || b.step != a.step ||
-        b.hierarchical != a.hierarchical)
-      return fail(std::string("Mismatched ") + tn +
-                  " algorithm parameters: One rank sent (compression " +
-                  std::to_string(a.compression) + ", peer mode " + std::to_string(a.peer_mode) +
-                  ", step " + std::to_string(a.step) + ", hierarchical " +
-                  std::to_string(a.hierarchical) + "), but another rank sent (compression " +
-                  std::to_string(b.compression) + ", peer mode " + std::to_string(b.peer_mode) +
-                  ", step " + std::to_string(b.step) + ", hierarchical " +
-                  std::to_string(b.hierarchical) +
+    if (!(b.params == a.params))
+      return fail(std::string("Mismatched ") + tn + " algorithm parameters: One rank sent (" +
+                  describe(a.params) + "), but another rank sent (" + describe(b.params) +
                   "): every rank must use the same algorithm and step.");
     if ((t == kOpAddProcessSet || t == kOpRemoveProcessSet) && b.splits != a.splits)
       return fail("Mismatched process set arguments: every rank must pass the same ranks (or id) "

@@ -81,8 +81,9 @@ void Runtime::execute(const Response& r) {
     return;
   }
   const auto started = Clock::now();
-  Hierarchy* hierarchy =
-      r.hierarchical ? hierarchies_.get(r.process_set_id, *transport_, *comm, cfg_.rank) : nullptr;
+  Hierarchy* hierarchy = runs_hierarchical(r.type, r.params)
+                             ? hierarchies_.get(r.process_set_id, *transport_, *comm, cfg_.rank)
+                             : nullptr;
   // Host tensors only for now (enqueue refuses device >= 0): a device engine is chosen here.
   ExecContext ctx{r, *comm, entries, cpu_engine(), fusion_, hierarchy, mu_};
   exec(ctx);

@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "common.h"
@@ -32,6 +33,20 @@ struct Handle {
   std::function<void(const Status&)> on_done;
 };
 
+// This rank's state buffers of BAGUA's primitives (c_api.h's bhvd_*_params), never negotiated.
+struct Residuals {  // BHVD_OP_COMPRESSED_ALLREDUCE's error feedback; null without it
+  void* worker = nullptr;
+  void* server = nullptr;
+};
+struct Replicas {  // the low-precision ring's replicas (INIT and STEP: self too; EXCHANGE: not)
+  void* self = nullptr;
+  void* left = nullptr;
+  void* right = nullptr;
+  size_t count = 0;  // elements of each
+  DataType dtype = DataType::FLOAT32;
+};
+using StateBuffers = std::variant<std::monostate, Residuals, Replicas>;
+
 // One tensor of a handle, waiting for its response.
 struct Entry {
   std::shared_ptr<Handle> handle;
@@ -39,9 +54,7 @@ struct Entry {
   Request request;
   const void* input = nullptr;
   void* output = nullptr;
-  std::vector<void*> aux;  // algorithm state buffers (residuals, replicas)
-  size_t aux_count = 0;    // elements of aux[0]
-  DataType aux_dtype = DataType::FLOAT32;
+  StateBuffers state;
 };
 
 }  // namespace bagua_hvd

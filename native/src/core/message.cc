@@ -5,13 +5,42 @@
 
 namespace bagua_hvd {
 
+OpParams params_for_type(int32_t type) {
+  switch (type) {
+    case BHVD_OP_COMPRESSED_ALLREDUCE: return CompressedAllreduceParams{};
+    case BHVD_OP_PEER_AVERAGE: return PeerAverageParams{};
+    case BHVD_OP_LP_DECENTRALIZED_INIT:
+    case BHVD_OP_LP_DECENTRALIZED_STEP: return LpRingParams{};
+  }
+  return std::monostate{};
+}
+
+bool runs_hierarchical(int32_t type, const OpParams& params) {
+  if (type == BHVD_OP_HIERARCHICAL_ALLREDUCE) return true;
+  if (auto* p = std::get_if<CompressedAllreduceParams>(&params)) return p->hierarchical;
+  if (auto* p = std::get_if<PeerAverageParams>(&params)) return p->hierarchical;
+  if (auto* p = std::get_if<LpRingParams>(&params)) return p->hierarchical;
+  return false;
+}
+
+std::string describe(const OpParams& params) {
+  auto flag = [](bool b) { return std::string(b ? "1" : "0"); };
+  if (auto* p = std::get_if<CompressedAllreduceParams>(&params))
+    return "compression " + std::to_string(p->compression) + ", hierarchical " +
+           flag(p->hierarchical);
+  if (auto* p = std::get_if<PeerAverageParams>(&params))
+    return "peer mode " + std::to_string(p->peer_mode) + ", step " + std::to_string(p->step) +
+           ", hierarchical " + flag(p->hierarchical);
+  if (auto* p = std::get_if<LpRingParams>(&params)) return "hierarchical " + flag(p->hierarchical);
+  return "no parameters";
+}
+
 bool Request::same_params(const Request& o) const {
   return type == o.type && dtype == o.dtype && name == o.name &&
          process_set_id == o.process_set_id && reduce_op == o.reduce_op &&
          root_rank == o.root_rank && device == o.device && prescale == o.prescale &&
          postscale == o.postscale && shape == o.shape && splits == o.splits &&
-         compression == o.compression && peer_mode == o.peer_mode && step == o.step &&
-         hierarchical == o.hierarchical;
+         params == o.params;
 }
 
 namespace {
@@ -79,6 +108,39 @@ class Reader {
   const char* end_;
 };
 
+// The op's parameters, shared by Request and Response: the alternative's index, then its
+// fields. The index must be the one the op type takes.
+void put_params(Writer& w, const OpParams& params) {
+  w.put<uint8_t>(static_cast<uint8_t>(params.index()));
+  if (auto* p = std::get_if<CompressedAllreduceParams>(&params)) {
+    w.put<int32_t>(p->compression);
+    w.put<uint8_t>(p->hierarchical ? 1 : 0);
+  } else if (auto* p = std::get_if<PeerAverageParams>(&params)) {
+    w.put<int32_t>(p->peer_mode);
+    w.put<int64_t>(p->step);
+    w.put<uint8_t>(p->hierarchical ? 1 : 0);
+  } else if (auto* p = std::get_if<LpRingParams>(&params)) {
+    w.put<uint8_t>(p->hierarchical ? 1 : 0);
+  }
+}
+
+OpParams get_params(Reader& rd, int32_t type) {
+  OpParams params = params_for_type(type);
+  if (rd.get<uint8_t>() != params.index())
+    throw TransportError("malformed negotiation message: parameters of another op type");
+  if (auto* p = std::get_if<CompressedAllreduceParams>(&params)) {
+    p->compression = rd.get<int32_t>();
+    p->hierarchical = rd.get<uint8_t>() != 0;
+  } else if (auto* p = std::get_if<PeerAverageParams>(&params)) {
+    p->peer_mode = rd.get<int32_t>();
+    p->step = rd.get<int64_t>();
+    p->hierarchical = rd.get<uint8_t>() != 0;
+  } else if (auto* p = std::get_if<LpRingParams>(&params)) {
+    p->hierarchical = rd.get<uint8_t>() != 0;
+  }
+  return params;
+}
+
 constexpr uint32_t kRequestListMagic = 0x42485251;   // "BHRQ"
 constexpr uint32_t kResponseListMagic = 0x42485253;  // "BHRS"
 
@@ -96,10 +158,7 @@ void put_request(Writer& w, const Request& r) {
   w.put_vec(r.shape);
   w.put_vec(r.splits);
   w.put<uint8_t>(r.urgent ? 1 : 0);
-  w.put<int32_t>(r.compression);
-  w.put<int32_t>(r.peer_mode);
-  w.put<int64_t>(r.step);
-  w.put<int32_t>(r.hierarchical);
+  put_params(w, r.params);
 }
 
 Request get_request(Reader& rd) {
@@ -119,10 +178,7 @@ Request get_request(Reader& rd) {
   r.shape = rd.get_vec<int64_t>();
   r.splits = rd.get_vec<int32_t>();
   r.urgent = rd.get<uint8_t>() != 0;
-  r.compression = rd.get<int32_t>();
-  r.peer_mode = rd.get<int32_t>();
-  r.step = rd.get<int64_t>();
-  r.hierarchical = rd.get<int32_t>();
+  r.params = get_params(rd, r.type);
   return r;
 }
 
@@ -175,10 +231,7 @@ std::string encode(const ResponseList& m) {
     w.put<int32_t>(r.device);
     w.put<double>(r.prescale);
     w.put<double>(r.postscale);
-    w.put<int32_t>(r.compression);
-    w.put<int32_t>(r.peer_mode);
-    w.put<int64_t>(r.step);
-    w.put<int32_t>(r.hierarchical);
+    put_params(w, r.params);
     w.put_str(r.error);
     w.put<uint32_t>(static_cast<uint32_t>(r.names.size()));
     for (size_t i = 0; i < r.names.size(); ++i) {
@@ -216,10 +269,7 @@ ResponseList decode_response_list(const std::string& bytes) {
     r.device = rd.get<int32_t>();
     r.prescale = rd.get<double>();
     r.postscale = rd.get<double>();
-    r.compression = rd.get<int32_t>();
-    r.peer_mode = rd.get<int32_t>();
-    r.step = rd.get<int64_t>();
-    r.hierarchical = rd.get<int32_t>();
+    r.params = get_params(rd, r.type);
     r.error = rd.get_str();
     uint32_t k = rd.get<uint32_t>();
     for (uint32_t j = 0; j < k; ++j) {

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "common.h"
@@ -13,6 +14,38 @@ namespace bagua_hvd {
 // every rank applies them at the same point of the global order.
 constexpr int32_t kOpAddProcessSet = 100;
 constexpr int32_t kOpRemoveProcessSet = 101;
+
+// The parameters of BAGUA's primitives that every rank must agree on: c_api.h's
+// bhvd_*_params without their buffers (this rank's state, core/handle.h), one struct per kind.
+struct CompressedAllreduceParams {  // BHVD_OP_COMPRESSED_ALLREDUCE
+  int32_t compression = BHVD_COMPRESSION_MINMAX_UINT8;
+  bool hierarchical = false;
+  bool operator==(const CompressedAllreduceParams& o) const {
+    return compression == o.compression && hierarchical == o.hierarchical;
+  }
+};
+struct PeerAverageParams {  // BHVD_OP_PEER_AVERAGE
+  int32_t peer_mode = BHVD_PEER_ALL;
+  int64_t step = 0;
+  bool hierarchical = false;
+  bool operator==(const PeerAverageParams& o) const {
+    return peer_mode == o.peer_mode && step == o.step && hierarchical == o.hierarchical;
+  }
+};
+struct LpRingParams {  // BHVD_OP_LP_DECENTRALIZED_INIT and _STEP
+  bool hierarchical = false;
+  bool operator==(const LpRingParams& o) const { return hierarchical == o.hierarchical; }
+};
+// std::monostate for the op types without parameters.
+using OpParams =
+    std::variant<std::monostate, CompressedAllreduceParams, PeerAverageParams, LpRingParams>;
+
+// The (default) parameters an op type takes: the alternative of OpParams it must hold.
+OpParams params_for_type(int32_t type);
+// Whether the op runs over the set's host hierarchy (when the set has one).
+bool runs_hierarchical(int32_t type, const OpParams& params);
+// "compression 1, hierarchical 0", ... for error messages.
+std::string describe(const OpParams& params);
 
 // One tensor (or control action) a rank wants to run.
 struct Request {
@@ -28,12 +61,7 @@ struct Request {
   std::vector<int64_t> shape;
   std::vector<int32_t> splits;  // alltoall: per set rank; add/remove process set: the ranks / id
   bool urgent = false;
-  // BAGUA's primitives (docs/algorithms.md): allreduce compression, decentralized peer mode and
-  // communication round, hierarchical execution.
-  int32_t compression = 0;
-  int32_t peer_mode = 0;
-  int64_t step = 0;
-  int32_t hierarchical = 0;
+  OpParams params;  // the alternative params_for_type(type)
 
   // True when two requests carry the same parameters (everything but rank and urgency).
   bool same_params(const Request& o) const;
@@ -50,10 +78,7 @@ struct Response {
   int32_t root_rank = 0;
   int32_t device = -1;
   double prescale = 1.0, postscale = 1.0;
-  int32_t compression = 0;
-  int32_t peer_mode = 0;
-  int64_t step = 0;
-  int32_t hierarchical = 0;
+  OpParams params;  // the alternative params_for_type(type)
   std::string error;
   std::vector<std::string> names;
   std::vector<std::vector<int64_t>> shapes;  // per tensor (joined ranks need them for zeros)

@@ -8,9 +8,9 @@ namespace bagua_hvd {
 namespace {
 
 bool cacheable(int32_t type) {
-  // Shapes are identical on every rank only for these.
-  return type == BHVD_OP_ALLREDUCE || type == BHVD_OP_BROADCAST ||
-         type == BHVD_OP_REDUCESCATTER;
+  // Shapes are identical on every rank only for these. BAGUA's other primitives are not cached:
+  // a peer average's round changes with every call, the replicas' initialisation runs once.
+  return is_allreduce(type) || type == BHVD_OP_BROADCAST || type == BHVD_OP_REDUCESCATTER;
 }
 
 }  // namespace
@@ -46,10 +46,7 @@ void ResponseCache::assign(Response& r) {
     tmpl.device = r.device;
     tmpl.prescale = r.prescale;
     tmpl.postscale = r.postscale;
-    tmpl.compression = r.compression;
-    tmpl.peer_mode = r.peer_mode;
-    tmpl.step = r.step;
-    tmpl.hierarchical = r.hierarchical;
+    tmpl.params = r.params;
     tmpl.shape = r.shapes[i];
     if (it != by_name_.end()) {
       auto& e = cache_.at(it->second);

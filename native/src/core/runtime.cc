@@ -135,7 +135,7 @@ Status Runtime::shutdown() {
 // ---- frontend side ------------------------------------------------------------------------
 
 Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
-  if (!initialized_) return Status::InvalidArgument(kNotInitialized);
+  if (!initialized_) return Status::NotInitialized();
   const int32_t t = req.op_type;
   const std::string title = op_title(t);
   if (Status s = validate_request(req, title); !s.ok()) return s;
@@ -150,9 +150,12 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
                                    "registered.");
   const auto& ranks = sit->second;
   const int set_size = static_cast<int>(ranks.size());
-  if (Status s = validate_for_set(req, title, ranks, cfg_.rank, [&] {
-        return group_size_locked(req.process_set_id, req.hierarchical != 0);
-      });
+  OpParams params;
+  StateBuffers state;
+  if (Status s = validate_for_set(
+          req, title, ranks, cfg_.rank,
+          [&](bool hierarchical) { return group_size_locked(req.process_set_id, hierarchical); },
+          &params, &state);
       !s.ok())
     return s;
 
@@ -182,10 +185,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
     r.prescale = req.prescale_factor;
     r.postscale = req.postscale_factor;
     r.urgent = req.urgent != 0;
-    r.compression = req.compression;
-    r.peer_mode = req.peer_mode;
-    r.step = req.step;
-    r.hierarchical = req.hierarchical;
+    r.params = params;
     if (tensor_op) {
       if (Status s = validate_tensor(req, i, title, set_size, &r); !s.ok()) return s;
     }
@@ -211,11 +211,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
     if (tensor_op) {
       e.input = req.inputs[i].data;
       e.output = req.outputs ? req.outputs[i].data : nullptr;
-      for (int a = 0; a < req.num_aux; ++a) e.aux.push_back(req.aux[a].data);
-      if (req.num_aux > 0) {
-        e.aux_count = static_cast<size_t>(tensor_elements(req.aux[0]));
-        e.aux_dtype = static_cast<DataType>(req.aux[0].dtype);
-      }
+      e.state = state;  // BAGUA's primitives take one tensor: one entry
     }
     const std::string key = tensor_key(reqs[i].process_set_id, reqs[i].name);
     h->names.push_back(key);
@@ -231,7 +227,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
 }
 
 Status Runtime::run_internal(int32_t type, std::vector<int32_t> args, int32_t* result) {
-  if (!initialized_) return Status::InvalidArgument(kNotInitialized);
+  if (!initialized_) return Status::NotInitialized();
   int64_t id;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common.h"
+#include "core/handle.h"
 #include "core/message.h"
 
 namespace bagua_hvd {
@@ -27,11 +28,13 @@ int64_t tensor_elements(const bhvd_tensor& t);
 Status validate_request(const bhvd_request& req, const std::string& title);
 
 // The checks against the request's process set (sorted global ranks, which must hold me):
-// membership, BAGUA's algorithm arguments (group_size: the ranks of its compressed collective,
-// called only when needed), finite scale factors, the broadcast root.
+// membership, the parameter struct of BAGUA's primitives (one check per op type, into the
+// negotiated *params and this rank's *state; group_size(hierarchical): the ranks of a
+// compressed allreduce, called only when needed), finite scale factors, the broadcast root.
 Status validate_for_set(const bhvd_request& req, const std::string& title,
                         const std::vector<int32_t>& ranks, int me,
-                        const std::function<int()>& group_size);
+                        const std::function<int(bool hierarchical)>& group_size,
+                        OpParams* params, StateBuffers* state);
 
 // Tensor i of req: fills r's dtype, shape and (alltoall) splits.
 Status validate_tensor(const bhvd_request& req, int i, const std::string& title, int set_size,

@@ -1,4 +1,5 @@
-// The table from op type to executor (ops/op.h).
+// The table from op type to executor (ops/op.h), and the helper the hierarchical weight
+// averages share.
 #include "ops/op.h"
 
 namespace bagua_hvd {
@@ -10,10 +11,27 @@ OpExecutor op_executor(int32_t type) {
     case BHVD_OP_BROADCAST: return execute_broadcast;
     case BHVD_OP_ALLTOALL: return execute_alltoall;
     case BHVD_OP_REDUCESCATTER: return execute_reducescatter;
-    case BHVD_OP_DECENTRALIZED: return execute_decentralized;
-    case BHVD_OP_LP_DECENTRALIZED: return execute_lp_decentralized;
+    case BHVD_OP_HIERARCHICAL_ALLREDUCE: return execute_hierarchical_allreduce;
+    case BHVD_OP_COMPRESSED_ALLREDUCE: return execute_compressed_allreduce;
+    case BHVD_OP_PEER_AVERAGE: return execute_peer_average;
+    case BHVD_OP_LP_DECENTRALIZED_INIT: return execute_lp_decentralized_init;
+    case BHVD_OP_LP_DECENTRALIZED_STEP: return execute_lp_decentralized_step;
+    case BHVD_OP_LP_DECENTRALIZED_EXCHANGE: return execute_lp_decentralized_exchange;
   }
   return nullptr;
+}
+
+void host_average_then(ExecContext& ctx, Entry* e, size_t count,
+                       const std::function<void(Comm& leaders)>& among_leaders) {
+  const Response& r = ctx.r;
+  DataEngine& eng = ctx.engine;
+  Hierarchy* h = ctx.hierarchy;
+  const size_t bytes = count * dtype_size(r.dtype);
+  if (e->input != e->output && bytes) eng.copy(e->output, e->input, bytes);
+  eng.allreduce(*h->intra, e->output, count, r.dtype, ReduceOp::SUM);
+  eng.scale(e->output, count, r.dtype, 1.0 / h->intra->size());
+  if (h->leader) among_leaders(*h->leaders);
+  eng.broadcast(*h->intra, e->output, bytes, 0);
 }
 
 }  // namespace bagua_hvd

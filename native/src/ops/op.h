@@ -1,12 +1,13 @@
-// Op executors: the execution of one negotiated response on this rank, one op type per file
-// (ops/allreduce.cc, ops/allgather.cc, ...). The runtime resolves the context (the process
-// set's Comm, this rank's entries, the data engine of the tensors' device) and calls the
-// executor of the response's type on the background thread.
+// Op executors: the execution of one negotiated response on this rank, one op type per file,
+// named after the op (ops/allreduce.cc, ops/allgather.cc, ..., ops/peer_average.cc, ...). The
+// runtime resolves the context (the process set's Comm, this rank's entries, the data engine of
+// the tensors' device) and calls the executor of the response's type on the background thread.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <variant>
 #include <vector>
 
 #include "collectives/comm.h"
@@ -25,7 +26,8 @@ struct ExecContext {
   std::vector<Entry*>& entries;
   DataEngine& engine;
   FusionBuffer& fusion;
-  // The set's host hierarchy when r is hierarchical on several crowded hosts, else null.
+  // The set's host hierarchy when r runs hierarchical (runs_hierarchical, core/message.h) on
+  // several hosts with a crowded one, else null.
   Hierarchy* hierarchy;
   // Guards the handles' core-allocated outputs, which frontend threads read.
   std::mutex& handles_mu;
@@ -43,11 +45,26 @@ void execute_allgather(ExecContext& ctx);
 void execute_broadcast(ExecContext& ctx);
 void execute_alltoall(ExecContext& ctx);
 void execute_reducescatter(ExecContext& ctx);
-void execute_decentralized(ExecContext& ctx);
-void execute_lp_decentralized(ExecContext& ctx);
+void execute_hierarchical_allreduce(ExecContext& ctx);
+void execute_compressed_allreduce(ExecContext& ctx);
+void execute_peer_average(ExecContext& ctx);
+void execute_lp_decentralized_init(ExecContext& ctx);
+void execute_lp_decentralized_step(ExecContext& ctx);
+void execute_lp_decentralized_exchange(ExecContext& ctx);
 
-// Hierarchical decentralized step (ctx.hierarchy set): the host's average into e->output, then
-// among_leaders on the hosts' leaders, then the leader's result to the host (ops/decentralized.cc).
+// The response's parameters and the entry's state buffers, as the executor of its op type
+// takes them (validated at enqueue, core/validate.cc; the types match by construction).
+template <typename P>
+const P& params(const ExecContext& ctx) {
+  return std::get<P>(ctx.r.params);
+}
+template <typename S>
+S& state(Entry* e) {
+  return std::get<S>(e->state);
+}
+
+// A hierarchical weight average (ctx.hierarchy set): the host's average into e->output, then
+// among_leaders on the hosts' leaders, then the leader's result to the host (ops/op.cc).
 void host_average_then(ExecContext& ctx, Entry* e, size_t count,
                        const std::function<void(Comm& leaders)>& among_leaders);
 
