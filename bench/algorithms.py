@@ -63,7 +63,8 @@ Communication per step, per rank (the table shows the maximum over ranks):
 The goals also show each mode's CPU time per step (a rank's process, every thread: the
 training thread, the core's; less sensitive to other load than wall time) and, per bagua_hvd
 mode on a shaped link, step ms / max(the no-communication
-step of its baseline's twin, bound ms): goal <= 1.15 (communication overlapped with compute).
+step of its baseline's twin, the bound of the larger of sent and analytic bytes): goal <= 1.15
+(communication overlapped with compute).
 --timeline N adds N traced steps per bagua_hvd mode after the blocks and prints their per-step
 timeline (bench/_timeline.py; bench/timeline.py runs it for the three modes of interest).
 Counters the core does not have yet read -1 and show as n/a.
@@ -674,12 +675,14 @@ def print_summary(runs: dict, batch: int, total_s: float) -> None:
             f = mode_figures(net, r, mode, batch)
             twin = r["modes"].get(baseline_of(mode) + NO_SYNC)
             if twin and twin.get("status") == "ok" and f["bound_s"]:
-                floor = max(twin["step_ms"], f["bound_s"] * 1e3)
-                ratio = m["step_ms"] / floor
+                # What a step must send: the analytic bytes where the counter saw only part
+                # (an exchange left running past the timed steps, low precision's).
+                bound_ms = max(f["bound_s"], f["analytic"] / r["link_Bps"]) * 1e3
+                ratio = m["step_ms"] / max(twin["step_ms"], bound_ms)
                 ok = ratio <= MAX_OVERLAP_RATIO
                 print(
                     f"  {net} {mode}: step {m['step_ms']:.0f} ms / max(no-communication step "
-                    f"{twin['step_ms']:.0f}, bound {f['bound_s'] * 1e3:.0f}) = {ratio:.2f} "
+                    f"{twin['step_ms']:.0f}, bound {bound_ms:.0f}) = {ratio:.2f} "
                     f"(goal <= {MAX_OVERLAP_RATIO}): {'met' if ok else 'NOT met'}"
                 )
             if f["bound_ratio"] is None:
