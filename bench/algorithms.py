@@ -60,6 +60,13 @@ Communication per step, per rank (the table shows the maximum over ranks):
   bound ms  sent bytes (measured if the counter exists, else analytic) / link rate
   comm/bnd  comm ms / bound ms: goal <= 1.2 on the shaped links (printed on loopback too,
             where the bound uses the TCP loopback rate but bagua_hvd uses shared memory)
+The goals also show each mode's CPU time per step (a rank's process, every thread: the
+training thread, the core's; less sensitive to other load than wall time) and, per bagua_hvd
+mode on a shaped link, step ms / max(the no-communication
+step of its baseline's twin, the bound of the larger of sent and analytic bytes): goal <= 1.15
+(communication overlapped with compute).
+--timeline N adds N traced steps per bagua_hvd mode after the blocks and prints their per-step
+timeline (bench/_timeline.py; bench/timeline.py runs it for the three modes of interest).
 Counters the core does not have yet read -1 and show as n/a.
 """
 
@@ -144,6 +151,8 @@ GOALS = {
     "100mbit": {"bytegrad": 3.5},
 }
 MAX_BOUND_RATIO = 1.2
+# Issue 12.7: a step within this factor of max(the step without communication, the bound).
+MAX_OVERLAP_RATIO = 1.15
 
 
 def baseline_of(mode: str) -> str:
@@ -183,6 +192,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-plot", action="store_true", help="write no plot")
     parser.add_argument("--json", metavar="FILE", help="also write all results to FILE (JSON)")
+    parser.add_argument(
+        "--timeline",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed blocks, N traced steps per bagua_hvd mode: prints the per-step "
+        "timeline of each rank's last one (bucket launches, the core's collectives, waits, "
+        "updates; bench/_timeline.py)",
+    )
     parser.add_argument(WORKER_FLAG, choices=NETS, help=argparse.SUPPRESS)
     parser.add_argument("--_modes", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -195,9 +213,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for m in args.mode_list:
             if m not in MODES:
                 parser.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
-    for name in ("warmup", "steps", "rounds", "batch_size"):
+    for name in ("warmup", "steps", "rounds", "batch_size", "timeline"):
         value = getattr(args, name)
-        low = 0 if name == "warmup" else 1
+        low = 0 if name in ("warmup", "timeline") else 1
         if value is not None and value < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     return args
@@ -280,6 +298,7 @@ def worker_cmd(args: argparse.Namespace, net: str, warmup: int, steps: int, mode
         sys.executable, os.path.abspath(__file__), WORKER_FLAG, net,
         "--_modes", ",".join(modes), "--warmup", str(warmup), "--steps", str(steps),
         "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
+        "--timeline", str(args.timeline),
     ]  # fmt: skip
 
 
@@ -429,6 +448,8 @@ def main_launcher(args: argparse.Namespace) -> int:
             result["plan"] = {"warmup": warmup, "steps": steps, "rounds": args.rounds}
             runs[net] = result
             print_network(net, result, args.batch_size)
+            if result.get("timeline"):
+                print_timeline(net, result)
     except _netns.NetnsError as e:
         print(f"algorithms bench: {e}", file=sys.stderr)
         return 1
@@ -566,6 +587,35 @@ def print_network(net: str, result: dict, batch: int) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def print_timeline(net: str, result: dict) -> None:
+    """--timeline: each mode's last traced step on rank 0 as a table, and a summary line per
+    rank and traced step (ms from the step's start)."""
+    import _timeline
+
+    for mode, ranks in result["timeline"].items():
+        f = mode_figures(net, result, mode, 32) if mode in result["modes"] else {}
+        bound = f.get("bound_s")
+        print(
+            f"\n{net} {mode}: timeline (ms from the step's start); step median "
+            f"{result['modes'][mode]['step_ms']:.1f} ms, bound "
+            + (f"{bound * 1e3:.0f} ms" if bound else "n/a")
+        )
+        for r, steps in enumerate(ranks):
+            for k, st in enumerate(steps):
+                s = _timeline.summary(st["events"], st["t0"])
+                if "cpu_ms" in st:
+                    s["cpu_time"] = st["cpu_ms"]  # the process's, all threads: load-independent
+                print(
+                    f"  rank {r} step {k}: "
+                    + ", ".join(f"{key.replace('_', ' ')} {v:.1f}" for key, v in s.items())
+                )
+        last = ranks[0][-1]
+        for line in _timeline.format_step(
+            last["events"], last["t0"], f"rank 0, traced step {len(ranks[0]) - 1}:"
+        ):
+            print("  " + line)
+
+
 def print_summary(runs: dict, batch: int, total_s: float) -> None:
     print(f"\nsummary: samples/s per mode and network (whole run {total_s:.0f} s)")
     nets = [n for n in runs if "error" not in runs[n]]
@@ -607,12 +657,34 @@ def print_summary(runs: dict, batch: int, total_s: float) -> None:
                     f"  {net} {mode}: {fmt(f['ratio'], '.3f')}x {baseline_of(mode)} "
                     f"(goal >= {goal}x): {'met' if ok else 'NOT met'}"
                 )
+        cpus = [
+            f"{mode} {max(m['cpu_ms_per_step']):.0f}"
+            for mode, m in r["modes"].items()
+            if m.get("status") == "ok" and m.get("cpu_ms_per_step")
+        ]
+        if cpus:
+            print(
+                f"  {net}: CPU ms per step (a rank's process, all threads; max over ranks): "
+                + ", ".join(cpus)
+            )
         if not shaped:
             continue
         for mode, m in r["modes"].items():
             if mode in DDP_MODES or mode.endswith(NO_SYNC) or m.get("status") != "ok":
                 continue
             f = mode_figures(net, r, mode, batch)
+            twin = r["modes"].get(baseline_of(mode) + NO_SYNC)
+            if twin and twin.get("status") == "ok" and f["bound_s"]:
+                # What a step must send: the analytic bytes where the counter saw only part
+                # (an exchange left running past the timed steps, low precision's).
+                bound_ms = max(f["bound_s"], f["analytic"] / r["link_Bps"]) * 1e3
+                ratio = m["step_ms"] / max(twin["step_ms"], bound_ms)
+                ok = ratio <= MAX_OVERLAP_RATIO
+                print(
+                    f"  {net} {mode}: step {m['step_ms']:.0f} ms / max(no-communication step "
+                    f"{twin['step_ms']:.0f}, bound {bound_ms:.0f}) = {ratio:.2f} "
+                    f"(goal <= {MAX_OVERLAP_RATIO}): {'met' if ok else 'NOT met'}"
+                )
             if f["bound_ratio"] is None:
                 print(f"  {net} {mode}: comm time / bound: n/a (no exec_ns counter yet)")
             else:
@@ -714,6 +786,7 @@ class Mode:
         self.begin = self.end = lambda: None
         self.hvd = True
         self.loss = math.nan
+        self.cpu_s = 0.0  # CPU time of the process (all threads) in the timed steps
 
 
 class Worker:
@@ -739,6 +812,12 @@ class Worker:
         self.y = torch.randint(0, CLASSES, (args.batch_size,), generator=gen)
         self.modes: dict[str, Mode] = {}
         self.errors: dict[str, str] = {}
+        self.tracer = None
+        if args.timeline:
+            import _timeline
+
+            self.tracer = _timeline.Tracer()
+            _timeline.install(self.tracer)
         self.ddp: dict[str, tuple] = {}
 
     def make_model(self):
@@ -836,14 +915,17 @@ class Worker:
         if not self.all_ok(err is None):
             raise Unavailable(err or "not available on another rank")
         x, y = self.x, self.y
+        mark = self.tracer.mark if self.tracer is not None else lambda what: None
 
         def step() -> tuple:
             t0 = perf()
             dopt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             t1 = perf()
+            mark("forward ends")
             loss.backward()
             t2 = perf()
+            mark("backward ends")
             dopt.step()
             t3 = perf()
             return t3 - t0, t1 - t0, t2 - t1, t3 - t2, loss
@@ -912,11 +994,13 @@ class Worker:
                 m.step()
         self.barrier()
         before = (core_stat("exec_ns"), core_stat("bytes_sent"), wire_tx_bytes())
+        cpu0 = time.process_time()
         for _ in range(n):
             *times, loss = m.step()
             rows.append(times)
             m.loss = loss.item()
         after = (core_stat("exec_ns"), core_stat("bytes_sent"), wire_tx_bytes())
+        m.cpu_s += time.process_time() - cpu0
         m.end()
         counters.append([None if a is None or b is None else a - b for a, b in zip(after, before)])
 
@@ -948,6 +1032,7 @@ class Worker:
             n = args.steps * (b + 1) // blocks - args.steps * b // blocks
             for name in order if b % 2 == 0 else reversed(order):
                 self.block(self.modes[name], n, rows[name], counters[name])
+        timeline = self.timeline() if self.tracer is not None else {}
         result_modes: dict[str, dict] = {}
         for name in self.arg_modes_with_twins():
             if name in self.errors:
@@ -965,6 +1050,7 @@ class Worker:
             per_rank = self.gather(totals)
             sums = self.gather(self.checksum(m.model))
             losses = self.gather([m.loss], keep_nan=True)
+            cpu = self.gather([m.cpu_s / steps * 1e3])
             result_modes[name] = {
                 "status": "ok",
                 "note": m.note,
@@ -976,6 +1062,7 @@ class Worker:
                 "exec_ns_per_step": [r[0] for r in per_rank],
                 "bytes_sent_per_step": [r[1] for r in per_rank],
                 "wire_bytes_per_step": [r[2] for r in per_rank],
+                "cpu_ms_per_step": [c[0] for c in cpu],
                 # A DDP replica also runs its no_sync twin's steps: never equal, not shown.
                 "replicas_equal": None
                 if name.split(":")[0] in DDP_MODES
@@ -987,8 +1074,33 @@ class Worker:
             "size": self.size,
             "params": sum(model_param_sizes()),
             "modes": result_modes,
+            "timeline": timeline,
             "peak_rss_mib": [r[0] / 1024 for r in self.gather([vm_hwm_kib()])],
         }
+
+    def timeline(self) -> dict:
+        """--timeline N: per bagua_hvd mode, one warm-up step then N traced steps (no barrier
+        between them: an exchange left in flight by a step shows in the next); every rank's
+        events, gathered: {mode: [per rank: [per step: {"t0": ns, "events": [...]}]]}."""
+        tr = self.tracer
+        out: dict[str, list] = {}
+        for name, m in self.modes.items():
+            if not m.hvd:
+                continue
+            m.begin()
+            self.barrier()
+            m.step()
+            steps = []
+            for _ in range(self.args.timeline):
+                tr.begin_step()
+                m.step()
+                events = tr.end_step()
+                steps.append({"t0": tr.t0, "events": events, "cpu_ms": tr.cpu_ns / 1e6})
+            m.end()
+            gathered: list = [None] * self.size
+            self.dist.all_gather_object(gathered, steps)
+            out[name] = gathered
+        return out
 
     def arg_modes_with_twins(self) -> list[str]:
         out = []

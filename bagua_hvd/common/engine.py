@@ -497,35 +497,57 @@ class LowPrecisionRing(_WeightAveraging):
         a = self.adapter
         flats = weights()
         if self.split():
-            self.flush()  # the replicas must have the previous round's differences
             if not self.diffs:
                 self.diffs = [
                     a.empty_bytes(_prim.compressed_size(b.dtype, b.numel))
                     for b in self._bufs(flats)
                 ]
-            for flat, (own, left, right), c in zip(flats, self.replicas, self.diffs):
-                _prim.lp_local_half(
-                    a.buffer(flat),
-                    a.buffer(own),
-                    a.buffer(left),
-                    a.buffer(right),
-                    a.buffer(c),
-                    errors=a.errors,
-                )
-            self.pending = [
-                _prim.lp_exchange_half(
-                    a.buffer(c),
-                    a.buffer(reps[1]),
-                    a.buffer(reps[2]),
-                    self.names.op("lp.x", i),
-                    self.process_set_id,
-                    errors=a.errors,
-                )
-                for i, (c, reps) in enumerate(zip(self.diffs, self.replicas))
-            ]
-            # The exchange writes into the replicas after this returns: they stay alive with
-            # the entry even if this ring is dropped before flush().
-            _in_flight.append((weakref.ref(self), self.pending, (self.replicas, self.diffs)))
+            # Bucket by bucket: the previous round's exchange of bucket i (which wrote its
+            # replicas and read its difference) is waited for, its local half runs and its new
+            # exchange starts, which then overlaps the next buckets' local halves. Each bucket's
+            # math is the same as when all local halves ran first: the same bits.
+            old, self.pending = self.pending, []
+            _in_flight[:] = [e for e in _in_flight if e[1] is not old]
+            _sweep_in_flight()  # the other rings' exchanges, as flush() does
+            try:
+                for i, (flat, (own, left, right), c) in enumerate(
+                    zip(flats, self.replicas, self.diffs)
+                ):
+                    if i < len(old):
+                        old[i].wait()
+                    _prim.lp_local_half(
+                        a.buffer(flat),
+                        a.buffer(own),
+                        a.buffer(left),
+                        a.buffer(right),
+                        a.buffer(c),
+                        errors=a.errors,
+                    )
+                    self.pending.append(
+                        _prim.lp_exchange_half(
+                            a.buffer(c),
+                            a.buffer(left),
+                            a.buffer(right),
+                            self.names.op("lp.x", i),
+                            self.process_set_id,
+                            errors=a.errors,
+                        )
+                    )
+            except BaseException:
+                # Every exchange of the previous round completes before the error surfaces
+                # (as wait_all does); those started here are flushed by the next flush().
+                try:
+                    _prim.wait_all([r for r in old if not r.done])
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+                raise
+            finally:
+                if self.pending:
+                    # The exchange writes into the replicas after this returns: they stay
+                    # alive with the entry even if this ring is dropped before flush().
+                    _in_flight.append(
+                        (weakref.ref(self), self.pending, (self.replicas, self.diffs))
+                    )
         else:  # hierarchical: the host average needs communication first, one blocking op
             requests = [
                 _prim.lp_step(

@@ -70,6 +70,26 @@ _STEP_AFTER_SYNC_WARNING = (
 )
 # mpi_ops.synchronize() of an unknown handle returns None: a bucket with nothing to send.
 _NO_HANDLE = -1
+# Optimizers whose update of a parameter reads that parameter's gradient and state only (with
+# foreach or fused kernels too, which work tensor by tensor): updating the buckets one at a time
+# gives the bits of one update of all. Exact classes: a subclass may override step().
+_BUCKETWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+# Buckets are updated together until they hold this many bytes of parameters: an update call
+# costs tens of microseconds, which small buckets (BAGUA_HVD_BUCKET_MB=0) must not pay each.
+_BUCKETWISE_MIN_BYTES = 1 << 20
+
+
+def _global_step_hooks() -> bool:
+    """Whether step hooks were registered for every optimizer (torch.optim.optimizer's
+    register_optimizer_step_pre_hook / _post_hook)."""
+    from torch.optim import optimizer as _torch_opt
+
+    return bool(
+        getattr(_torch_opt, "_global_optimizer_pre_hooks", None)
+        or getattr(_torch_opt, "_global_optimizer_post_hooks", None)
+    )
+
+
 # Compressors that are element-wise casts: a whole bucket can be compressed at once.
 _CAST_COMPRESSORS = {
     NoneCompressor: None,
@@ -232,6 +252,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._layout_final = False
         self._hooks_registered = False
         self._bucket_cap = _alg_common.bucket_bytes()
+        # Steps whose update ran bucket by bucket, and the update calls they made (tests).
+        self._bucketwise_steps = self._bucketwise_updates = 0
         self._cast_dtype = _CAST_COMPRESSORS.get(compression, False)
 
         if self.process_set.included() and (size() > 1 or config.elastic()):
@@ -325,12 +347,104 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(_STEP_AFTER_SYNC_WARNING, stacklevel=2)
+            elif self._bucketwise_update_applies(closure):
+                self._synchronize_and_update_bucketwise()
+                if self._algo_impl is not None:
+                    self._algo_impl.after_step()
+                return None
             self.synchronize()
         self._synchronized = False
         result = super(self._hvd_cls, self).step(closure)
         if self._algo_impl is not None:
             self._algo_impl.after_step()
         return result
+
+    # ---- the update, bucket by bucket ------------------------------------------------------------
+    def _bucketwise_update_applies(self, closure: Optional[Callable[[], Any]]) -> bool:
+        """Whether step() may update each bucket's parameters as soon as that bucket's reduction
+        completes, while later buckets are still on the wire: only where this gives the bits of
+        one update after all of them (an optimizer whose update of a parameter depends on that
+        parameter alone: the exact classes of _BUCKETWISE_OPTIMIZERS), and where nothing can
+        tell the difference (no closure, no step hooks, gradients averaged by this step itself,
+        not between synchronize() and step(), the bucket layout final). A failed wait leaves
+        the earlier buckets updated (an elastic job restores its last commit anyway)."""
+        if closure is not None or not self._hooks_registered or not self._layout_final:
+            return False
+        if len(self._buckets) < 2 or not self.process_set.included():
+            return False
+        impl = self._algo_impl
+        if impl is not None and not impl.communicates_gradients():
+            return False
+        if self._hvd_cls.__mro__[1] not in _BUCKETWISE_OPTIMIZERS:
+            return False
+        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks:
+            return False
+        if _global_step_hooks():
+            return False
+        return not any(g.get("differentiable") for g in self.param_groups)
+
+    def _synchronize_and_update_bucketwise(self) -> None:
+        """synchronize() and the wrapped optimizer's update, interleaved: after each bucket's
+        wait, the update of its parameters (the wrapped class's step over them alone); then the
+        update of every other parameter. The same waits, in the same order, as synchronize()."""
+        handles = self._handles
+        for b in self._buckets:
+            entry = handles.get(b)
+            if entry is None or entry[0] is None:
+                self._launch(b, fill=True)
+        for p in self._sparse_params:
+            entry = handles.get(p)
+            if entry is None or entry[0] is None:
+                self._launch_sparse(p, fill=True)
+        base = self._hvd_cls.__mro__[1]
+        update = base.step
+        if getattr(update, "hooked", False):  # torch's hook wrapper: hooks run once (none here)
+            update = getattr(update, "__wrapped__", update)
+        groups = self.param_groups
+        updated: set = set()
+        ready: set = set()  # reduced, not yet updated
+        ready_bytes = 0
+
+        def update_only(ids: set) -> None:
+            subset = []
+            for g in groups:
+                params = [p for p in g["params"] if id(p) in ids]
+                if params:
+                    subset.append(dict(g, params=params))
+            if subset:
+                self.param_groups = subset
+                try:
+                    update(self)
+                finally:
+                    self.param_groups = groups
+                self._bucketwise_updates += 1
+            updated.update(ids)
+
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{base.__name__}.step"):
+            try:
+                for key, (handle, ctx) in handles.items():
+                    if isinstance(key, _Bucket):
+                        if type(handle) is Request:  # BAGUA's primitive (an algorithm's)
+                            handle.wait()
+                        else:
+                            mpi_ops.synchronize(handle)
+                        self._finish(key, ctx)
+                        # Its sparse gradients (sent on their own) are not final yet.
+                        for p in key.params:
+                            if p not in key.skip:
+                                ready.add(id(p))
+                                ready_bytes += p.numel() * p.element_size()
+                        if ready_bytes >= _BUCKETWISE_MIN_BYTES:
+                            update_only(ready)
+                            ready, ready_bytes = set(), 0
+                    else:
+                        self._finish_sparse(key, handle())
+                self._reset_round()
+            finally:
+                self._handles.clear()
+            update_only({id(p) for g in groups for p in g["params"]} - updated)
+        self._bucketwise_steps += 1
+        self._synchronized = False
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         if self._handles:

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <functional>
@@ -20,6 +21,7 @@
 #include "collectives/algorithms.h"
 #include "collectives/collectives.h"
 #include "collectives/comm.h"
+#include "compression/minmax_uint8.h"
 #include "transport/shm.h"
 #include "transport/transport.h"
 
@@ -251,6 +253,193 @@ TEST(ShmRing, WrapAroundWithUnalignedMessages) {
   const void* p = nullptr;
   EXPECT_EQ(a.peek(&p), 0u);  // nothing left over
   EXPECT_EQ(b.peek(&p), 0u);
+}
+
+// ---- pipelined collectives: the bits of their phases run one after the other ------------------
+// ByteGrad and the low-precision exchange compress, send and decode in blocks of 128 Ki elements
+// interleaved with the transfers. The expected values below follow docs/algorithms.md with the
+// whole-chunk kernels, rank by rank, so counts of several blocks per chunk check that the blocks
+// change nothing.
+
+namespace pipelined {
+
+std::vector<float> rank_input(int k, size_t count, int step) {
+  std::mt19937 gen(1000 + 17 * k + 7919 * step);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> v(count);
+  for (auto& x : v) x = dist(gen) * (1.0f + k);
+  if (count > 3) v[count / 2] = -0.0f;  // a zero of either sign may be a chunk's min or max
+  return v;
+}
+
+std::vector<float> decode(const std::vector<uint8_t>& q, size_t n, size_t chunks) {
+  std::vector<float> out(n);
+  minmax_uint8_decompress(q.data(), DataType::FLOAT32, n, chunks, out.data());
+  return out;
+}
+
+std::vector<uint8_t> encode(const float* x, size_t n, size_t chunks) {
+  std::vector<uint8_t> q(minmax_uint8_bytes(DataType::FLOAT32, n, chunks));
+  minmax_uint8_compress(x, DataType::FLOAT32, n, chunks, q.data());
+  return q;
+}
+
+// Every rank's ByteGrad state (docs/algorithms.md, steps 1-7), float32, averaging.
+struct ByteGradModel {
+  int n;
+  size_t count, chunk;
+  bool ef;
+  std::vector<std::vector<float>> ew, es;  // per rank: worker (padded) and server residuals
+
+  ByteGradModel(int n_, size_t count_, bool ef_)
+      : n(n_), count(count_), chunk((count_ + n_ - 1) / n_), ef(ef_),
+        ew(n_, std::vector<float>(chunk * n_, 0.0f)), es(n_, std::vector<float>(chunk, 0.0f)) {}
+
+  std::vector<float> step(int s) {
+    const size_t padded = chunk * n;
+    std::vector<std::vector<uint8_t>> q(n);
+    for (int k = 0; k < n; ++k) {
+      std::vector<float> g = rank_input(k, count, s);
+      g.resize(padded, 0.0f);
+      if (ef)
+        for (size_t i = 0; i < padded; ++i) g[i] += ew[k][i];
+      q[k] = encode(g.data(), padded, n);
+      if (ef) {
+        const auto dec = decode(q[k], padded, n);
+        for (size_t i = 0; i < padded; ++i) ew[k][i] = g[i] - dec[i];
+      }
+    }
+    const size_t cb = minmax_uint8_bytes(DataType::FLOAT32, chunk, 1);
+    std::vector<float> out;
+    for (int j = 0; j < n; ++j) {
+      std::vector<float> acc(chunk, 0.0f);
+      for (int k = 0; k < n; ++k) {
+        minmax_uint8_decompress_add_f32(q[k].data() + j * cb, DataType::FLOAT32, chunk, 1,
+                                        acc.data());
+      }
+      for (auto& a : acc) a /= static_cast<float>(n);
+      if (ef)
+        for (size_t i = 0; i < chunk; ++i) acc[i] += es[j][i];
+      const auto qj = encode(acc.data(), chunk, 1);
+      const auto dj = decode(qj, chunk, 1);
+      if (ef)
+        for (size_t i = 0; i < chunk; ++i) es[j][i] = acc[i] - dj[i];
+      out.insert(out.end(), dj.begin(), dj.end());
+    }
+    out.resize(count);
+    return out;
+  }
+};
+
+void check_bytegrad(int n, Kind kind, size_t count, bool ef) {
+  ByteGradModel model(n, count, ef);
+  std::vector<std::vector<float>> want;
+  for (int s = 0; s < 2; ++s) want.push_back(model.step(s));
+  run_ranks(n, kind, [&](Comm& comm) {
+    const int k = comm.rank();
+    std::vector<float> ew(model.chunk * n, 0.0f), es(model.chunk, 0.0f);
+    for (int s = 0; s < 2; ++s) {
+      std::vector<float> buf = rank_input(k, count, s);
+      allreduce_minmax_uint8(comm, buf.data(), count, DataType::FLOAT32, true,
+                             ef ? ew.data() : nullptr, ef ? es.data() : nullptr);
+      ASSERT_EQ(buf.size(), want[s].size());
+      EXPECT_EQ(std::memcmp(buf.data(), want[s].data(), count * sizeof(float)), 0)
+          << "rank " << k << " step " << s << " count " << count;
+    }
+    if (ef) {  // the model's residuals are those after both steps
+      EXPECT_EQ(std::memcmp(ew.data(), model.ew[k].data(), ew.size() * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(es.data(), model.es[k].data(), es.size() * sizeof(float)), 0);
+    }
+  });
+}
+
+}  // namespace pipelined
+
+TEST(PipelinedByteGrad, BitIdenticalToThePhasesInTurn) {
+  for (int n : {2, 3}) {
+    for (size_t count : {size_t{1}, size_t{7}, size_t{1000}, size_t{300001}}) {
+      for (bool ef : {false, true}) {
+        pipelined::check_bytegrad(n, Kind::TCP, count, ef);
+        pipelined::check_bytegrad(n, Kind::SHM, count, ef);
+      }
+    }
+  }
+}
+
+TEST(PipelinedByteGrad, NonFiniteChunkDecodesToNaNEverywhere) {
+  const size_t count = 400000;
+  run_ranks(2, Kind::TCP, [&](Comm& comm) {
+    std::vector<float> buf = pipelined::rank_input(comm.rank(), count, 0);
+    if (comm.rank() == 1) buf[10] = INFINITY;  // chunk 0 of rank 1: chunk 0 of the mean is NaN
+    allreduce_minmax_uint8(comm, buf.data(), count, DataType::FLOAT32, true, nullptr, nullptr);
+    for (size_t i = 0; i < count / 2; ++i) ASSERT_TRUE(std::isnan(buf[i])) << i;
+    for (size_t i = count / 2; i < count; ++i) ASSERT_TRUE(std::isfinite(buf[i])) << i;
+  });
+}
+
+TEST(PipelinedLowPrecision, LocalHalfAndExchangeMatchTheSpec) {
+  // docs/algorithms.md: d = ((x + L/3) + R/3) - 5/3 s; c = Compress(d); s += D(c); x = s; the
+  // neighbours' replicas advance by their decoded differences. n = 3 (two neighbours) and 2.
+  for (int n : {2, 3}) {
+    const size_t count = 300001;
+    auto weights = [&](int k, int which) { return pipelined::rank_input(k, count, 10 + which); };
+    // Spec, per rank: its c, then its new L and R.
+    std::vector<std::vector<uint8_t>> cs(n);
+    std::vector<std::vector<float>> new_s(n);
+    for (int k = 0; k < n; ++k) {
+      auto x = weights(k, 0), l = weights(k, 1), r = weights(k, 2), s = weights(k, 3);
+      std::vector<float> d(count);
+      for (size_t i = 0; i < count; ++i)
+        d[i] = ((x[i] + l[i] * (1.0f / 3.0f)) + r[i] * (1.0f / 3.0f)) - s[i] * (5.0f / 3.0f);
+      cs[k] = pipelined::encode(d.data(), count, 1);
+      const auto dec = pipelined::decode(cs[k], count, 1);
+      for (size_t i = 0; i < count; ++i) s[i] += dec[i];
+      new_s[k] = s;
+    }
+    run_ranks(n, Kind::TCP, [&](Comm& comm) {
+      const int k = comm.rank();
+      auto x = weights(k, 0), l = weights(k, 1), r = weights(k, 2), s = weights(k, 3);
+      std::vector<uint8_t> c(minmax_uint8_bytes(DataType::FLOAT32, count, 1));
+      lp_decentralized_local(x.data(), s.data(), l.data(), r.data(), count, DataType::FLOAT32,
+                             c.data());
+      EXPECT_EQ(c, cs[k]) << "rank " << k;
+      EXPECT_EQ(std::memcmp(s.data(), new_s[k].data(), count * 4), 0) << "rank " << k;
+      EXPECT_EQ(std::memcmp(x.data(), new_s[k].data(), count * 4), 0) << "rank " << k;
+      const auto l0 = l, r0 = r;
+      lp_decentralized_exchange(comm, c.data(), l.data(), r.data(), count, DataType::FLOAT32);
+      const int left = (k + n - 1) % n, right = (k + 1) % n;
+      const auto dl = pipelined::decode(cs[left], count, 1);
+      const auto dr = pipelined::decode(cs[right], count, 1);
+      for (size_t i = 0; i < count; ++i) {
+        ASSERT_EQ(l[i], l0[i] + dl[i]) << "rank " << k << " left " << i;
+        ASSERT_EQ(r[i], r0[i] + dr[i]) << "rank " << k << " right " << i;
+      }
+    });
+  }
+}
+
+TEST(MinMaxUInt8Pieces, RangesAndScansGiveTheWholeChunksBytes) {
+  for (size_t c : {size_t{0}, size_t{1}, size_t{33}, size_t{1000}, size_t{70001}}) {
+    std::vector<float> x = pipelined::rank_input(3, c, 0);
+    const auto whole = pipelined::encode(x.data(), c, 1);
+    for (size_t piece : {size_t{1}, size_t{8}, size_t{1000}, size_t{1} << 20}) {
+      std::vector<uint8_t> out(whole.size(), 0xcd);
+      MinMaxUint8Scan scan;
+      for (size_t i = 0; i < c; i += piece)  // pieces scanned back to front
+        minmax_uint8_scan_range(x.data() + (c - std::min(c, i + piece)),
+                                DataType::FLOAT32, std::min(piece, c - i), &scan);
+      minmax_uint8_write_header(scan, DataType::FLOAT32, c, out.data());
+      for (size_t i = 0; i < c; i += piece)
+        minmax_uint8_compress_range(x.data() + i, DataType::FLOAT32, i, std::min(piece, c - i),
+                                    out.data());
+      EXPECT_EQ(out, whole) << "c " << c << " piece " << piece;
+      std::vector<float> dec(c), want = pipelined::decode(whole, c, 1);
+      for (size_t i = 0; i < c; i += piece)
+        minmax_uint8_decompress_range(out.data(), DataType::FLOAT32, i, std::min(piece, c - i),
+                                      dec.data() + i);
+      EXPECT_EQ(dec, want) << "c " << c << " piece " << piece;
+    }
+  }
 }
 
 }  // namespace

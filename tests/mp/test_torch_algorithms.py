@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import bagua_hvd.torch as hvd
+from bagua_hvd.common.primitives import Request
 from bagua_hvd.torch import algorithms as A
 
 STEPS = 5
@@ -266,6 +267,39 @@ def test_low_precision_replicas_are_consistent_bitwise():
         everyone = hvd.allgather(stacked.unsqueeze(0), name=f"lpdec.check.{i}")
         assert torch.equal(everyone[(r - 1) % n][0], left), "left replica differs"
         assert torch.equal(everyone[(r + 1) % n][0], right), "right replica differs"
+
+
+def test_low_precision_exchange_is_left_in_flight_by_step(monkeypatch):
+    """step() starts each bucket's exchange and returns without waiting for it (it overlaps the
+    next step; docs/algorithms.md), with several buckets too."""
+    monkeypatch.setenv("BAGUA_HVD_BUCKET_MB", "0.0005")
+    model = make_model(hvd.rank())
+    opt = hvd.DistributedOptimizer(
+        sgd(model.parameters()),
+        named_parameters=model.named_parameters(),
+        algorithm=A.LowPrecisionDecentralized(),
+    )
+    impl = opt._algo_impl
+    waited = []  # every request waited for (wait() or settle()), by identity
+    for method in ("wait", "settle"):
+        orig = getattr(Request, method)
+
+        def spy(self, *args, _orig=orig, **kwargs):
+            waited.append(id(self))
+            return _orig(self, *args, **kwargs)
+
+        monkeypatch.setattr(Request, method, spy)
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, IN)).square().mean().backward()
+        waited.clear()
+        opt.step()
+        if hvd.size() > 1:
+            pending = impl.averaging.pending
+            assert len(pending) == len(impl.weights().flats) > 1
+            assert not any(id(r) in waited for r in pending), f"step {step} waited for them"
+    impl.flush()
+    assert not impl.averaging.pending
 
 
 def test_decentralized_ranks_agree_after_all_average():

@@ -631,3 +631,157 @@ def test_buckets_follow_the_observed_order(monkeypatch):
             assert rebuilt != guess
             assert opt._buckets[0].params[0] in (model.last.bias, model.last.weight)
     _assert_close(model, reference, 1e-5, "rebuilt buckets")
+
+
+# ---- the update bucket by bucket --------------------------------------------------------------
+BUCKETWISE = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "sgd_momentum": _sgd,
+    "sgd_nesterov_wd_foreach": lambda p: torch.optim.SGD(
+        p, lr=0.05, momentum=0.8, nesterov=True, weight_decay=1e-3, foreach=True
+    ),
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+    "adam": _adam,
+    "adam_amsgrad_foreach": lambda p: torch.optim.Adam(
+        p, lr=0.01, amsgrad=True, weight_decay=1e-2, foreach=True
+    ),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    "adamw_foreach_maximize": lambda p: torch.optim.AdamW(p, lr=0.01, foreach=True, maximize=True),
+}
+
+
+@pytest.fixture(autouse=True)
+def _update_every_bucket(monkeypatch):
+    """The bucket-by-bucket update merges buckets below 1 MiB: here every bucket is updated
+    on its own, so the tests below see as many separate updates as buckets."""
+    from bagua_hvd.torch import optimizer as _optimizer
+
+    monkeypatch.setattr(_optimizer, "_BUCKETWISE_MIN_BYTES", 0)
+
+
+def _train_split(make_opt, seed, dtype, bucketwise, algorithm=None, extras=False, use_extra=False):
+    """STEPS steps of the same model and batches; ``bucketwise=False`` takes Horovod's
+    synchronize() + skip_synchronize() path, which updates once after every wait."""
+    model = ref.make_model(seed, dtype, **({"extras": True} if extras else {}))
+    kwargs = {} if algorithm is None else {"algorithm": algorithm}
+    opt = hvd.DistributedOptimizer(
+        make_opt(model.parameters()), named_parameters=model.named_parameters(), **kwargs
+    )
+    for step in range(STEPS):
+        opt.zero_grad()
+        b = ref.batch(seed, step, hvd.rank(), 0, dtype=dtype)
+        ref.loss_of(model, b, use_extra=use_extra).backward()
+        if bucketwise:
+            opt.step()
+        else:
+            opt.synchronize()
+            with opt.skip_synchronize():
+                opt.step()
+    return model, opt
+
+
+def _assert_same_bits(a_model, a_opt, b_model, b_opt, what):
+    for (name, a), (_, b) in zip(a_model.named_parameters(), b_model.named_parameters()):
+        assert torch.equal(a.detach(), b.detach()), f"{what}: {name} differs"
+    for pa, pb in zip(a_model.parameters(), b_model.parameters()):
+        sa, sb = a_opt.state[pa], b_opt.state[pb]
+        assert sorted(sa) == sorted(sb), what
+        for k in sa:
+            va, vb = sa[k], sb[k]
+            if torch.is_tensor(va):
+                assert torch.equal(va, vb), f"{what}: state {k} differs"
+            else:
+                assert va == vb, f"{what}: state {k} differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("opt_name", list(BUCKETWISE))
+def test_bucketwise_update_gives_the_same_bits(opt_name, dtype, monkeypatch):
+    """step() updates each bucket's parameters as soon as that bucket is reduced: the same
+    bits, parameters and optimizer state, as one update after all the waits."""
+    monkeypatch.setenv("BAGUA_HVD_BUCKET_MB", "0.0005")  # several buckets
+    seed = ref.seed_for("bucketwise", opt_name, str(dtype))
+    mine, opt = _train_split(BUCKETWISE[opt_name], seed, dtype, bucketwise=True)
+    theirs, topt = _train_split(BUCKETWISE[opt_name], seed, dtype, bucketwise=False)
+    assert len(opt._buckets) > 1
+    assert opt._bucketwise_steps == STEPS - 1  # all but the first (its layout is a guess)
+    assert opt._bucketwise_updates >= (STEPS - 1) * len(opt._buckets)  # one per bucket
+    assert topt._bucketwise_steps == 0
+    _assert_same_bits(mine, opt, theirs, topt, opt_name)
+
+
+@pytest.mark.parametrize("error_feedback", [False, True], ids=["plain", "ef"])
+def test_bucketwise_update_with_bytegrad_gives_the_same_bits(error_feedback, monkeypatch):
+    from bagua_hvd.torch.algorithms import ByteGrad
+
+    monkeypatch.setenv("BAGUA_HVD_BUCKET_MB", "0.0005")
+    seed = ref.seed_for("bucketwise_bytegrad", str(error_feedback))
+    runs = [
+        _train_split(_sgd, seed, torch.float32, bw, ByteGrad(error_feedback=error_feedback))
+        for bw in (True, False)
+    ]
+    assert runs[0][1]._bucketwise_steps == STEPS - 1
+    _assert_same_bits(*runs[0], *runs[1], "bytegrad")
+
+
+def test_bucketwise_update_merges_small_buckets(monkeypatch):
+    """Buckets below 1 MiB are updated together (an update call has a fixed cost)."""
+    from bagua_hvd.torch import optimizer as _optimizer
+
+    monkeypatch.setattr(_optimizer, "_BUCKETWISE_MIN_BYTES", 1 << 20)
+    monkeypatch.setenv("BAGUA_HVD_BUCKET_MB", "0.0005")
+    seed = ref.seed_for("bucketwise_merged")
+    mine, opt = _train_split(_sgd, seed, torch.float64, bucketwise=True)
+    theirs, topt = _train_split(_sgd, seed, torch.float64, bucketwise=False)
+    assert len(opt._buckets) > 2
+    assert opt._bucketwise_steps == STEPS - 1
+    assert opt._bucketwise_updates == STEPS - 1  # the model is far below 1 MiB: one each
+    _assert_same_bits(mine, opt, theirs, topt, "merged")
+
+
+def test_bucketwise_update_falls_back_where_it_could_be_seen(monkeypatch):
+    """Step hooks, a closure, a subclass of the optimizer or an optimizer outside the list: one
+    update after all the waits, as before."""
+    monkeypatch.setenv("BAGUA_HVD_BUCKET_MB", "0.0005")
+    seed = ref.seed_for("bucketwise_fallback")
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    cases = {
+        "pre hook": (_sgd, lambda o: o.register_step_pre_hook(lambda *_: None)),
+        "post hook": (_sgd, lambda o: o.register_step_post_hook(lambda *_: None)),
+        "subclass": (lambda p: MySGD(p, lr=0.1), None),
+        "rmsprop": (lambda p: torch.optim.RMSprop(p, lr=0.01), None),
+        "closure": (_sgd, "closure"),
+    }
+    for what, (make, extra) in cases.items():
+        model = ref.make_model(seed)
+        opt = hvd.DistributedOptimizer(
+            make(model.parameters()), named_parameters=model.named_parameters()
+        )
+        if callable(extra):
+            extra(opt)
+        for step in range(3):
+            opt.zero_grad()
+            loss = ref.loss_of(model, ref.batch(seed, step, hvd.rank(), 0))
+            loss.backward()
+            if extra == "closure":
+                assert opt.step(lambda loss=loss: loss) is loss
+            else:
+                opt.step()
+        assert opt._bucketwise_steps == 0, what
+
+
+def test_bucketwise_update_with_unused_parameters_gives_the_same_bits(monkeypatch):
+    """Parameters without a gradient on some rank (zeros are sent for them) and one without any
+    gradient: the same bits as one update; and still the one-process reference's weights."""
+    monkeypatch.setenv("BAGUA_HVD_BUCKET_MB", "0.0005")
+    seed = ref.seed_for("bucketwise_unused")
+    runs = [
+        _train_split(_sgd, seed, torch.float64, bw, extras=True, use_extra=hvd.rank() % 2 == 0)
+        for bw in (True, False)
+    ]
+    assert runs[0][1]._bucketwise_steps == STEPS - 1
+    _assert_same_bits(*runs[0], *runs[1], "unused parameters")

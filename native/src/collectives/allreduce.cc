@@ -3,6 +3,7 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/collectives.h"
+#include "collectives/trace.h"
 
 namespace bagua_hvd {
 
@@ -42,6 +43,7 @@ void check_reduction(DataType dtype, ReduceOp op, const char* what) {
 void allreduce(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op) {
   check_reduction(dtype, op, "allreduce");
   if (comm.size() <= 1 || count == 0) return;
+  TraceSpan span(TraceOp::kAllreduce, static_cast<int64_t>(count));
   // Direct: one round, n-1 copies of the buffer per rank; ring: 2(n-1) rounds, 2(n-1)/n copies.
   const size_t bytes = count * dtype_size(dtype);
   if (bytes <= kAllreduceDirectMaxBytes &&

@@ -110,7 +110,9 @@ void deliver(Comm::Xfer& x, const unsigned char* src, size_t n, unsigned char* f
 
 }  // namespace
 
-void Comm::run(std::vector<Xfer>& xfers, const char* what) {
+void Comm::run(std::vector<Xfer>& xfers, const char* what) { run(xfers, what, Work()); }
+
+void Comm::run(std::vector<Xfer>& xfers, const char* what, const Work& work) {
   if (rank_ < 0) {
     throw std::invalid_argument(std::string("rank ") + std::to_string(transport_.rank()) +
                                 " is not a member of this process set (" + what + ")");
@@ -159,7 +161,11 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what) {
                                 " bytes sent to self but " + std::to_string(self_recv) +
                                 " received");
   }
-  if (lanes.empty()) return;
+  if (lanes.empty()) {
+    while (work && work()) {
+    }
+    return;
+  }
 
   // partial_: [staging | one fragment slot per peer]; grows once, reused by later runs.
   const size_t need = kStagingBytes + kMaxElement * static_cast<size_t>(n);
@@ -176,7 +182,10 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what) {
     while (lane.head < lane.q.size()) {
       Xfer& x = xfers[lane.q[lane.head]];
       auto* buf = static_cast<unsigned char*>(x.buf);
-      const size_t left = x.len - x.done;
+      // A send moves only what its producer released so far.
+      const size_t limit = x.kind == Xfer::SEND ? std::min(x.len, x.ready) : x.len;
+      if (x.done >= limit) break;
+      const size_t left = limit - x.done;
       size_t got = 0;
       if (lane.pair == nullptr) {
         // Self: copy from the head send straight into the head receive.
@@ -232,10 +241,17 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what) {
   auto next_check = start + std::chrono::duration_cast<Clock::duration>(
                                 std::chrono::duration<double>(kCheckSeconds));
   uint64_t pass = 0;
+  const bool working = static_cast<bool>(work);
   while (!active.empty()) {
     bool progress = false;
     bool need_now = (++pass & 255) == 0;
     Clock::time_point now{};
+    if (working && work()) {
+      // CPU work is progress too: the lanes it feeds (or that wait for it) are not stalled.
+      now = Clock::now();
+      progress = true;
+      for (size_t ai : active) lanes[ai].last = now;
+    }
     for (size_t a = 0; a < active.size();) {
       Lane& lane = lanes[active[a]];
       if (step(lane)) {
@@ -283,6 +299,8 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what) {
           if (r != rank_) transport_.data(global_ranks_[r]).check_alive();
       }
     }
+  }
+  while (working && work()) {  // what is left once every byte moved (the last decoding)
   }
 }
 

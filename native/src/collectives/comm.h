@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -31,13 +32,25 @@ class Comm {
     DataType dtype = DataType::UINT8;  // RECV_REDUCE only
     ReduceOp op = ReduceOp::SUM;       // RECV_REDUCE only; AVERAGE reduces as SUM
     size_t done = 0;   // progress, owned by run()
+    // SEND only: bytes of buf that may be sent so far; a pipelined collective's work (below)
+    // raises it as it produces the data. Default: all of it.
+    size_t ready = SIZE_MAX;
   };
+
+  // A pipelined collective's CPU work between passes over the transfers: each call does one
+  // small piece (compress the next block and raise a send's `ready`, decode bytes received so
+  // far: a receive's `done`) and returns whether it did any. The wire and the CPU then overlap.
+  using Work = std::function<bool()>;
 
   // Drives all transfers concurrently until every one completes. Transfers to the same peer in
   // the same direction complete in vector order (they share one byte stream). Throws
   // TransportError when a peer fails, or when nothing moved for the transport's timeout; the
   // message names the peer (global rank) and `what` (e.g. "allreduce").
   void run(std::vector<Xfer>& xfers, const char* what);
+  // The same, calling work() once per pass until every transfer completed and work() found
+  // nothing left to do. work() must never need a byte that only a later call of it would let a
+  // transfer move (a send it does not release, data it has not decoded yet stays pending).
+  void run(std::vector<Xfer>& xfers, const char* what, const Work& work);
 
   void send(int peer, const void* buf, size_t len, const char* what);
 

@@ -9,6 +9,7 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/collectives.h"
+#include "collectives/trace.h"
 #include "compression/minmax_uint8.h"
 
 namespace bagua_hvd {
@@ -54,6 +55,9 @@ void blockwise(DataType dtype, size_t n, void* out, std::initializer_list<const 
 }
 
 enum Slot { kPeerA = 0, kPeerB = 1, kDiff = 2, kMine = 3, kLeft = 4, kRight = 5, kDecoded = 6 };
+
+// Elements per piece of the exchange's decoding, done while further bytes arrive.
+constexpr size_t kLpBlock = 128 << 10;
 
 }  // namespace
 
@@ -116,42 +120,105 @@ void lp_decentralized_local(void* x, void* self, const void* left, const void* r
                                 dtype_name(dtype));
   }
   if (count == 0) return;
+  TraceSpan span(TraceOp::kLpLocal, static_cast<int64_t>(count));
   const size_t bytes = count * dtype_size(dtype);
-  // d = x + L/3 + R/3 - (5/3) s, in float32, stored as T for the compressor.
+  // d = x + L/3 + R/3 - (5/3) s, in float32, stored as T for the compressor, and the chunk's
+  // min and max on the way. Then, per block: c = MinMaxUInt8(d), and x becomes exactly what the
+  // neighbours will hold: s += D(c), x = s. Two passes over the bucket, each block's decoded
+  // difference staying in cache (element-wise: the bits of compress(d), decompress, add, copy).
   // (Scratch of the calling thread: the training thread's own when called through the C API.)
+  const size_t es = dtype_size(dtype);
   unsigned char* d = scratch_slot(kDiff, bytes);
   const float third = 1.0f / 3.0f, five_thirds = 5.0f / 3.0f;
-  blockwise(dtype, count, d, {x, left, right, self}, [&](const float* v) {
-    return ((v[0] + v[1] * third) + v[2] * third) - v[3] * five_thirds;
-  });
-  minmax_uint8_compress(d, dtype, count, 1, c);
-  // x becomes exactly what the neighbours will hold: s + D(c).
-  minmax_uint8_decompress(c, dtype, count, 1, d);
-  reduce_into(self, d, count, dtype, ReduceOp::SUM);
-  std::memcpy(x, self, bytes);
+  MinMaxUint8Scan scan;
+  for (size_t i = 0; i < count; i += kLpBlock) {
+    const size_t m = std::min(kLpBlock, count - i);
+    const size_t o = i * es;
+    if (dtype == DataType::FLOAT32) {  // the same expression on the buffers themselves
+      const float* xf = static_cast<const float*>(x) + i;
+      const float* lf = static_cast<const float*>(left) + i;
+      const float* rf = static_cast<const float*>(right) + i;
+      const float* sf = static_cast<const float*>(self) + i;
+      float* df = reinterpret_cast<float*>(d) + i;
+      for (size_t k = 0; k < m; ++k)
+        df[k] = ((xf[k] + lf[k] * third) + rf[k] * third) - sf[k] * five_thirds;
+    } else {
+      blockwise(dtype, m, d + o,
+                {static_cast<const unsigned char*>(x) + o,
+                 static_cast<const unsigned char*>(left) + o,
+                 static_cast<const unsigned char*>(right) + o,
+                 static_cast<unsigned char*>(self) + o},
+                [&](const float* v) {
+                  return ((v[0] + v[1] * third) + v[2] * third) - v[3] * five_thirds;
+                });
+    }
+    minmax_uint8_scan_range(d + o, dtype, m, &scan);
+  }
+  minmax_uint8_write_header(scan, dtype, count, c);
+  unsigned char* dec = scratch_slot(kDecoded, kLpBlock * es);
+  for (size_t i = 0; i < count; i += kLpBlock) {
+    const size_t m = std::min(kLpBlock, count - i);
+    const size_t o = i * es;
+    unsigned char* s_i = static_cast<unsigned char*>(self) + o;
+    minmax_uint8_compress_range(d + o, dtype, i, m, c);
+    minmax_uint8_decompress_range(c, dtype, i, m, dec);
+    if (dtype == DataType::FLOAT32) {  // s += D(c); x = s, in one pass
+      float* sf = reinterpret_cast<float*>(s_i);
+      float* xf = static_cast<float*>(x) + i;
+      const float* df = reinterpret_cast<const float*>(dec);
+      for (size_t k = 0; k < m; ++k) xf[k] = sf[k] = sf[k] + df[k];
+    } else {
+      reduce_into(s_i, dec, m, dtype, ReduceOp::SUM);
+      std::memcpy(static_cast<unsigned char*>(x) + o, s_i, m * es);
+    }
+  }
 }
 
 void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* right,
                                size_t count, DataType dtype) {
   const int n = comm.size(), me = comm.rank();
   if (n <= 1 || count == 0) return;
-  const size_t bytes = count * dtype_size(dtype);
+  TraceSpan span(TraceOp::kLpExchange, static_cast<int64_t>(count));
+  const size_t es = dtype_size(dtype);
   const size_t cbytes = minmax_uint8_bytes(dtype, count, 1);
+  const size_t header = cbytes - ((count + 31) / 32) * 32;
   uint8_t* cl = scratch_slot(kLeft, cbytes);
   uint8_t* cr = cl;
   const int l = (me + n - 1) % n, r = (me + 1) % n;
-  if (l == r) {
-    exchange(comm, {r}, c, cbytes, {l}, {cl}, "low-precision decentralized");
-  } else {
+  std::vector<Comm::Xfer> xs;
+  xs.push_back({Comm::Xfer::SEND, r, const_cast<uint8_t*>(c), cbytes});
+  if (l != r) {
     cr = scratch_slot(kRight, cbytes);
-    exchange(comm, {l, r}, c, cbytes, {l, r}, {cl, cr}, "low-precision decentralized");
+    xs.push_back({Comm::Xfer::SEND, l, const_cast<uint8_t*>(c), cbytes});
   }
-  // The neighbours' replicas advance by their decoded differences.
-  unsigned char* dec = scratch_slot(kDecoded, bytes);
-  minmax_uint8_decompress(cl, dtype, count, 1, dec);
-  reduce_into(left, dec, count, dtype, ReduceOp::SUM);
-  if (cr != cl) minmax_uint8_decompress(cr, dtype, count, 1, dec);
-  reduce_into(right, dec, count, dtype, ReduceOp::SUM);
+  const size_t rx_left = xs.size();
+  xs.push_back({Comm::Xfer::RECV, l, cl, cbytes});
+  if (l != r) xs.push_back({Comm::Xfer::RECV, r, cr, cbytes});
+  // The neighbours' replicas advance by their decoded differences, block by block as the bytes
+  // arrive (element-wise: the same bits as decoding the whole difference after the exchange).
+  // n = 2: the one neighbour's difference advances both replicas.
+  unsigned char* dec = scratch_slot(kDecoded, kLpBlock * es);
+  size_t done_l = 0, done_r = 0;
+  auto advance = [&](const uint8_t* cd, size_t arrived, size_t& done, void* rep, void* rep2) {
+    const size_t avail = arrived <= header ? 0 : std::min(count, arrived - header);
+    if (avail <= done) return false;
+    const size_t m = std::min(kLpBlock, avail - done);
+    minmax_uint8_decompress_range(cd, dtype, done, m, dec);
+    reduce_into(static_cast<unsigned char*>(rep) + done * es, dec, m, dtype, ReduceOp::SUM);
+    if (rep2) reduce_into(static_cast<unsigned char*>(rep2) + done * es, dec, m, dtype,
+                          ReduceOp::SUM);
+    done += m;
+    return true;
+  };
+  auto work = [&]() -> bool {
+    if (l == r) return advance(cl, xs[rx_left].done, done_l, left, right);
+    const bool a = advance(cl, xs[rx_left].done, done_l, left, nullptr);
+    const bool b = advance(cr, xs[rx_left + 1].done, done_r, right, nullptr);
+    return a || b;
+  };
+  comm.run(xs, "low-precision decentralized", work);
+  if (done_l != count || (l != r && done_r != count))
+    throw std::logic_error("low-precision decentralized: a difference is undecoded");
 }
 
 void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, size_t count,

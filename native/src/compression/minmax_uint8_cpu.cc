@@ -297,6 +297,14 @@ void decompress_add_chunk(const uint8_t* in, size_t c, float* acc) {
   dequantize_add_scalar<Ty>(q, c, prm, acc);
 }
 
+template <typename Ty>
+void quantize(const typename Ty::Storage* p, size_t c, const Params& prm, uint8_t* q) {
+#ifdef BHVD_MMU8_X86
+  if (have_avx2()) return quantize_avx2<Ty>(p, c, prm, q);
+#endif
+  quantize_scalar<Ty>(p, c, prm, q);
+}
+
 }  // namespace
 
 void minmax_uint8_check_args(DataType dtype, size_t n, size_t n_chunks) {
@@ -354,6 +362,85 @@ void minmax_uint8_decompress_add_f32(const uint8_t* in, DataType dtype, size_t n
     for (size_t k = 0; k < n_chunks; ++k) {
       decompress_add_chunk<Ty>(in + k * mmu8::chunk_bytes<Ty>(c), c, acc + k * c);
     }
+  });
+}
+
+// ---- one chunk in pieces ------------------------------------------------------------------
+void minmax_uint8_scan_range(const void* in, DataType dtype, size_t m, MinMaxUint8Scan* acc) {
+  minmax_uint8_check_args(dtype, m, 1);
+  if (m == 0) return;
+  dispatch(dtype, [&](auto ty) {
+    using Ty = decltype(ty);
+    const Scan s = scan<Ty>(static_cast<const typename Ty::Storage*>(in), m);
+    if (!acc->any) {
+      *acc = MinMaxUint8Scan{s.mn, s.mx, s.finite, true};
+      return;
+    }
+    acc->finite = acc->finite && s.finite;
+    acc->mn = s.mn < acc->mn ? s.mn : acc->mn;
+    acc->mx = s.mx > acc->mx ? s.mx : acc->mx;
+  });
+}
+
+void minmax_uint8_write_header(const MinMaxUint8Scan& s, DataType dtype, size_t c,
+                               uint8_t* chunk) {
+  minmax_uint8_check_args(dtype, c, 1);
+  dispatch(dtype, [&](auto ty) {
+    using Ty = decltype(ty);
+    write_header<Ty>(chunk, mmu8::make_header(s.mn, s.mx, s.finite));
+    uint8_t* q = chunk + mmu8::kHeaderBytes;
+    if (!s.finite) {
+      std::memset(q, 0, mmu8::align32(c));  // the NaN header alone decodes to NaN
+    } else {
+      std::memset(q + c, 0, mmu8::align32(c) - c);
+    }
+  });
+}
+
+void minmax_uint8_compress_header(const void* in, DataType dtype, size_t c, uint8_t* chunk) {
+  MinMaxUint8Scan s;
+  minmax_uint8_scan_range(in, dtype, c, &s);
+  minmax_uint8_write_header(s, dtype, c, chunk);
+}
+
+void minmax_uint8_compress_range(const void* in, DataType dtype, size_t i0, size_t m,
+                                 uint8_t* chunk) {
+  minmax_uint8_check_args(dtype, m, 1);
+  dispatch(dtype, [&](auto ty) {
+    using Ty = decltype(ty);
+    const Params prm = read_params<Ty>(chunk);
+    if (prm.scale != prm.scale) return;  // non-finite chunk: the payload stays zero
+    quantize<Ty>(static_cast<const typename Ty::Storage*>(in), m, prm,
+                 chunk + mmu8::kHeaderBytes + i0);
+  });
+}
+
+void minmax_uint8_decompress_range(const uint8_t* chunk, DataType dtype, size_t i0, size_t m,
+                                   void* out) {
+  minmax_uint8_check_args(dtype, m, 1);
+  dispatch(dtype, [&](auto ty) {
+    using Ty = decltype(ty);
+    const Params prm = read_params<Ty>(chunk);
+    const uint8_t* q = chunk + mmu8::kHeaderBytes + i0;
+    auto* o = static_cast<typename Ty::Storage*>(out);
+#ifdef BHVD_MMU8_X86
+    if (have_avx2()) return dequantize_avx2<Ty>(q, m, prm, o);
+#endif
+    dequantize_scalar<Ty>(q, m, prm, o);
+  });
+}
+
+void minmax_uint8_decompress_add_range(const uint8_t* chunk, DataType dtype, size_t i0, size_t m,
+                                       float* acc) {
+  minmax_uint8_check_args(dtype, m, 1);
+  dispatch(dtype, [&](auto ty) {
+    using Ty = decltype(ty);
+    const Params prm = read_params<Ty>(chunk);
+    const uint8_t* q = chunk + mmu8::kHeaderBytes + i0;
+#ifdef BHVD_MMU8_X86
+    if (have_avx2()) return dequantize_add_avx2<Ty>(q, m, prm, acc);
+#endif
+    dequantize_add_scalar<Ty>(q, m, prm, acc);
   });
 }
 
