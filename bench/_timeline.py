@@ -7,7 +7,7 @@ Two sources, on one clock (CLOCK_MONOTONIC: Python's ``time.monotonic_ns`` and t
   return of its wait (``Request.wait``, ``mpi_ops.synchronize``), the optimizer's updates
   (the wrapped ``torch.optim`` class's ``step``), and the step's own phases (forward, backward,
   ``step()``), which the benchmark marks.
-* The core (``bhvd_trace_read``, native/include/bagua_hvd/c_api_trace.h, when the library has
+* The core (``bhvd_trace_read``, native/include/bagua_hvd/c_api.h, when the library has
   it): begin and end of each collective on the core's thread (ByteGrad's compressed allreduce
   also marks the end of its alltoall half), and the low-precision step's local half on the
   training thread.
@@ -26,10 +26,6 @@ Event = Tuple[int, str, str, int]  # t_ns, what, bucket label ("" if none), elem
 
 _CORE_OPS = {1: "bytegrad", 2: "bytegrad", 3: "allreduce", 4: "lp exchange", 5: "lp local"}
 _CORE_PHASES = {0: "begin", 1: "alltoall done", 2: "end"}
-_TRACE_CDEF = """
-int bhvd_trace_enable(int on);
-int bhvd_trace_read(int64_t* out, int max_events);
-"""
 PREV = " (prev. step)"  # a bucket launched by the step before
 
 
@@ -153,18 +149,14 @@ def _prev(label: str) -> str:
 
 
 def _core_trace() -> Optional[Tuple[Any, Any]]:
-    """cffi handle of the core library's trace functions, or None when it has none."""
+    """cffi handle of the core library's trace functions (c_api.h), or None when the library or
+    its header has none (an older build, measured for comparison)."""
     try:
-        import cffi
-
         from bagua_hvd.common import _native
 
-        path = str(_native._library_path())
-        ffi = cffi.FFI()
-        ffi.cdef(_TRACE_CDEF)
-        lib = ffi.dlopen(path)
+        lib = _native.lib()
         lib.bhvd_trace_enable  # noqa: B018 - raises AttributeError when the symbol is absent
-        return ffi, lib
+        return _native.ffi, lib
     except (AttributeError, ImportError, OSError):
         return None
 

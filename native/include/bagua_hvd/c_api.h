@@ -296,6 +296,13 @@ int64_t bhvd_async_rounds(int64_t id);
  * "cache_hits", "fusion_buffer_bytes", "exec_ns" (time the background thread spent executing
  * operations), "bytes_sent" (payload bytes sent to other ranks). Returns -1 for an unknown key. */
 int64_t bhvd_stat(const char* key);
+/* Timestamps of the core's collectives for bench/timeline.py: a ring buffer of the last 4096
+ * begin/mark/end events, recorded only while enabled (off by default). bhvd_trace_enable turns
+ * recording on (1) or off (0) and returns the previous setting. bhvd_trace_read moves up to
+ * max_events events, oldest first, into out (4 int64 each: CLOCK_MONOTONIC nanoseconds, op,
+ * phase, element count; ops and phases: native/src/collectives/trace.h) and returns how many. */
+int bhvd_trace_enable(int on);
+int bhvd_trace_read(int64_t* out, int max_events);
 /* HMAC-SHA256(key, msg) into out[32]; exposed so tests can check it against Python's hmac. */
 int bhvd_hmac_sha256(const uint8_t* key, int32_t key_len, const uint8_t* msg, int32_t msg_len,
                      uint8_t* out);

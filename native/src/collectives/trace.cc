@@ -1,8 +1,4 @@
-// The collectives' trace buffer (trace.h) and its C entry points (c_api_trace.h).
-#pragma GCC visibility push(default)
-#include "bagua_hvd/c_api_trace.h"
-#pragma GCC visibility pop
-
+// The collectives' trace buffer (trace.h); its C entry points are in core/c_api.cc.
 #include "collectives/trace.h"
 
 #include <time.h>
@@ -54,33 +50,23 @@ void trace_record(TraceOp op, TracePhase phase, int64_t count) {
   }
 }
 
-}  // namespace bagua_hvd
+bool trace_enable(bool on) { return g_trace_on.exchange(on); }
 
-extern "C" {
-
-int bhvd_trace_enable(int on) {
-  return bagua_hvd::g_trace_on.exchange(on != 0) ? 1 : 0;  // nothing here can throw
-}
-
-int bhvd_trace_read(int64_t* out, int max_events) {
+int trace_read(int64_t* out, int max_events) {
   if (out == nullptr || max_events <= 0) return 0;
-  try {
-    bagua_hvd::Ring& r = bagua_hvd::ring();
-    std::lock_guard<std::mutex> lock(r.mu);
-    const size_t n = std::min(r.size, static_cast<size_t>(max_events));
-    for (size_t i = 0; i < n; ++i) {
-      const bagua_hvd::Event& e = r.ev[(r.head + i) % bagua_hvd::kTraceEvents];
-      out[4 * i] = e.t_ns;
-      out[4 * i + 1] = e.op;
-      out[4 * i + 2] = e.phase;
-      out[4 * i + 3] = e.count;
-    }
-    r.head = (r.head + n) % bagua_hvd::kTraceEvents;
-    r.size -= n;
-    return static_cast<int>(n);
-  } catch (...) {  // std::mutex::lock may throw std::system_error
-    return 0;
+  Ring& r = ring();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const size_t n = std::min(r.size, static_cast<size_t>(max_events));
+  for (size_t i = 0; i < n; ++i) {
+    const Event& e = r.ev[(r.head + i) % kTraceEvents];
+    out[4 * i] = e.t_ns;
+    out[4 * i + 1] = e.op;
+    out[4 * i + 2] = e.phase;
+    out[4 * i + 3] = e.count;
   }
+  r.head = (r.head + n) % kTraceEvents;
+  r.size -= n;
+  return static_cast<int>(n);
 }
 
-}  // extern "C"
+}  // namespace bagua_hvd

@@ -1,4 +1,4 @@
-// Timestamps of the collectives' phases for bench/timeline.py (c_api_trace.h): a small ring
+// Timestamps of the collectives' phases for bench/timeline.py (bhvd_trace_*): a small ring
 // buffer, recording only while enabled (one relaxed atomic load otherwise).
 #pragma once
 
@@ -19,6 +19,9 @@ enum class TracePhase : int32_t { kBegin = 0, kMark = 1, kEnd = 2 };
 
 extern std::atomic<bool> g_trace_on;
 void trace_record(TraceOp op, TracePhase phase, int64_t count);
+// bhvd_trace_enable / bhvd_trace_read (c_api.h): the previous setting; events moved into out.
+bool trace_enable(bool on);
+int trace_read(int64_t* out, int max_events);
 
 inline void trace_mark(TraceOp op, int64_t count) {
   if (g_trace_on.load(std::memory_order_relaxed)) trace_record(op, TracePhase::kMark, count);

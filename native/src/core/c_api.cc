@@ -10,6 +10,7 @@
 #include <string>
 
 #include "collectives/collectives.h"
+#include "collectives/trace.h"
 #include "core/async_average.h"
 #include "core/c_api_guard.h"
 #include "core/runtime.h"
@@ -307,6 +308,14 @@ int64_t bhvd_stat(const char* key) {
     if (k == "bytes_sent") return bagua_hvd::Comm::bytes_sent();
     return -1;
   });
+}
+
+int bhvd_trace_enable(int on) {
+  return guarded_value<int>(0, [&]() -> int { return bagua_hvd::trace_enable(on != 0) ? 1 : 0; });
+}
+
+int bhvd_trace_read(int64_t* out, int max_events) {
+  return guarded_value<int>(0, [&]() -> int { return bagua_hvd::trace_read(out, max_events); });
 }
 
 int bhvd_lp_decentralized_local(void* x, void* self, const void* left, const void* right,
