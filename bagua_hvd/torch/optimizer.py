@@ -302,29 +302,41 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         if self._hooks_registered:
-            handles = self._handles
-            for b in self._buckets:
-                entry = handles.get(b)
-                if entry is None or entry[0] is None:
-                    self._launch(b, fill=True)
-            for p in self._sparse_params:
-                entry = handles.get(p)
-                if entry is None or entry[0] is None:
-                    self._launch_sparse(p, fill=True)
-            for key, (handle, ctx) in handles.items():
-                if isinstance(key, _Bucket):
-                    if type(handle) is Request:  # BAGUA's primitive (an algorithm's)
-                        handle.wait()
-                    else:
-                        mpi_ops.synchronize(handle)
-                    self._finish(key, ctx)
-                else:
-                    self._finish_sparse(key, handle())
-            self._reset_round()
+            self._launch_missing()
+            self._wait_and_finish()
             if not self._layout_final:
                 self._finalize_layout()
         self._handles.clear()
         self._synchronized = True
+
+    def _launch_missing(self) -> None:
+        """Starts the reductions whose gradients did not all arrive through the hooks (unused
+        parameters, fewer backward passes), with what ``p.grad`` holds."""
+        handles = self._handles
+        for b in self._buckets:
+            entry = handles.get(b)
+            if entry is None or entry[0] is None:
+                self._launch(b, fill=True)
+        for p in self._sparse_params:
+            entry = handles.get(p)
+            if entry is None or entry[0] is None:
+                self._launch_sparse(p, fill=True)
+
+    def _wait_and_finish(self, bucket_done: Optional[Callable[[_Bucket], None]] = None) -> None:
+        """Waits for every reduction in launch order and writes its result to the gradients;
+        ``bucket_done(b)`` after each bucket's."""
+        for key, (handle, ctx) in self._handles.items():
+            if isinstance(key, _Bucket):
+                if type(handle) is Request:  # BAGUA's primitive (an algorithm's)
+                    handle.wait()
+                else:
+                    mpi_ops.synchronize(handle)
+                self._finish(key, ctx)
+                if bucket_done is not None:
+                    bucket_done(key)
+            else:
+                self._finish_sparse(key, handle())
+        self._reset_round()
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -387,15 +399,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """synchronize() and the wrapped optimizer's update, interleaved: after each bucket's
         wait, the update of its parameters (the wrapped class's step over them alone); then the
         update of every other parameter. The same waits, in the same order, as synchronize()."""
-        handles = self._handles
-        for b in self._buckets:
-            entry = handles.get(b)
-            if entry is None or entry[0] is None:
-                self._launch(b, fill=True)
-        for p in self._sparse_params:
-            entry = handles.get(p)
-            if entry is None or entry[0] is None:
-                self._launch_sparse(p, fill=True)
+        self._launch_missing()
         base = self._hvd_cls.__mro__[1]
         update = base.step
         if getattr(update, "hooked", False):  # torch's hook wrapper: hooks run once (none here)
@@ -420,26 +424,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._bucketwise_updates += 1
             updated.update(ids)
 
+        def bucket_done(b: _Bucket) -> None:
+            nonlocal ready_bytes
+            # Its sparse gradients (sent on their own) are not final yet.
+            for p in b.params:
+                if p not in b.skip:
+                    ready.add(id(p))
+                    ready_bytes += p.numel() * p.element_size()
+            if ready_bytes >= _BUCKETWISE_MIN_BYTES:
+                update_only(ready)
+                ready.clear()
+                ready_bytes = 0
+
         with torch.autograd.profiler.record_function(f"Optimizer.step#{base.__name__}.step"):
             try:
-                for key, (handle, ctx) in handles.items():
-                    if isinstance(key, _Bucket):
-                        if type(handle) is Request:  # BAGUA's primitive (an algorithm's)
-                            handle.wait()
-                        else:
-                            mpi_ops.synchronize(handle)
-                        self._finish(key, ctx)
-                        # Its sparse gradients (sent on their own) are not final yet.
-                        for p in key.params:
-                            if p not in key.skip:
-                                ready.add(id(p))
-                                ready_bytes += p.numel() * p.element_size()
-                        if ready_bytes >= _BUCKETWISE_MIN_BYTES:
-                            update_only(ready)
-                            ready, ready_bytes = set(), 0
-                    else:
-                        self._finish_sparse(key, handle())
-                self._reset_round()
+                self._wait_and_finish(bucket_done)
             finally:
                 self._handles.clear()
             update_only({id(p) for g in groups for p in g["params"]} - updated)
