@@ -44,7 +44,6 @@ from train import (  # noqa: E402
     MOMENTUM,
     RESULT_ENV,
     git_commit,
-    loadavg,
     minor_faults,
 )
 
@@ -63,19 +62,11 @@ def main_launcher(args: argparse.Namespace) -> int:
     if args.np < 2:
         print("train bench: --algorithms needs --np >= 2", file=sys.stderr)
         return 2
-    runs = []
-    for i in range(args.repeat):
-        load = loadavg()
-        print(f"train bench (algorithms): run {i + 1}/{args.repeat} (load average {load})",
-              flush=True)  # fmt: skip
-        try:
-            run = launch(args)
-        except RuntimeError as exc:
-            print(f"train bench: {exc}", file=sys.stderr)
-            return 1
-        run["load_before"] = load
-        run["load_after"] = loadavg()
-        runs.append(run)
+    from _tf_train import repeat_runs
+
+    runs = repeat_runs(args, launch, "algorithms")
+    if runs is None:
+        return 1
     meta = {
         "framework": "tf+torch",
         "algorithms": args.algorithms,

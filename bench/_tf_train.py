@@ -150,22 +150,31 @@ def launch(args: argparse.Namespace) -> dict:
     return launch_script(args, __file__, extra, {PORTS_ENV: ports})
 
 
+def repeat_runs(args: argparse.Namespace, launch_fn, label: str) -> list[dict] | None:
+    """``args.repeat`` launches of ``launch_fn(args)``, each with the load average before and
+    after; None (the error printed) when one fails."""
+    runs = []
+    for i in range(args.repeat):
+        load = loadavg()
+        print(f"train bench ({label}): run {i + 1}/{args.repeat} (load average {load})", flush=True)
+        try:
+            run = launch_fn(args)
+        except RuntimeError as exc:
+            print(f"train bench: {exc}", file=sys.stderr)
+            return None
+        run["load_before"] = load
+        run["load_after"] = loadavg()
+        runs.append(run)
+    return runs
+
+
 def main_launcher(args: argparse.Namespace) -> int:
     if args.np < 2:
         print("train bench: --framework tf needs --np >= 2", file=sys.stderr)
         return 2
-    runs = []
-    for i in range(args.repeat):
-        load = loadavg()
-        print(f"train bench (tf): run {i + 1}/{args.repeat} (load average {load})", flush=True)
-        try:
-            run = launch(args)
-        except RuntimeError as exc:
-            print(f"train bench: {exc}", file=sys.stderr)
-            return 1
-        run["load_before"] = load
-        run["load_after"] = loadavg()
-        runs.append(run)
+    runs = repeat_runs(args, launch, "tf")
+    if runs is None:
+        return 1
     meta = {
         "framework": "tf",
         "np": args.np,

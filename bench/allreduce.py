@@ -138,11 +138,17 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         env["OMP_NUM_THREADS"] = "1"
         if args.transport != "auto":
             env["BAGUA_HVD_TRANSPORT"] = args.transport
-        rc = run_ranks(args.np, [sys.executable, os.path.abspath(__file__), *argv, WORKER_FLAG],
-                       env, args.timeout)
+        rc = run_ranks(
+            args.np,
+            [sys.executable, os.path.abspath(__file__), *argv, WORKER_FLAG],
+            env,
+            args.timeout,
+        )
         if rc is None:
-            print(f"allreduce bench: no result after --timeout {args.timeout:g} s; stopped",
-                  file=sys.stderr)
+            print(
+                f"allreduce bench: no result after --timeout {args.timeout:g} s; stopped",
+                file=sys.stderr,
+            )
             return 124
         if rc != 0:
             print(f"allreduce bench: the ranks failed (launcher exit status {rc})", file=sys.stderr)
