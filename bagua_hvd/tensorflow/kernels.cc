@@ -658,6 +658,44 @@ absl::Status WriteVariables(const Variables& vars, int first, int count, const T
   return absl::OkStatus();
 }
 
+// The buffers of variables [first, first + count), held exclusively for an update in place: a
+// buffer another tensor still shares (a read in flight) or a copy-on-read variable's gets its own
+// copy first, as TensorFlow's own updates do.
+struct InPlace {
+  std::vector<::tensorflow::mutex_lock> locks;
+  std::vector<void*> data;
+  std::vector<int64_t> counts;
+  ::tensorflow::DataType dtype = ::tensorflow::DT_INVALID;
+  int64_t count = 0;
+
+  absl::Status Take(const Variables& vars, int first, int n) {
+    for (int i = first; i < first + n; ++i) {
+      locks.emplace_back(*vars[i]->mu());
+      Tensor* t = vars[i]->tensor();
+      if (!vars[i]->is_initialized) {
+        return absl::FailedPreconditionError("bagua_hvd: an uninitialized variable");
+      }
+      if (i == first) dtype = t->dtype();
+      if (t->dtype() != dtype) {
+        return absl::InvalidArgumentError("bagua_hvd: a bucket holds tensors of one dtype");
+      }
+      if (vars[i]->copy_on_read_mode.load() || !t->RefCountIsOne()) {
+        Tensor own(t->dtype(), t->shape());
+        if (t->NumElements() > 0) {
+          std::memcpy(Data(own), t->tensor_data().data(), t->tensor_data().size());
+        }
+        *t = own;
+      }
+      data.push_back(Data(*t));
+      counts.push_back(t->NumElements());
+      count += t->NumElements();
+    }
+    return absl::OkStatus();
+  }
+
+  void Release() { locks.clear(); }
+};
+
 Tensor Zeros(::tensorflow::DataType dtype, int64_t n) {
   Tensor t(dtype, ::tensorflow::TensorShape({n}));
   if (n > 0) std::memset(Data(t), 0, t.tensor_data().size());
@@ -1052,9 +1090,9 @@ class BaguaHvdLpInitOp : public OpKernel {
   bool hierarchical_ = false;
 };
 
-// BaguaHvdLpStep: low-precision decentralized, after a communicating step's update. split: the
-// local half of every bucket here (the previous exchange waited for first), the exchanges left
-// in flight; else the core runs the whole (hierarchical) step, blocking. The inputs are the
+// BaguaHvdLpStep: low-precision decentralized, after a communicating step's update. split: bucket
+// by bucket, the previous exchange waited for, the local half here on the variables in place,
+// the new exchange left in flight; else the core runs the whole (hierarchical) step, blocking. The inputs are the
 // weights' resource variables: read, and written with the new weights in place.
 class BaguaHvdLpStepOp : public OpKernel {
  public:
@@ -1075,45 +1113,51 @@ class BaguaHvdLpStepOp : public OpKernel {
                 absl::InvalidArgumentError("bagua_hvd: the low-precision layout changed"));
     std::vector<Tensor>& flats = ring->flats;
     flats.resize(nb);
-    for (size_t b = 0; b < nb; ++b) {
-      OP_REQUIRES_OK(ctx, PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &flats[b]));
-    }
     std::vector<std::pair<int64_t, std::string>> handles;
     absl::Status failed = absl::OkStatus();
     if (split_) {
-      // The replicas must have the previous round's differences.
-      OP_REQUIRES_OK(ctx, SweepRings(ring.get()));
-      if (ring->diffs.size() != nb) {
-        ring->diffs.clear();
-        for (size_t b = 0; b < nb; ++b) {
-          int32_t dtype = 0;
-          OP_REQUIRES_OK(ctx, CoreDtype(flats[b].dtype(), &dtype));
-          const int64_t bytes = bhvd_minmax_uint8_size(dtype, flats[b].NumElements(), 1);
-          OP_REQUIRES(ctx, bytes >= 0,
-                      absl::InvalidArgumentError(std::string("bagua_hvd: ") + bhvd_last_error()));
-          ring->diffs.push_back(Tensor(::tensorflow::DT_UINT8, ::tensorflow::TensorShape({bytes})));
+      // Bucket by bucket, as the engine does: the previous round's exchange of bucket b (which
+      // wrote its replicas and read its difference) is waited for, its local half runs on the
+      // variables' buffers in place (no copy into a bucket and back) and its new exchange
+      // starts, which then overlaps the next buckets' local halves. Each bucket's math is the
+      // same as when every local half ran first on a packed bucket: the same bits.
+      std::vector<std::pair<int64_t, std::string>> old = std::move(ring->pending);
+      ring->pending.clear();
+      OP_REQUIRES_OK(ctx, SweepRings(ring.get()));  // the other rings' exchanges
+      if (ring->diffs.size() != nb) ring->diffs.assign(nb, Tensor());
+      size_t waited = 0;
+      for (size_t b = 0; b < nb && failed.ok(); ++b) {
+        if (b < old.size()) {
+          failed = WaitAndRelease(old[b].first, old[b].second);
+          waited = b + 1;
+          if (!failed.ok()) break;
         }
-      }
-      // Every local half first, then the exchanges (the engine's order: the core's exchange
-      // work does not compete with the local halves still to do).
-      std::vector<int32_t> dtypes(nb);
-      for (size_t b = 0; b < nb && failed.ok(); ++b) {
-        failed = CoreDtype(flats[b].dtype(), &dtypes[b]);
+        // The variables' own buffers, written in place (x is read, then becomes the new
+        // weights): held exclusively until the bucket's local half is done.
+        InPlace x;
+        failed = x.Take(vars, buckets_.first(b), buckets_.sizes[b]);
+        int32_t dtype = 0;
+        if (failed.ok()) failed = CoreDtype(x.dtype, &dtype);
+        if (failed.ok() && ring->diffs[b].NumElements() == 0) {
+          const int64_t bytes = bhvd_minmax_uint8_size(dtype, x.count, 1);
+          if (bytes < 0) {
+            failed = absl::InvalidArgumentError(std::string("bagua_hvd: ") + bhvd_last_error());
+          } else {
+            ring->diffs[b] = Tensor(::tensorflow::DT_UINT8, ::tensorflow::TensorShape({bytes}));
+          }
+        }
+        auto& reps = ring->replicas[b];
+        if (failed.ok() && reps[0].NumElements() != x.count) {
+          failed = absl::InvalidArgumentError("bagua_hvd: the low-precision layout changed");
+        }
         if (!failed.ok()) break;
-        auto& reps = ring->replicas[b];
-        const int rc = bhvd_lp_decentralized_local(
-            Data(flats[b]), Data(reps[0]), Data(reps[1]), Data(reps[2]), dtypes[b],
-            flats[b].NumElements(), reinterpret_cast<uint8_t*>(Data(ring->diffs[b])));
+        const int rc = bhvd_lp_decentralized_local_segments(
+            x.data.data(), x.counts.data(), static_cast<int32_t>(x.data.size()), Data(reps[0]),
+            Data(reps[1]), Data(reps[2]), dtype, reinterpret_cast<uint8_t*>(Data(ring->diffs[b])));
         if (rc != BHVD_OK) failed = absl::Status(ToCode(rc), bhvd_last_error());
-      }
-      // The new weights (x = self) before the exchanges start: the copy does not compete with
-      // the core's work.
-      for (size_t b = 0; b < nb && failed.ok(); ++b) {
-        failed = WriteVariables(vars, buckets_.first(b), buckets_.sizes[b], flats[b]);
-      }
-      for (size_t b = 0; b < nb && failed.ok(); ++b) {
-        auto& reps = ring->replicas[b];
-        View diff(ring->diffs[b], BHVD_UINT8), left(reps[1], dtypes[b]), right(reps[2], dtypes[b]);
+        x.Release();
+        if (!failed.ok()) break;
+        View diff(ring->diffs[b], BHVD_UINT8), left(reps[1], dtype), right(reps[2], dtype);
         const bhvd_tensor lr[2] = {left.desc, right.desc};
         bhvd_lp_exchange_params params;
         int64_t handle = 0;
@@ -1122,8 +1166,14 @@ class BaguaHvdLpStepOp : public OpKernel {
                          &handle);
         if (failed.ok()) ring->pending.emplace_back(handle, buckets_.names[b]);
       }
+      for (size_t b = waited; b < old.size(); ++b) {  // every one, even after a failure
+        WaitAndRelease(old[b].first, old[b].second).IgnoreError();
+      }
       // The exchanges write into the ring's replicas after this returns (the store keeps them).
     } else {
+      for (size_t b = 0; b < nb; ++b) {
+        OP_REQUIRES_OK(ctx, PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &flats[b]));
+      }
       for (size_t b = 0; b < nb && failed.ok(); ++b) {
         int32_t dtype = 0;
         failed = CoreDtype(flats[b].dtype(), &dtype);

@@ -418,6 +418,56 @@ TEST(PipelinedLowPrecision, LocalHalfAndExchangeMatchTheSpec) {
   }
 }
 
+TEST(PipelinedLowPrecision, LocalHalfOverSegmentsGivesTheContiguousBits) {
+  // x in pieces (a framework's variables updated in place): the same c, self and x as one
+  // contiguous x (checked against the spec above), for splits at and off block boundaries and
+  // with an empty piece, in float32 and in bfloat16 (the blockwise path).
+  const size_t count = 300001;
+  const std::vector<std::vector<size_t>> splits = {
+      {count}, {1, count - 1}, {1000, 0, 131072, count - 132072}, {131071, 131073, count - 262144}};
+  for (DataType dtype : {DataType::FLOAT32, DataType::BFLOAT16}) {
+    const size_t es = dtype_size(dtype);
+    auto buffer = [&](int which) {
+      const std::vector<float> f = pipelined::rank_input(1, count, 20 + which);
+      std::vector<unsigned char> out(count * es);
+      if (dtype == DataType::FLOAT32) {
+        std::memcpy(out.data(), f.data(), out.size());
+      } else {  // bfloat16: the upper half of each float32
+        for (size_t i = 0; i < count; ++i) {
+          uint32_t u;
+          std::memcpy(&u, &f[i], 4);
+          const uint16_t h = static_cast<uint16_t>(u >> 16);
+          std::memcpy(out.data() + 2 * i, &h, 2);
+        }
+      }
+      return out;
+    };
+    const auto l = buffer(1), r = buffer(2);
+    auto x0 = buffer(0), s0 = buffer(3);
+    std::vector<uint8_t> c0(minmax_uint8_bytes(dtype, count, 1));
+    lp_decentralized_local(x0.data(), s0.data(), l.data(), r.data(), count, dtype, c0.data());
+    for (const auto& split : splits) {
+      auto x = buffer(0), s = buffer(3);
+      std::vector<std::vector<unsigned char>> pieces;
+      size_t at = 0;
+      for (size_t m : split) {
+        pieces.emplace_back(x.begin() + at * es, x.begin() + (at + m) * es);
+        at += m;
+      }
+      std::vector<XSegment> segs;
+      for (auto& p : pieces) segs.push_back({p.data(), p.size() / es});
+      std::vector<uint8_t> c(c0.size(), 0xcd);
+      lp_decentralized_local(segs.data(), segs.size(), s.data(), l.data(), r.data(), dtype,
+                             c.data());
+      std::vector<unsigned char> joined;
+      for (auto& p : pieces) joined.insert(joined.end(), p.begin(), p.end());
+      EXPECT_EQ(c, c0) << dtype_name(dtype) << ", " << split.size() << " pieces";
+      EXPECT_EQ(s, s0) << dtype_name(dtype) << ", " << split.size() << " pieces";
+      EXPECT_EQ(joined, x0) << dtype_name(dtype) << ", " << split.size() << " pieces";
+    }
+  }
+}
+
 TEST(MinMaxUInt8Pieces, RangesAndScansGiveTheWholeChunksBytes) {
   for (size_t c : {size_t{0}, size_t{1}, size_t{33}, size_t{1000}, size_t{70001}}) {
     std::vector<float> x = pipelined::rank_input(3, c, 0);

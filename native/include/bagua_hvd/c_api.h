@@ -319,6 +319,12 @@ int bhvd_compression_group_size(int32_t process_set_id, int32_t hierarchical);
  * exchange half is BHVD_OP_LP_DECENTRALIZED_EXCHANGE. */
 int bhvd_lp_decentralized_local(void* x, void* self, const void* left, const void* right,
                                 int32_t dtype, int64_t count, uint8_t* c_out);
+/* The same with x in num_segments pieces (xs[i] of counts[i] elements; count elements in all,
+ * in order), for weights that live in several buffers (a framework's variables, updated in place
+ * rather than copied into one bucket and back): the same bits as one contiguous x. */
+int bhvd_lp_decentralized_local_segments(void* const* xs, const int64_t* counts,
+                                         int32_t num_segments, void* self, const void* left,
+                                         const void* right, int32_t dtype, uint8_t* c_out);
 
 /* ---- compression (MinMaxUInt8, docs/algorithms.md) ------------------------------------------- */
 /* Bytes of the compressed form of n elements of dtype (float32, float16, bfloat16) in n_chunks

@@ -114,28 +114,48 @@ void decentralized_average(Comm& comm, const void* in, void* out, size_t count, 
 
 void lp_decentralized_local(void* x, void* self, const void* left, const void* right,
                             size_t count, DataType dtype, uint8_t* c) {
+  const XSegment one{x, count};
+  lp_decentralized_local(&one, count ? 1 : 0, self, left, right, dtype, c);
+}
+
+void lp_decentralized_local(const XSegment* xs, size_t num_segments, void* self,
+                            const void* left, const void* right, DataType dtype, uint8_t* c) {
   if (dtype != DataType::FLOAT32 && dtype != DataType::FLOAT16 && dtype != DataType::BFLOAT16) {
     throw std::invalid_argument(std::string("low-precision decentralized: MinMaxUInt8 needs "
                                             "float32, float16 or bfloat16 weights, got ") +
                                 dtype_name(dtype));
   }
+  size_t count = 0;
+  for (size_t g = 0; g < num_segments; ++g) count += xs[g].count;
   if (count == 0) return;
   TraceSpan span(TraceOp::kLpLocal, static_cast<int64_t>(count));
-  const size_t bytes = count * dtype_size(dtype);
+  const size_t es = dtype_size(dtype);
+  const size_t bytes = count * es;
+  // Runs f(x_piece, i, m) over elements [i, i + m) of the bucket in pieces of at most kLpBlock
+  // elements that do not cross a segment of x (element-wise work: the split changes no bits).
+  auto pieces = [&](auto&& f) {
+    size_t i = 0;
+    for (size_t g = 0; g < num_segments; ++g) {
+      unsigned char* xg = static_cast<unsigned char*>(xs[g].data);
+      for (size_t k = 0; k < xs[g].count; k += kLpBlock) {
+        const size_t m = std::min(kLpBlock, xs[g].count - k);
+        f(xg + k * es, i, m);
+        i += m;
+      }
+    }
+  };
   // d = x + L/3 + R/3 - (5/3) s, in float32, stored as T for the compressor, and the chunk's
   // min and max on the way. Then, per block: c = MinMaxUInt8(d), and x becomes exactly what the
   // neighbours will hold: s += D(c), x = s. Two passes over the bucket, each block's decoded
   // difference staying in cache (element-wise: the bits of compress(d), decompress, add, copy).
   // (Scratch of the calling thread: the training thread's own when called through the C API.)
-  const size_t es = dtype_size(dtype);
   unsigned char* d = scratch_slot(kDiff, bytes);
   const float third = 1.0f / 3.0f, five_thirds = 5.0f / 3.0f;
   MinMaxUint8Scan scan;
-  for (size_t i = 0; i < count; i += kLpBlock) {
-    const size_t m = std::min(kLpBlock, count - i);
+  pieces([&](unsigned char* xp, size_t i, size_t m) {
     const size_t o = i * es;
     if (dtype == DataType::FLOAT32) {  // the same expression on the buffers themselves
-      const float* xf = static_cast<const float*>(x) + i;
+      const float* xf = reinterpret_cast<const float*>(xp);
       const float* lf = static_cast<const float*>(left) + i;
       const float* rf = static_cast<const float*>(right) + i;
       const float* sf = static_cast<const float*>(self) + i;
@@ -144,8 +164,7 @@ void lp_decentralized_local(void* x, void* self, const void* left, const void* r
         df[k] = ((xf[k] + lf[k] * third) + rf[k] * third) - sf[k] * five_thirds;
     } else {
       blockwise(dtype, m, d + o,
-                {static_cast<const unsigned char*>(x) + o,
-                 static_cast<const unsigned char*>(left) + o,
+                {xp, static_cast<const unsigned char*>(left) + o,
                  static_cast<const unsigned char*>(right) + o,
                  static_cast<unsigned char*>(self) + o},
                 [&](const float* v) {
@@ -153,25 +172,24 @@ void lp_decentralized_local(void* x, void* self, const void* left, const void* r
                 });
     }
     minmax_uint8_scan_range(d + o, dtype, m, &scan);
-  }
+  });
   minmax_uint8_write_header(scan, dtype, count, c);
   unsigned char* dec = scratch_slot(kDecoded, kLpBlock * es);
-  for (size_t i = 0; i < count; i += kLpBlock) {
-    const size_t m = std::min(kLpBlock, count - i);
+  pieces([&](unsigned char* xp, size_t i, size_t m) {
     const size_t o = i * es;
     unsigned char* s_i = static_cast<unsigned char*>(self) + o;
     minmax_uint8_compress_range(d + o, dtype, i, m, c);
     minmax_uint8_decompress_range(c, dtype, i, m, dec);
     if (dtype == DataType::FLOAT32) {  // s += D(c); x = s, in one pass
       float* sf = reinterpret_cast<float*>(s_i);
-      float* xf = static_cast<float*>(x) + i;
+      float* xf = reinterpret_cast<float*>(xp);
       const float* df = reinterpret_cast<const float*>(dec);
       for (size_t k = 0; k < m; ++k) xf[k] = sf[k] = sf[k] + df[k];
     } else {
       reduce_into(s_i, dec, m, dtype, ReduceOp::SUM);
-      std::memcpy(static_cast<unsigned char*>(x) + o, s_i, m * es);
+      std::memcpy(xp, s_i, m * es);
     }
-  }
+  });
 }
 
 void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* right,

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "collectives/collectives.h"
 #include "collectives/trace.h"
@@ -326,6 +327,32 @@ int bhvd_lp_decentralized_local(void* x, void* self, const void* left, const voi
       return report(Status::InvalidArgument("low-precision decentralized: invalid buffers"));
     try {
       bagua_hvd::lp_decentralized_local(x, self, left, right, static_cast<size_t>(count),
+                                        static_cast<bagua_hvd::DataType>(dtype), c_out);
+    } catch (const std::exception& e) {
+      return report(Status::InvalidArgument(e.what()));
+    }
+    return BHVD_OK;
+  });
+}
+
+int bhvd_lp_decentralized_local_segments(void* const* xs, const int64_t* counts,
+                                         int32_t num_segments, void* self, const void* left,
+                                         const void* right, int32_t dtype, uint8_t* c_out) {
+  return guarded([&]() -> int {
+    if (!bagua_hvd::dtype_valid(dtype) || num_segments < 0 ||
+        (num_segments > 0 && (!xs || !counts)))
+      return report(Status::InvalidArgument("low-precision decentralized: invalid segments"));
+    std::vector<bagua_hvd::XSegment> segs;
+    segs.reserve(static_cast<size_t>(num_segments));
+    for (int32_t i = 0; i < num_segments; ++i) {
+      if (counts[i] < 0 || (counts[i] > 0 && !xs[i]))
+        return report(Status::InvalidArgument("low-precision decentralized: invalid segments"));
+      if (counts[i] > 0) segs.push_back({xs[i], static_cast<size_t>(counts[i])});
+    }
+    if (!segs.empty() && (!self || !left || !right || !c_out))
+      return report(Status::InvalidArgument("low-precision decentralized: invalid buffers"));
+    try {
+      bagua_hvd::lp_decentralized_local(segs.data(), segs.size(), self, left, right,
                                         static_cast<bagua_hvd::DataType>(dtype), c_out);
     } catch (const std::exception& e) {
       return report(Status::InvalidArgument(e.what()));
