@@ -28,6 +28,13 @@ constexpr size_t kMaxElement = 8;  // bytes of the widest dtype: one fragment sl
 // Stall back-off, measured from the last pass that moved a byte.
 constexpr double kSpinSeconds = 30e-6;
 constexpr double kYieldSeconds = 300e-6;
+// Over TCP the kernel wakes the waiting thread when bytes arrive (epoll), and a link slower than
+// memory leaves gaps of hundreds of microseconds between bursts: yielding through them only takes
+// the cores from the training threads (1 Gbit/s, 2 ranks on 2 cores: 250 ms of CPU per step of
+// bench/algorithms.py's full-precision allreduce, 40-60 ms per ByteGrad or low-precision step).
+// Loopback TCP's small-message latency does not change (bench/allreduce.py). A shared-memory peer answers within microseconds, so there the
+// yield stage stays long (it halves small-message latency).
+constexpr double kYieldSecondsTcp = 40e-6;
 constexpr auto kWaitTimeout = std::chrono::microseconds(1000);
 constexpr double kCheckSeconds = 10e-3;  // check_alive() and timeouts while stalled
 
@@ -175,6 +182,13 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what, const Work& work) {
 
   std::vector<size_t> active(lanes.size());
   for (size_t i = 0; i < active.size(); ++i) active[i] = i;
+  double yield_seconds = kYieldSeconds;
+  for (const Lane& lane : lanes) {
+    if (lane.pair != nullptr &&
+        std::strcmp(transport_.kind_to(global_rank(lane.peer)), "tcp") == 0) {
+      yield_seconds = kYieldSecondsTcp;
+    }
+  }
 
   // Moves what it can on one lane; returns whether any byte moved.
   auto step = [&](Lane& lane) -> bool {
@@ -276,7 +290,7 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what, const Work& work) {
       const double stalled = std::chrono::duration<double>(now - last_progress).count();
       if (stalled < kSpinSeconds) {
         for (int i = 0; i < 16; ++i) cpu_relax();
-      } else if (stalled < kYieldSeconds) {
+      } else if (stalled < yield_seconds) {
         sched_yield();
       } else {
         transport_.wait(kWaitTimeout);
