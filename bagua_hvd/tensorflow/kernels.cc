@@ -643,14 +643,26 @@ absl::Status PackVariables(const Variables& vars, int first, int count, Tensor* 
 
 // Writes a flat bucket into variables [first, first + count), in place where no read of the
 // variable still holds its buffer (else into a new buffer, as TensorFlow's own updates do).
+// The variable's tensor, with a buffer of its own (its mutex held): one another tensor still
+// shares (a read in flight), or any of a copy-on-read variable, is replaced first by a new buffer,
+// holding the old values where keep_values says so (TensorFlow's copy-on-write for updates).
+Tensor* Writable(::tensorflow::Var* var, bool keep_values) {
+  Tensor* t = var->tensor();
+  if (var->copy_on_read_mode.load() || !t->RefCountIsOne()) {
+    Tensor own(t->dtype(), t->shape());
+    if (keep_values && t->NumElements() > 0) {
+      std::memcpy(Data(own), t->tensor_data().data(), t->tensor_data().size());
+    }
+    *t = own;
+  }
+  return t;
+}
+
 absl::Status WriteVariables(const Variables& vars, int first, int count, const Tensor& flat) {
   const char* src = Data(flat);
   for (int i = first; i < first + count; ++i) {
     ::tensorflow::mutex_lock lock(*vars[i]->mu());
-    Tensor* t = vars[i]->tensor();
-    if (vars[i]->copy_on_read_mode.load() || !t->RefCountIsOne()) {
-      *t = Tensor(t->dtype(), t->shape());
-    }
+    Tensor* t = Writable(vars[i].get(), false);
     const size_t bytes = t->tensor_data().size();
     if (bytes > 0) std::memcpy(Data(*t), src, bytes);
     src += bytes;
@@ -658,9 +670,8 @@ absl::Status WriteVariables(const Variables& vars, int first, int count, const T
   return absl::OkStatus();
 }
 
-// The buffers of variables [first, first + count), held exclusively for an update in place: a
-// buffer another tensor still shares (a read in flight) or a copy-on-read variable's gets its own
-// copy first, as TensorFlow's own updates do.
+// The buffers of variables [first, first + count), held exclusively (their mutexes) and of their
+// own (Writable) for an update in place.
 struct InPlace {
   std::vector<::tensorflow::mutex_lock> locks;
   std::vector<void*> data;
@@ -671,21 +682,14 @@ struct InPlace {
   absl::Status Take(const Variables& vars, int first, int n) {
     for (int i = first; i < first + n; ++i) {
       locks.emplace_back(*vars[i]->mu());
-      Tensor* t = vars[i]->tensor();
       if (!vars[i]->is_initialized) {
         return absl::FailedPreconditionError("bagua_hvd: an uninitialized variable");
       }
-      if (i == first) dtype = t->dtype();
-      if (t->dtype() != dtype) {
+      if (i == first) dtype = vars[i]->tensor()->dtype();
+      if (vars[i]->tensor()->dtype() != dtype) {
         return absl::InvalidArgumentError("bagua_hvd: a bucket holds tensors of one dtype");
       }
-      if (vars[i]->copy_on_read_mode.load() || !t->RefCountIsOne()) {
-        Tensor own(t->dtype(), t->shape());
-        if (t->NumElements() > 0) {
-          std::memcpy(Data(own), t->tensor_data().data(), t->tensor_data().size());
-        }
-        *t = own;
-      }
+      Tensor* t = Writable(vars[i].get(), true);
       data.push_back(Data(*t));
       counts.push_back(t->NumElements());
       count += t->NumElements();
@@ -723,7 +727,7 @@ struct Ring {
   bool initialized = false;
   std::vector<std::array<Tensor, 3>> replicas;
   std::vector<Tensor> diffs;
-  std::vector<Tensor> flats;  // the weight buckets' staging, kept from step to step
+  std::vector<Tensor> flats;  // the hierarchical step's weight buckets, kept from step to step
   std::vector<std::pair<int64_t, std::string>> pending;  // handle, name
 };
 
@@ -1092,8 +1096,8 @@ class BaguaHvdLpInitOp : public OpKernel {
 
 // BaguaHvdLpStep: low-precision decentralized, after a communicating step's update. split: bucket
 // by bucket, the previous exchange waited for, the local half here on the variables in place,
-// the new exchange left in flight; else the core runs the whole (hierarchical) step, blocking. The inputs are the
-// weights' resource variables: read, and written with the new weights in place.
+// the new exchange left in flight; else the core runs the whole (hierarchical) step, blocking.
+// The inputs are the weights' resource variables: read, and written with the new weights.
 class BaguaHvdLpStepOp : public OpKernel {
  public:
   explicit BaguaHvdLpStepOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -1111,9 +1115,6 @@ class BaguaHvdLpStepOp : public OpKernel {
     OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
     OP_REQUIRES(ctx, ring->replicas.size() == nb,
                 absl::InvalidArgumentError("bagua_hvd: the low-precision layout changed"));
-    std::vector<Tensor>& flats = ring->flats;
-    flats.resize(nb);
-    std::vector<std::pair<int64_t, std::string>> handles;
     absl::Status failed = absl::OkStatus();
     if (split_) {
       // Bucket by bucket, as the engine does: the previous round's exchange of bucket b (which
@@ -1123,7 +1124,9 @@ class BaguaHvdLpStepOp : public OpKernel {
       // same as when every local half ran first on a packed bucket: the same bits.
       std::vector<std::pair<int64_t, std::string>> old = std::move(ring->pending);
       ring->pending.clear();
-      OP_REQUIRES_OK(ctx, SweepRings(ring.get()));  // the other rings' exchanges
+      // The other rings' exchanges (their failures are theirs to report; this ring's pending
+      // list is empty now, its exchanges are waited for below, bucket by bucket).
+      SweepRings(ring.get()).IgnoreError();
       if (ring->diffs.size() != nb) ring->diffs.assign(nb, Tensor());
       size_t waited = 0;
       for (size_t b = 0; b < nb && failed.ok(); ++b) {
@@ -1171,6 +1174,9 @@ class BaguaHvdLpStepOp : public OpKernel {
       }
       // The exchanges write into the ring's replicas after this returns (the store keeps them).
     } else {
+      std::vector<Tensor>& flats = ring->flats;  // the core reads and writes whole buckets
+      flats.resize(nb);
+      std::vector<std::pair<int64_t, std::string>> handles;
       for (size_t b = 0; b < nb; ++b) {
         OP_REQUIRES_OK(ctx, PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &flats[b]));
       }

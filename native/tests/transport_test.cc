@@ -419,9 +419,10 @@ TEST(PipelinedLowPrecision, LocalHalfAndExchangeMatchTheSpec) {
 }
 
 TEST(PipelinedLowPrecision, LocalHalfOverSegmentsGivesTheContiguousBits) {
-  // x in pieces (a framework's variables updated in place): the same c, self and x as one
-  // contiguous x (checked against the spec above), for splits at and off block boundaries and
-  // with an empty piece, in float32 and in bfloat16 (the blockwise path).
+  // x in pieces (a framework's variables updated in place) must change no bit: the same c, self
+  // and x as one contiguous x, for splits at and off block boundaries and with an empty piece, in
+  // float32 and in bfloat16 (the blockwise path). The contiguous form's float32 bits are checked
+  // against the spec by the test above.
   const size_t count = 300001;
   const std::vector<std::vector<size_t>> splits = {
       {count}, {1, count - 1}, {1000, 0, 131072, count - 132072}, {131071, 131073, count - 262144}};

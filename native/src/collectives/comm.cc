@@ -30,10 +30,11 @@ constexpr double kSpinSeconds = 30e-6;
 constexpr double kYieldSeconds = 300e-6;
 // Over TCP the kernel wakes the waiting thread when bytes arrive (epoll), and a link slower than
 // memory leaves gaps of hundreds of microseconds between bursts: yielding through them only takes
-// the cores from the training threads (1 Gbit/s, 2 ranks on 2 cores: 250 ms of CPU per step of
-// bench/algorithms.py's full-precision allreduce, 40-60 ms per ByteGrad or low-precision step).
-// Loopback TCP's small-message latency does not change (bench/allreduce.py). A shared-memory peer answers within microseconds, so there the
-// yield stage stays long (it halves small-message latency).
+// the cores from the training threads (1 Gbit/s, 2 ranks on 2 cores: 210 ms of CPU per step of
+// bench/algorithms.py's full-precision allreduce; docs/benchmarks.md).
+// Loopback TCP's small-message latency does not change (bench/allreduce.py). A shared-memory peer
+// answers within microseconds, so there the yield stage stays long (it halves small-message
+// latency).
 constexpr double kYieldSecondsTcp = 40e-6;
 constexpr auto kWaitTimeout = std::chrono::microseconds(1000);
 constexpr double kCheckSeconds = 10e-3;  // check_alive() and timeouts while stalled
