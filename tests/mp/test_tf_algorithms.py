@@ -811,3 +811,32 @@ def test_kernel_path_equals_the_numpy_fallback(name, make_alg, eager):
             A._algorithm_kernels[0] = True
     for i, (k, n) in enumerate(zip(*results)):
         np.testing.assert_array_equal(k, n, err_msg=f"{name}: variable {i}")
+
+
+def test_low_precision_in_place_step_leaves_tensors_read_before_it():
+    """The kernel's local half writes the variables' buffers in place: a tensor read from a
+    variable before tape.step_done() (sharing its buffer) keeps the values it had, and the
+    weights are those of the same training without such reads, bit for bit."""
+    if not _kernels_built():
+        pytest.skip("the kernel library is off (BAGUA_HVD_TF_KERNELS=0) or cannot be built here")
+    if hvd.size() == 1:
+        return  # no neighbours: the step writes nothing
+    plain = train(A.LowPrecisionDecentralized(), eager=True)
+    variables = [tf.Variable(x) for x in init_values()]
+    opt = tf.keras.optimizers.SGD(learning_rate=LR)
+    alg = A.LowPrecisionDecentralized()
+    for t in range(STEPS):
+        a, c = data(hvd.rank(), t)
+        with tf.GradientTape() as tape:
+            loss = tf_loss(variables, [tf.constant(x) for x in a], [tf.constant(x) for x in c])
+        tape = hvd.DistributedGradientTape(tape, algorithm=alg)
+        grads = tape.gradient(loss, variables)
+        opt.apply_gradients(zip(grads, variables))
+        held = [v.value() for v in variables]  # shares each variable's buffer
+        before = [h.numpy().copy() for h in held]
+        tape.step_done()
+        for i, (h, b) in enumerate(zip(held, before)):
+            np.testing.assert_array_equal(h.numpy(), b, err_msg=f"step {t}, variable {i}")
+    A.tape_impl(alg, hvd.global_process_set).flush()
+    for i, (v, w) in enumerate(zip(variables, plain)):
+        np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=f"variable {i}")
