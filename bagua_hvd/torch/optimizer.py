@@ -74,9 +74,23 @@ _NO_HANDLE = -1
 # foreach or fused kernels too, which work tensor by tensor): updating the buckets one at a time
 # gives the bits of one update of all. Exact classes: a subclass may override step().
 _BUCKETWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+# Optimizer classes whose step splits by parameters on its own terms (QAdamOptimizer: its step
+# count and stage are the whole step's): begin(optimizer) starts a step and returns the update
+# of a subset of param groups. Registered by the class's module (register_partial_step).
+_PARTIAL_STEPS: Dict[type, Callable[[Any], Callable[[List[Dict[str, Any]]], None]]] = {}
 # Buckets are updated together until they hold this many bytes of parameters: an update call
 # costs tens of microseconds, which small buckets (BAGUA_HVD_BUCKET_MB=0) must not pay each.
 _BUCKETWISE_MIN_BYTES = 1 << 20
+
+
+def register_partial_step(
+    cls: type, begin: Callable[[Any], Callable[[List[Dict[str, Any]]], None]]
+) -> None:
+    """Declares that ``cls``'s update of a parameter reads that parameter's gradient and state
+    only, and how to run it by parts: ``begin(optimizer)`` starts one step and returns the
+    update of the parameters of a subset of its param groups, called until each was updated
+    once. step() then updates bucket by bucket, as for torch.optim.SGD."""
+    _PARTIAL_STEPS[cls] = begin
 
 
 def _global_step_hooks() -> bool:
@@ -376,10 +390,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Whether step() may update each bucket's parameters as soon as that bucket's reduction
         completes, while later buckets are still on the wire: only where this gives the bits of
         one update after all of them (an optimizer whose update of a parameter depends on that
-        parameter alone: the exact classes of _BUCKETWISE_OPTIMIZERS), and where nothing can
-        tell the difference (no closure, no step hooks, gradients averaged by this step itself,
-        not between synchronize() and step(), the bucket layout final). A failed wait leaves
-        the earlier buckets updated (an elastic job restores its last commit anyway)."""
+        parameter alone: the exact classes of _BUCKETWISE_OPTIMIZERS and those registered by
+        register_partial_step), and where nothing can tell the difference (no closure, no step
+        hooks, gradients averaged by this step itself, not between synchronize() and step(),
+        the bucket layout final). A failed wait leaves the earlier buckets updated (an elastic
+        job restores its last commit anyway)."""
         if closure is not None or not self._hooks_registered or not self._layout_final:
             return False
         if len(self._buckets) < 2 or not self.process_set.included():
@@ -387,7 +402,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         impl = self._algo_impl
         if impl is not None and not impl.communicates_gradients():
             return False
-        if self._hvd_cls.__mro__[1] not in _BUCKETWISE_OPTIMIZERS:
+        base = self._hvd_cls.__mro__[1]
+        if base not in _BUCKETWISE_OPTIMIZERS and base not in _PARTIAL_STEPS:
             return False
         if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks:
             return False
@@ -401,10 +417,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         update of every other parameter. The same waits, in the same order, as synchronize()."""
         self._launch_missing()
         base = self._hvd_cls.__mro__[1]
-        update = base.step
-        if getattr(update, "hooked", False):  # torch's hook wrapper: hooks run once (none here)
-            update = getattr(update, "__wrapped__", update)
         groups = self.param_groups
+        begin = _PARTIAL_STEPS.get(base)
+        update = begin(self) if begin is not None else self._step_over(base)
         updated: set = set()
         ready: set = set()  # reduced, not yet updated
         ready_bytes = 0
@@ -416,11 +431,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if params:
                     subset.append(dict(g, params=params))
             if subset:
-                self.param_groups = subset
-                try:
-                    update(self)
-                finally:
-                    self.param_groups = groups
+                update(subset)
                 self._bucketwise_updates += 1
             updated.update(ids)
 
@@ -444,6 +455,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             update_only({id(p) for g in groups for p in g["params"]} - updated)
         self._bucketwise_steps += 1
         self._synchronized = False
+
+    def _step_over(self, base: type) -> Callable[[List[Dict[str, Any]]], None]:
+        """The update of a subset of param groups by ``base``'s own step (a torch optimizer):
+        its step() over param_groups set to the subset."""
+        step = base.step
+        if getattr(step, "hooked", False):  # torch's hook wrapper: hooks run once (none here)
+            step = getattr(step, "__wrapped__", step)
+
+        def update(subset: List[Dict[str, Any]]) -> None:
+            groups = self.param_groups
+            self.param_groups = subset
+            try:
+                step(self)
+            finally:
+                self.param_groups = groups
+
+        return update
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         if self._handles:

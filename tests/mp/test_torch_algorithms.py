@@ -221,6 +221,41 @@ def test_qadam_matches_reference(error_feedback, weight_decay):
     _compare(model, want.params[hvd.rank()], "qadam")
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("piece", [7, 1 << 18], ids=["pieces", "default"])
+def test_qadam_update_in_pieces_is_the_reference_bit_for_bit(piece, weight_decay, monkeypatch):
+    """QAdamOptimizer's CPU update runs piece by piece over its tensors (no whole-tensor
+    temporaries): every element still gets the reference's whole-tensor operations
+    (tests/reference_algorithms.py), so the same bits, in warm-up and after it; without
+    weight decay, a parameter without warm-up gradients (v == 0) does not move. Local (no
+    communication)."""
+    monkeypatch.setattr(A, "_PIECE", piece)
+    torch.manual_seed(7)
+    shapes = [(33, 5), (9,), (4, 4, 3)]
+    params = [torch.randn(s, requires_grad=True) for s in shapes]
+    mirror = [p.detach().clone() for p in params]
+    start = params[1].detach().clone()
+    q = A.QAdamOptimizer(params, lr=0.01, warmup_steps=3, weight_decay=weight_decay)
+    want = ra.QAdamReference(mirror, lr=0.01, warmup_steps=3, weight_decay=weight_decay)
+    for step in range(8):
+        # the (9,) parameter has no gradient in warm-up: v == 0, it must not move after
+        grads = [torch.randn(s) * float(i != 1 or step >= 3) for i, s in enumerate(shapes)]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        q.step()
+        if want.in_warmup(want.step_count + 1):
+            want.adam_step([g.clone() for g in grads])
+        else:
+            want.momentum([g.clone() for g in grads])
+            want.frozen_v_update()
+        for i, (p, x) in enumerate(zip(params, mirror)):
+            assert torch.equal(p.detach(), x), f"step {step}: parameter {i} differs"
+    for p, m in zip(params, want.exp_avg):
+        assert torch.equal(q.state[p]["exp_avg"], m)
+    if weight_decay == 0:
+        assert torch.equal(params[1].detach(), start)
+
+
 def test_qadam_warmup_equals_adam_exactly():
     """Every rank trains on the same batches: the averaged gradient is the local one (exactly
     at sizes that are powers of two), so QAdam in warm-up is torch.optim.Adam bit for bit."""

@@ -668,7 +668,12 @@ def _train_split(make_opt, seed, dtype, bucketwise, algorithm=None, extras=False
     opt = hvd.DistributedOptimizer(
         make_opt(model.parameters()), named_parameters=model.named_parameters(), **kwargs
     )
-    for step in range(STEPS):
+    _train_steps(model, opt, seed, dtype, bucketwise, STEPS, use_extra)
+    return model, opt
+
+
+def _train_steps(model, opt, seed, dtype, bucketwise, steps, use_extra=False):
+    for step in range(steps):
         opt.zero_grad()
         b = ref.batch(seed, step, hvd.rank(), 0, dtype=dtype)
         ref.loss_of(model, b, use_extra=use_extra).backward()
@@ -678,7 +683,6 @@ def _train_split(make_opt, seed, dtype, bucketwise, algorithm=None, extras=False
             opt.synchronize()
             with opt.skip_synchronize():
                 opt.step()
-    return model, opt
 
 
 def _assert_same_bits(a_model, a_opt, b_model, b_opt, what):
@@ -723,6 +727,35 @@ def test_bucketwise_update_with_bytegrad_gives_the_same_bits(error_feedback, mon
     ]
     assert runs[0][1]._bucketwise_steps == STEPS - 1
     _assert_same_bits(*runs[0], *runs[1], "bytegrad")
+
+
+@pytest.mark.parametrize("piece", [None, 7], ids=["whole", "pieces"])
+def test_bucketwise_update_with_qadam_gives_the_same_bits(piece, monkeypatch):
+    """QAdamOptimizer is updated bucket by bucket too, in warm-up and after it (the stage and
+    step count are those of the whole step): the same bits as one update after all the waits;
+    also with its CPU update cut into pieces of 7 elements."""
+    from bagua_hvd.torch import algorithms as A
+
+    monkeypatch.setenv("BAGUA_HVD_BUCKET_MB", "0.0005")
+    if piece is not None:
+        monkeypatch.setattr(A, "_PIECE", piece)
+    seed = ref.seed_for("bucketwise_qadam")
+    steps = STEPS + 2  # 2 warm-up steps, then 4 with the compressed momentum
+    runs = []
+    for bucketwise in (True, False):
+        model = ref.make_model(seed, torch.float32)
+        q = A.QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=2, weight_decay=0.01)
+        opt = hvd.DistributedOptimizer(
+            q, named_parameters=model.named_parameters(), algorithm=A.QAdamAlgorithm(q)
+        )
+        _train_steps(model, opt, seed, torch.float32, bucketwise, steps)
+        runs.append((model, opt))
+    assert len(runs[0][1]._buckets) > 1
+    assert runs[0][1]._bucketwise_steps == steps - 1
+    assert runs[0][1]._bucketwise_updates >= (steps - 1) * len(runs[0][1]._buckets)
+    assert runs[1][1]._bucketwise_steps == 0
+    assert runs[0][1].step_id == runs[1][1].step_id == steps
+    _assert_same_bits(*runs[0], *runs[1], "qadam")
 
 
 def test_bucketwise_update_merges_small_buckets(monkeypatch):
