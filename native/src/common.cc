@@ -1,6 +1,9 @@
 #include "common.h"
 
 #include <unistd.h>
+#if defined(__linux__)
+#include <pthread.h>
+#endif
 
 #include <algorithm>
 #include <cctype>
@@ -99,6 +102,14 @@ std::string format_seconds(double s) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.1f", s > 0 ? s : 0.0);
   return buf;
+}
+
+void name_this_thread(const char* name) {
+#if defined(__linux__)
+  pthread_setname_np(pthread_self(), name);
+#else
+  (void)name;
+#endif
 }
 
 }  // namespace bagua_hvd

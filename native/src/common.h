@@ -144,4 +144,8 @@ inline double seconds_since(Clock::time_point t) {
 // already passed waited 0 s, not -0.0 s).
 std::string format_seconds(double s);
 
+// Names the calling thread (at most 15 characters; Linux only, a no-op elsewhere) so that top -H,
+// gdb and py-spy tell the core's threads from the frameworks' (gloo and torch name theirs too).
+void name_this_thread(const char* name);
+
 }  // namespace bagua_hvd

@@ -69,6 +69,15 @@ def _cycle(i: int) -> None:
     assert torch.equal(got, torch.full((4,), float(hvd.size())))
 
 
+def test_the_core_thread_is_named():
+    """top -H, gdb and py-spy show the core's background thread by name, as gloo's are."""
+    names = set()
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.add(f.read().strip())
+    assert "bhvd_core" in names, sorted(names)
+
+
 def test_init_shutdown_cycles_leak_nothing():
     _cycle(-1)  # warm-up: lazy allocations of the first init
     gc.collect()

@@ -88,6 +88,7 @@ class HandshakePool {
     Slot* slot = &slots_.back();
     slot->fd = fd.get();
     slot->thread = std::thread([this, slot, remote, c = std::move(fd)]() mutable {
+      name_this_thread("bhvd_handshake");
       auto claim = [this, slot] {
         std::lock_guard<std::mutex> lock(mu_);
         if (slot->evicted) return false;
@@ -570,6 +571,7 @@ void NetTransport::setup_tcp(const BootstrapConfig& cfg, Listener& listener,
   };
   if (expected > 0) {
     acceptor = std::thread([&] {
+      name_this_thread("bhvd_accept");
       try {
         RejectLog rejects(me);
         HandshakePool pool([&](Fd& c, const std::string& remote,
