@@ -64,7 +64,9 @@ The goals also show each mode's CPU time per step (a rank's process, every threa
 training thread, the core's; less sensitive to other load than wall time) and, per bagua_hvd
 mode on a shaped link, step ms / max(the no-communication
 step of its baseline's twin, the bound of the larger of sent and analytic bytes): goal <= 1.15
-(communication overlapped with compute).
+(communication overlapped with compute); with a core or less per rank also step / (CPU ms per
+step / cores per rank), for information: a step cannot be shorter than its process's CPU time
+on its share of the cores, which the goal's bound does not count.
 --timeline N adds N traced steps per bagua_hvd mode after the blocks and prints their per-step
 timeline (bench/_timeline.py; bench/timeline.py runs it for the three modes of interest).
 Counters the core does not have yet read -1 and show as n/a.
@@ -153,6 +155,7 @@ GOALS = {
 MAX_BOUND_RATIO = 1.2
 # Issue 12.7: a step within this factor of max(the step without communication, the bound).
 MAX_OVERLAP_RATIO = 1.15
+RANKS = 2  # every network runs 2 ranks on this machine's cores
 
 
 def baseline_of(mode: str) -> str:
@@ -685,6 +688,15 @@ def print_summary(runs: dict, batch: int, total_s: float) -> None:
                     f"{twin['step_ms']:.0f}, bound {bound_ms:.0f}) = {ratio:.2f} "
                     f"(goal <= {MAX_OVERLAP_RATIO}): {'met' if ok else 'NOT met'}"
                 )
+                cpu = max(m.get("cpu_ms_per_step") or [0])
+                share = (os.cpu_count() or 1) / RANKS
+                if cpu and share <= 1:
+                    # With a core or less per rank, a step cannot take less than the CPU time
+                    # its process spends (training thread and core thread together).
+                    print(
+                        f"  {net} {mode}: step / CPU ms per step on {share:g} core per rank "
+                        f"{m['step_ms'] / cpu * share:.2f} (information: >= 1 when CPU-bound)"
+                    )
             if f["bound_ratio"] is None:
                 print(f"  {net} {mode}: comm time / bound: n/a (no exec_ns counter yet)")
             else:
