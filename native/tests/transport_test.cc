@@ -418,6 +418,74 @@ TEST(PipelinedLowPrecision, LocalHalfAndExchangeMatchTheSpec) {
   }
 }
 
+TEST(PeerAverage, AveragedAsTheBytesArriveGivesTheOnePassBits) {
+  // shift_one and ring average each piece once both the receives hold it and the send is past it
+  // (the send reads the same buffer): the bits of one pass after the whole exchange, computed
+  // here, for buckets of several pieces (and one of 3 elements), float32 and float64, n = 2-4,
+  // over TCP and shared memory.
+  for (Kind kind : {Kind::TCP, Kind::SHM}) {
+    for (int n : {2, 3, 4}) {
+      for (size_t count : {size_t{3}, size_t{200003}}) {
+        for (PeerMode mode : {PeerMode::SHIFT_ONE, PeerMode::RING}) {
+          const int64_t step = 5;
+          run_ranks(n, kind, [&](Comm& comm) {
+            const int k = comm.rank();
+            auto x = [&](int r) { return pipelined::rank_input(r, count, 20); };
+            std::vector<float> mine = x(k);
+            std::vector<double> wide(mine.begin(), mine.end());
+            decentralized_average(comm, mine.data(), mine.data(), count, DataType::FLOAT32, mode,
+                                  step);
+            decentralized_average(comm, wide.data(), wide.data(), count, DataType::FLOAT64, mode,
+                                  step);
+            std::vector<float> want(count);
+            std::vector<double> want_wide(count);
+            const auto me = x(k);
+            if (mode == PeerMode::SHIFT_ONE) {
+              const int peer = shift_one_peer(k, n, step);
+              const auto theirs = peer < n ? x(peer) : me;
+              for (size_t i = 0; i < count; ++i) {
+                want[i] = peer < n ? (me[i] + theirs[i]) / 2.0f : me[i];
+                want_wide[i] = peer < n ? (double{me[i]} + double{theirs[i]}) / 2.0 : me[i];
+              }
+            } else {
+              const auto l = x((k + n - 1) % n), r = x((k + 1) % n);
+              for (size_t i = 0; i < count; ++i) {
+                want[i] = ((l[i] + me[i]) + r[i]) / 3.0f;
+                want_wide[i] = ((double{l[i]} + double{me[i]}) + double{r[i]}) / 3.0;
+              }
+            }
+            EXPECT_EQ(std::memcmp(mine.data(), want.data(), count * 4), 0)
+                << "rank " << k << " of " << n << ", " << count << " elements, mode "
+                << static_cast<int>(mode);
+            EXPECT_EQ(std::memcmp(wide.data(), want_wide.data(), count * 8), 0)
+                << "float64, rank " << k << " of " << n << ", " << count << " elements";
+          });
+        }
+      }
+    }
+  }
+}
+
+TEST(PeerAverage, ASendBehindItsReceiveKeepsTheBytesItHasNotSent) {
+  // Rank 1 starts late, over a 4 KiB shared-memory ring: rank 0's send then stalls while its
+  // receive races ahead once rank 1 sends, so averaging behind the receive alone would overwrite
+  // bytes rank 0 has yet to send (rank 1 would average with averages).
+  const size_t count = 3 * 65536 + 7;
+  run_ranks(
+      2, Kind::SHM,
+      [&](Comm& comm) {
+        const int k = comm.rank();
+        std::vector<float> mine = pipelined::rank_input(k, count, 30);
+        const auto me = mine, theirs = pipelined::rank_input(1 - k, count, 30);
+        if (k == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        decentralized_average(comm, mine.data(), mine.data(), count, DataType::FLOAT32,
+                              PeerMode::SHIFT_ONE, 0);
+        for (size_t i = 0; i < count; ++i)
+          ASSERT_EQ(mine[i], (me[i] + theirs[i]) / 2.0f) << "rank " << k << " element " << i;
+      },
+      4096);
+}
+
 TEST(PipelinedLowPrecision, LocalHalfOverSegmentsGivesTheContiguousBits) {
   // x in pieces (a framework's variables updated in place) must change no bit: the same c, self
   // and x as one contiguous x, for splits at and off block boundaries and with an empty piece, in

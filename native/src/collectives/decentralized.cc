@@ -5,6 +5,7 @@
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "collectives/algorithms.h"
@@ -34,11 +35,26 @@ void exchange(Comm& comm, const std::vector<int>& to, const void* out, size_t by
 }
 
 // Element-wise f over float32 blocks: out[i] = f(a[i], b[i], ...) for up to four typed inputs of
-// the same dtype, written (rounded once) to out, which may alias an input.
+// the same dtype, written (rounded once) to out, which may alias an input. float64 is computed
+// in double where f takes doubles (the peer averages), so its weights keep their precision.
 template <typename F>
 void blockwise(DataType dtype, size_t n, void* out, std::initializer_list<const void*> in, F&& f) {
-  const size_t es = dtype_size(dtype);
   const size_t k = in.size();
+  if constexpr (std::is_invocable_v<F, const double*>) {
+    if (dtype == DataType::FLOAT64) {
+      const double* p[4] = {};
+      size_t j = 0;
+      for (const void* q : in) p[j++] = static_cast<const double*>(q);
+      auto* o = static_cast<double*>(out);
+      for (size_t e = 0; e < n; ++e) {
+        const double v[4] = {p[0][e], k > 1 ? p[1][e] : 0.0, k > 2 ? p[2][e] : 0.0,
+                             k > 3 ? p[3][e] : 0.0};
+        o[e] = f(v);
+      }
+      return;
+    }
+  }
+  const size_t es = dtype_size(dtype);
   float buf[4][kFloatBlock];
   for (size_t i = 0; i < n; i += kFloatBlock) {
     const size_t m = std::min(kFloatBlock, n - i);
@@ -55,6 +71,37 @@ void blockwise(DataType dtype, size_t n, void* out, std::initializer_list<const 
 }
 
 enum Slot { kPeerA = 0, kPeerB = 1, kDiff = 2, kMine = 3, kLeft = 4, kRight = 5, kDecoded = 6 };
+
+// Elements per piece of a peer average computed while the exchange is still on the wire.
+constexpr size_t kAverageBlock = 64 << 10;
+
+// One concurrent exchange of `count` elements that averages as it goes: sends `out` to every
+// peer in `to`, receives from every peer in `from` into the matching buffer, and runs
+// combine(begin, end) on each range of elements once every receive holds it and every send is
+// past it (combine overwrites `out`), in order, a piece at a time; the link no longer idles
+// through a whole-bucket pass after the last byte. Element-wise, so the bits of one pass after.
+template <typename F>
+void exchange_combining(Comm& comm, const std::vector<int>& to, void* out, size_t count, size_t es,
+                        const std::vector<int>& from, const std::vector<void*>& in,
+                        const char* what, F&& combine) {
+  std::vector<Comm::Xfer> xs;
+  const size_t bytes = count * es;
+  for (int p : to) xs.push_back({Comm::Xfer::SEND, p, out, bytes});
+  for (size_t i = 0; i < from.size(); ++i) xs.push_back({Comm::Xfer::RECV, from[i], in[i], bytes});
+  size_t combined = 0;
+  const Comm::Work work = [&]() -> bool {
+    size_t frontier = bytes;
+    for (const Comm::Xfer& x : xs) frontier = std::min(frontier, x.done);
+    const size_t upto = frontier / es;
+    if (upto == combined || (upto - combined < kAverageBlock && upto < count)) return false;
+    const size_t end = std::min(upto, combined + kAverageBlock);
+    combine(combined, end);
+    combined = end;
+    return true;
+  };
+  comm.run(xs, what, work);
+  if (combined < count) combine(combined, count);
+}
 
 // Elements per piece of the exchange's decoding, done while further bytes arrive.
 constexpr size_t kLpBlock = 128 << 10;
@@ -85,26 +132,34 @@ void decentralized_average(Comm& comm, const void* in, void* out, size_t count, 
       const int peer = shift_one_peer(me, n, step);
       if (peer >= n) return;  // the rank left over this round (odd n) keeps its weights
       unsigned char* theirs = scratch_slot(kPeerA, bytes);
-      exchange(comm, {peer}, out, bytes, {peer}, {theirs}, "decentralized shift_one");
+      auto* mine = static_cast<unsigned char*>(out);
       // (a + b) / 2 is symmetric in a and b: both ranks of the pair hold the same bits.
-      blockwise(dtype, count, out, {out, theirs}, [](const float* v) {
-        return (v[0] + v[1]) / 2.0f;
-      });
+      exchange_combining(comm, {peer}, out, count, es, {peer}, {theirs}, "decentralized shift_one",
+                         [&](size_t b, size_t e) {
+                           blockwise(dtype, e - b, mine + b * es, {mine + b * es, theirs + b * es},
+                                     [](const auto* v) { return (v[0] + v[1]) / 2; });
+                         });
       return;
     }
     case PeerMode::RING: {
       const int left = (me + n - 1) % n, right = (me + 1) % n;
       unsigned char* l = scratch_slot(kPeerA, bytes);
       unsigned char* r = l;
+      auto* mine = static_cast<unsigned char*>(out);
+      auto average = [&](size_t b, size_t e) {
+        const size_t o = b * es;
+        blockwise(dtype, e - b, mine + o, {mine + o, l + o, r + o}, [](const auto* v) {
+          return ((v[1] + v[0]) + v[2]) / 3;
+        });
+      };
       if (left == right) {  // n = 2: the one neighbour counts twice
-        exchange(comm, {right}, out, bytes, {left}, {l}, "decentralized ring");
+        exchange_combining(comm, {right}, out, count, es, {left}, {l}, "decentralized ring",
+                           average);
       } else {
         r = scratch_slot(kPeerB, bytes);
-        exchange(comm, {left, right}, out, bytes, {left, right}, {l, r}, "decentralized ring");
+        exchange_combining(comm, {left, right}, out, count, es, {left, right}, {l, r},
+                           "decentralized ring", average);
       }
-      blockwise(dtype, count, out, {out, l, r}, [](const float* v) {
-        return ((v[1] + v[0]) + v[2]) / 3.0f;
-      });
       return;
     }
   }
