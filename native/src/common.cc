@@ -104,10 +104,11 @@ std::string format_seconds(double s) {
   return buf;
 }
 
-void name_this_thread(const char* name) {
+void name_thread(std::thread& t, const char* name) {
 #if defined(__linux__)
-  pthread_setname_np(pthread_self(), name);
+  pthread_setname_np(t.native_handle(), name);
 #else
+  (void)t;
   (void)name;
 #endif
 }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bagua_hvd/c_api.h"
@@ -144,8 +145,10 @@ inline double seconds_since(Clock::time_point t) {
 // already passed waited 0 s, not -0.0 s).
 std::string format_seconds(double s);
 
-// Names the calling thread (at most 15 characters; Linux only, a no-op elsewhere) so that top -H,
-// gdb and py-spy tell the core's threads from the frameworks' (gloo and torch name theirs too).
-void name_this_thread(const char* name);
+// Names a thread (at most 15 characters; Linux only, a no-op elsewhere) so that top -H, gdb and
+// py-spy tell the core's threads from the frameworks' (gloo and torch name theirs too). Called
+// by the creator right after std::thread's constructor: the name holds once that returns, not
+// only once the new thread has been scheduled.
+void name_thread(std::thread& t, const char* name);
 
 }  // namespace bagua_hvd

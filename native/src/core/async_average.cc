@@ -23,10 +23,8 @@ AsyncAverager::AsyncAverager(RunRequest run_request, std::string name, std::vect
     b.w = std::move(w);
     buffers_.push_back(std::move(b));
   }
-  thread_ = std::thread([this] {
-    name_this_thread("bhvd_async_avg");
-    run();
-  });
+  thread_ = std::thread([this] { run(); });
+  name_thread(thread_, "bhvd_async_avg");
 }
 
 AsyncAverager::~AsyncAverager() {

@@ -97,10 +97,8 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
   coordinator_.reset();
   if (cfg_.rank == 0) coordinator_ = std::make_unique<Coordinator>(cfg_.size, sets_, config.coordinator);
   initialized_ = true;
-  thread_ = std::thread([this] {
-    name_this_thread("bhvd_core");
-    loop();
-  });
+  thread_ = std::thread([this] { loop(); });
+  name_thread(thread_, "bhvd_core");
   return Status::OK();
 }
 

@@ -88,7 +88,6 @@ class HandshakePool {
     Slot* slot = &slots_.back();
     slot->fd = fd.get();
     slot->thread = std::thread([this, slot, remote, c = std::move(fd)]() mutable {
-      name_this_thread("bhvd_handshake");
       auto claim = [this, slot] {
         std::lock_guard<std::mutex> lock(mu_);
         if (slot->evicted) return false;
@@ -102,6 +101,7 @@ class HandshakePool {
       std::lock_guard<std::mutex> lock(mu_);
       slot->finished = true;  // before `c` closes the fd: nobody shuts down a reused number
     });
+    name_thread(slot->thread, "bhvd_handshake");
   }
 
  private:
@@ -571,7 +571,6 @@ void NetTransport::setup_tcp(const BootstrapConfig& cfg, Listener& listener,
   };
   if (expected > 0) {
     acceptor = std::thread([&] {
-      name_this_thread("bhvd_accept");
       try {
         RejectLog rejects(me);
         HandshakePool pool([&](Fd& c, const std::string& remote,
@@ -609,6 +608,7 @@ void NetTransport::setup_tcp(const BootstrapConfig& cfg, Listener& listener,
         accept_error = std::current_exception();
       }
     });
+    name_thread(acceptor, "bhvd_accept");
   }
   // Joins the acceptor on every exit path (it polls `stop` every 50 ms).
   struct Joiner {
