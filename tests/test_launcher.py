@@ -225,7 +225,11 @@ def test_launcher_sigterm_stops_ranks() -> None:
     (["-np", "2"], "no command given"),
     (["-np", "0", "true"], "must be >= 1"),
     (["-np", "4", "-H", "localhost:2", "true"], "only 2 slots"),
-    (["-np", "2", "-H", "gpu-node-7:2", "true"], "--num-nodes"),
+    (["-np", "5", "-H", "gpu-node-7:2,gpu-node-8:2", "true"],
+     "Requested more processes (5) than there are available slots (4)"),
+    (["-np", "2", "-H", "a:1,a:1", "true"], "host 'a' is listed more than once"),
+    (["-np", "2", "-H", "a:2", "--hostfile", "f", "true"], "not allowed with argument"),
+    (["-np", "2", "--hostfile", "/nonexistent/hosts", "true"], "cannot read --hostfile"),
     (["-np", "2", "--log-level", "loud", "true"], "invalid choice"),
     (["-np", "3", "--num-nodes", "2", "--rendezvous-addr", "127.0.0.1:1", "true"],
      "not divisible"),
@@ -439,3 +443,35 @@ def test_sigkilled_launcher_takes_its_ranks_down(mode: str) -> None:
             proc.stderr.close()
         _kill_all(pids + other_pids)  # whatever a failed run left behind
     assert not _gone_within(other_pids, 10)  # node 0's launcher stopped its own (SIGTERM)
+
+
+def test_a_host_that_cannot_be_reached_is_named() -> None:
+    # A name that does not resolve: ssh fails at once; the launcher names the host, starts
+    # nothing and exits 1 (no sshd needed: tests/test_ssh_hosts.py has the real hosts).
+    proc = bagua_run(["-np", "3", "-H", "localhost:1,no-such-host.invalid:2",
+                      "--start-timeout", "5", "true"])
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    assert "host no-such-host.invalid: ssh failed" in err, err
+    assert "localhost" not in err.split("cannot start ranks on", 1)[1], err
+
+
+def test_hosts_fill_in_order_with_horovods_local_and_cross_ranks(tmp_path) -> None:
+    from bagua_hvd.runner.hosts import assign_slots, parse_hostfile
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\na slots=3\n\nb   slots=1  # small one\nc:2\n")
+    entries = parse_hostfile(str(hostfile))
+    assert entries == [("a", 3), ("b", 1), ("c", 2)]
+    placed = assign_slots(entries, 5)  # c gets one of its two slots
+    got = [(h, s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size)
+           for h, slots in placed for s in slots]
+    assert got == [  # written out by hand from Horovod's rules
+        ("a", 0, 0, 3, 0, 3), ("a", 1, 1, 3, 0, 1), ("a", 2, 2, 3, 0, 1),
+        ("b", 3, 0, 1, 1, 3),
+        ("c", 4, 0, 1, 2, 3),
+    ]
+    assert [h for h, _ in assign_slots(entries, 3)] == ["a"]  # unused hosts are not started
+    hostfile.write_text("a slots=2 gpus=4\n")
+    with pytest.raises(ValueError, match="line 1: expected 'HOST slots=N'"):
+        parse_hostfile(str(hostfile))

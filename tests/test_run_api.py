@@ -83,7 +83,7 @@ def test_unpicklable_result_is_a_failure() -> None:
     ({"np": 2, "min_np": 1}, ValueError, "elastic"),
     ({"np": 2, "host_discovery_script": "x.sh"}, ValueError, "elastic"),
     ({"np": 2, "hostfile": "hosts.txt"}, ValueError, "hostfile"),
-    ({"np": 2, "hosts": "gpu-node-7:2"}, HostError, "--num-nodes"),
+    ({"np": 2, "hosts": "gpu-node-7:2"}, HostError, "this machine only"),
     ({"np": 2, "ssh_port": 22}, ValueError, "ssh"),
     ({"np": 2, "use_mpi": True}, ValueError, "MPI"),
     ({"np": 2, "use_gloo": False}, ValueError, "MPI"),

@@ -12,12 +12,10 @@ import ipaddress
 import socket
 from typing import List, Optional, Tuple
 
-# The error shown for any host that is not this machine (remote start is not implemented).
+# bagua_hvd.run (the Python API) starts ranks on this machine only, for now.
 REMOTE_HOSTS_HINT = (
-    "starting ranks on other machines over ssh is not supported yet. Run one launcher per node "
-    "instead: `bagua-run -np N --num-nodes M --node-rank I --rendezvous-addr ADDR:PORT COMMAND` "
-    "on every node I = 0..M-1 (node 0 serves the rendezvous on ADDR:PORT), with the same "
-    "BAGUA_HVD_SECRET in each node's environment."
+    "bagua_hvd.run starts ranks on this machine only; start a job on other hosts with "
+    "`bagua-run -np N -H HOST1:SLOTS,HOST2:SLOTS COMMAND` (over ssh)"
 )
 
 
@@ -80,6 +78,77 @@ def parse_hosts(spec: str) -> List[Tuple[str, int]]:
     return hosts
 
 
+def parse_hostfile(path: str) -> List[Tuple[str, int]]:
+    """Parses horovodrun's ``--hostfile``: one ``HOST slots=N`` per line (``slots=`` optional,
+    default 1; ``HOST:N`` also accepted); blank lines and ``#`` comments are skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise HostError(f"cannot read --hostfile {path!r}: {e.strerror or e}") from None
+    entries: List[Tuple[str, int]] = []
+    for number, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        words = line.split()
+        spec = words[0]
+        for word in words[1:]:
+            key, eq, value = word.partition("=")
+            if key != "slots" or not eq:
+                raise HostError(
+                    f"--hostfile {path!r} line {number}: expected 'HOST slots=N', got {raw!r}"
+                )
+            spec = f"{words[0]}:{value}"
+        try:
+            entries += parse_hosts(spec)
+        except HostError as e:
+            raise HostError(f"--hostfile {path!r} line {number}: {e}") from None
+    if not entries:
+        raise HostError(f"--hostfile {path!r} lists no host")
+    return entries
+
+
+def assign_slots(entries: List[Tuple[str, int]], np: int) -> List[Tuple[str, List[Slot]]]:
+    """Horovod's placement over a host list: ranks fill the hosts in the order given, each up to
+    its slots; a host's ranks are its local ranks; the cross rank of a process is the index of
+    its host among the hosts that have its local rank. Hosts left without a rank are dropped."""
+    names = [name for name, _ in entries]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise HostError(f"host {duplicate!r} is listed more than once; list each host once")
+    total = sum(slots for _, slots in entries)
+    if np > total:
+        raise HostError(f"Requested more processes ({np}) than there are available slots ({total})")
+    counts: List[Tuple[str, int]] = []
+    left = np
+    for name, slots in entries:
+        if left == 0:
+            break
+        counts.append((name, min(slots, left)))
+        left -= counts[-1][1]
+    out: List[Tuple[str, List[Slot]]] = []
+    rank = 0
+    for name, count in counts:
+        slots = []
+        for local_rank in range(count):
+            having = [h for h, c in counts if c > local_rank]
+            slots.append(
+                Slot(
+                    rank=rank,
+                    size=np,
+                    local_rank=local_rank,
+                    local_size=count,
+                    cross_rank=having.index(name),
+                    cross_size=len(having),
+                    hostname=name,
+                )
+            )
+            rank += 1
+        out.append((name, slots))
+    return out
+
+
 def is_local_host(name: str) -> bool:
     """True when ``name`` is this machine: localhost, a loopback address or our host name."""
     lowered = name.lower()
@@ -91,6 +160,11 @@ def is_local_host(name: str) -> bool:
         pass
     own = {socket.gethostname().lower(), socket.getfqdn().lower()}
     return lowered in own
+
+
+def only_this_machine(entries: List[Tuple[str, int]]) -> bool:
+    """True when a host list is one entry naming this machine (ranks start without ssh)."""
+    return len(entries) == 1 and is_local_host(entries[0][0])
 
 
 def local_slots(np: int, hosts: Optional[str]) -> int:

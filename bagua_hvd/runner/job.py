@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Dict, List, Mapping, Optional, Sequence, Set
+from typing import IO, Callable, Dict, List, Mapping, Optional, Sequence, Set
 
 from bagua_hvd.runner.hosts import Slot
 
@@ -73,6 +73,26 @@ class JobResult:
     failed_rank: Optional[int] = None  # the first rank that exited non-zero
     signal: Optional[int] = None  # the signal that stopped the launcher, if any
     stopped: Set[int] = dataclasses.field(default_factory=set)  # ranks the launcher signalled
+    note: Optional[str] = None  # why the first failure happened, when no rank's code tells it
+
+    @classmethod
+    def ended(
+        cls,
+        codes: Dict[int, int],
+        failed_rank: Optional[int],
+        got_signal: Optional[int],
+        stopped: Set[int],
+        note: Optional[str] = None,
+    ) -> JobResult:
+        """The result of a job whose ranks have all exited: the launcher's exit code is the
+        first failed rank's, else 128 + the signal that stopped it, else any non-zero code."""
+        if failed_rank is not None:
+            exit_code = codes[failed_rank]
+        elif got_signal is not None:
+            exit_code = 128 + got_signal
+        else:
+            exit_code = next((c for c in codes.values() if c != 0), 0)
+        return cls(exit_code, codes, failed_rank, got_signal, stopped, note)
 
     def failure_message(self) -> str:
         """Horovod's text naming the first failed rank ("" when none failed), then the other
@@ -82,6 +102,8 @@ class JobResult:
             return ""
         code = self.codes[self.failed_rank]
         text = FAILURE_MESSAGE.format(name=self.failed_rank, code=code)
+        if self.note:
+            text += f"({self.note})\n"
         if code > 128 and code - 128 in _SIGNAL_NAMES:
             text += f"(exit code {code} = 128 + signal {code - 128}, {_SIGNAL_NAMES[code - 128]})\n"
         others = [
@@ -130,6 +152,11 @@ class _Output:
                     stream.flush()
             except (OSError, ValueError):
                 pass  # our own output is gone (closed pipe): keep draining the rank anyway
+
+
+# One writer per process: the ranks' lines and an agent's reports (bagua_hvd.runner.agent) never
+# interleave.
+OUTPUT = _Output()
 
 
 def _pump(pipe: IO[bytes], prefix: bytes, kind: str, out: _Output, copy: Optional[IO[bytes]]):
@@ -226,12 +253,15 @@ def run_job(
     output_dir: Optional[str] = None,
     verbose: bool = False,
     cwd: Optional[str] = None,
+    on_exit: Optional[Callable[[int, int], None]] = None,
 ) -> JobResult:
     """Runs ``command`` once per slot with ``os.environ + env + slot.env()`` and waits for all.
 
-    Raises LaunchError if a rank cannot be started (after stopping those already started).
+    ``on_exit(rank, code)`` is called as each rank exits (shell convention codes), from the
+    supervising thread. Raises LaunchError if a rank cannot be started (after stopping those
+    already started).
     """
-    out = _Output()
+    out = OUTPUT
     ranks: List[_Rank] = []
     events: queue.Queue = queue.Queue()
     # The guards watch watch_r: only this process holds watch_w (os.pipe's descriptors are not
@@ -248,7 +278,7 @@ def run_job(
                     pid = _confirm_start(r, command)
                     if verbose:
                         _log(f"rank {r.slot.rank} started (pid {pid})")
-                result = _supervise(ranks, events, trap, verbose)
+                result = _supervise(ranks, events, trap, verbose, on_exit)
             except BaseException:  # a rank that cannot start, or a bug here: leave nothing running
                 _stop(ranks)
                 raise
@@ -361,7 +391,11 @@ def _stop(ranks: Sequence[_Rank]) -> None:
 
 
 def _supervise(
-    ranks: Sequence[_Rank], events: queue.Queue, trap: _SignalTrap, verbose: bool
+    ranks: Sequence[_Rank],
+    events: queue.Queue,
+    trap: _SignalTrap,
+    verbose: bool,
+    on_exit: Optional[Callable[[int, int], None]] = None,
 ) -> JobResult:
     by_rank = {r.slot.rank: r for r in ranks}
     running = set(by_rank)
@@ -411,24 +445,14 @@ def _supervise(
         codes[rank] = code
         if verbose:
             _log(f"rank {rank} exited with code {code}")
+        if on_exit is not None:
+            on_exit(rank, code)
         if code != 0 and failed_rank is None and got_signal is None and not termed:
             failed_rank = rank
             if running:
                 term_at = time.monotonic() + FAILURE_GRACE_S
                 kill_at = term_at + KILL_AFTER_S
-    if failed_rank is not None:
-        exit_code = codes[failed_rank]
-    elif got_signal is not None:
-        exit_code = 128 + got_signal
-    else:
-        exit_code = next((c for c in codes.values() if c != 0), 0)
-    return JobResult(
-        exit_code=exit_code,
-        codes=codes,
-        failed_rank=failed_rank,
-        signal=got_signal,
-        stopped=stopped,
-    )
+    return JobResult.ended(codes, failed_rank, got_signal, stopped)
 
 
 def _cleanup(ranks: Sequence[_Rank]) -> None:

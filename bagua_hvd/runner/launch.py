@@ -4,7 +4,12 @@ One node::
 
     bagua-run -np 4 [-H localhost:4] python train.py
 
-Several nodes, one launcher per node (node 0 serves the rendezvous on ADDR:PORT; every node needs
+Several hosts, over ssh, as horovodrun (bagua_hvd.runner.ssh; ranks fill the hosts in order)::
+
+    bagua-run -np 8 -H host1:4,host2:4 [-p PORT] [-i KEY] python train.py
+    bagua-run -np 8 --hostfile FILE python train.py        # lines "host1 slots=4"
+
+Or one launcher per node, without ssh (node 0 serves the rendezvous on ADDR:PORT; every node needs
 the same ``BAGUA_HVD_SECRET``, e.g. from ``python -c "import secrets; print(secrets.token_hex(32))"``)::
 
     bagua-run -np 8 --num-nodes 2 --node-rank I --rendezvous-addr ADDR:PORT python train.py
@@ -27,7 +32,16 @@ import sys
 from typing import Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from bagua_hvd import __version__
-from bagua_hvd.runner.hosts import HostError, local_slots, place_ranks
+from bagua_hvd.runner.hosts import (
+    HostError,
+    assign_slots,
+    is_local_host,
+    local_slots,
+    only_this_machine,
+    parse_hostfile,
+    parse_hosts,
+    place_ranks,
+)
 from bagua_hvd.runner.job import JobResult, LaunchError, run_job
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
@@ -53,6 +67,13 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 1..65535, got {value}")
     return value
 
 
@@ -106,11 +127,27 @@ def make_parser() -> argparse.ArgumentParser:
         help="show the frameworks, controllers, transports and GPU support "
         "this installation has, and exit",
     )
-    parser.add_argument(
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument(
         "-H",
         "--hosts",
-        help="host list HOST:SLOTS (only this machine for now; "
-        "see --num-nodes for several machines)",
+        help="host list HOST1:SLOTS,HOST2:SLOTS (default localhost:NP); other hosts are "
+        "started over ssh, ranks fill the hosts in the order given",
+    )
+    hosts.add_argument(
+        "-hostfile",
+        "--hostfile",
+        metavar="FILE",
+        help="file with one 'HOST slots=N' per line, instead of -H",
+    )
+    parser.add_argument(
+        "-p", "--ssh-port", type=_port, help="ssh port of the other hosts (default: ssh's)"
+    )
+    parser.add_argument(
+        "-i",
+        "--ssh-identity-file",
+        metavar="FILE",
+        help="ssh private key for the other hosts (default: ssh's)",
     )
     parser.add_argument(
         "--start-timeout",
@@ -179,6 +216,13 @@ def make_parser() -> argparse.ArgumentParser:
         help="comma-separated interfaces for TCP traffic; the first one is used "
         "(HOROVOD_GLOO_IFACE, NCCL_SOCKET_IFNAME)",
     )
+    tuning.add_argument(
+        "--network-interface",
+        dest="network_interface",
+        action="append",
+        metavar="NIC",
+        help="deprecated form of --network-interfaces (repeatable)",
+    )
 
     controller = parser.add_argument_group("controller")
     controller.add_argument(
@@ -231,11 +275,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("no command given: expected e.g. `bagua-run -np 2 python train.py`")
     if args.start_timeout is None:
         args.start_timeout = _default_start_timeout()
+    if args.network_interface and not args.network_interfaces:
+        args.network_interfaces = ",".join(args.network_interface)
     if args.num_nodes > 1:
-        if args.hosts is not None:
+        if args.hosts is not None or args.hostfile is not None:
             parser.error(
-                "-H/--hosts and --num-nodes > 1 cannot be combined: with --num-nodes "
-                "each node's bagua-run starts its own -np/--num-nodes ranks"
+                "-H/--hosts (or --hostfile) and --num-nodes > 1 cannot be combined: with "
+                "--num-nodes each node's bagua-run starts its own -np/--num-nodes ranks"
             )
         if args.rendezvous_addr is None:
             parser.error(
@@ -244,7 +290,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             )
     try:
         place_ranks(args.num_proc, args.num_nodes, args.node_rank)
-        if args.num_nodes == 1:
+        args.host_entries = None
+        if args.hostfile is not None:
+            args.host_entries = parse_hostfile(args.hostfile)
+        elif args.hosts is not None:
+            args.host_entries = parse_hosts(args.hosts)
+        if args.host_entries is not None and not only_this_machine(args.host_entries):
+            assign_slots(args.host_entries, args.num_proc)
+        elif args.num_nodes == 1:
             local_slots(args.num_proc, args.hosts)
         if args.rendezvous_addr is not None:
             args.rendezvous = parse_rendezvous_addr(args.rendezvous_addr)
@@ -448,6 +501,66 @@ def launch(
             server.stop()
 
 
+def launch_hosts(
+    command: Sequence[str],
+    np: int,
+    entries: List[Tuple[str, int]],
+    *,
+    ssh_port: Optional[int] = None,
+    ssh_identity: Optional[str] = None,
+    start_timeout: float = 30,
+    extra_env: Optional[Dict[str, str]] = None,
+    output_dir: Optional[str] = None,
+    verbose: bool = False,
+) -> JobResult:
+    """Runs an ``np``-rank job over the hosts ``entries`` ((host, slots), in order): the
+    rendezvous served here, other hosts started over ssh (bagua_hvd.runner.ssh)."""
+    from bagua_hvd.runner import ssh
+
+    placement = assign_slots(entries, np)
+    remote = [host for host, _ in placement if not is_local_host(host)]
+    if remote:
+        ssh.check_hosts(remote, ssh_port, ssh_identity, start_timeout)
+    nic = (extra_env or {}).get("HOROVOD_GLOO_IFACE")
+    if nic:
+        addr = ssh.interface_address(nic)
+    elif remote:
+        # What the other hosts reach us at; this host's ranks use it too, so that the address
+        # their store connection leaves from (which they listen on) is one peers can reach.
+        addr = ssh.address_toward(remote[0], ssh_port or 22)
+    else:
+        addr = "127.0.0.1"
+    secret = secrets.token_bytes(32)
+    job_id = secrets.token_hex(8)
+    try:
+        server = _store_server_class()(secret, host=addr, port=0)
+        server.start()
+    except OSError as e:
+        raise LaunchError(f"cannot serve the rendezvous on {addr}: {e}") from e
+    try:
+        env = job_env(secret, job_id, addr, server.port)
+        env.update(extra_env or {})
+        if verbose:
+            print(
+                f"bagua-run: {np} ranks on {', '.join(h for h, _ in placement)}; rendezvous "
+                f"{addr}:{server.port}, job {job_id}: {shlex.join(command)}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return ssh.run_hosts(
+            command,
+            placement,
+            env,
+            ssh_port=ssh_port,
+            ssh_identity=ssh_identity,
+            start_timeout=start_timeout,
+            output_dir=output_dir,
+            verbose=verbose,
+        )
+    finally:
+        server.stop()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs bagua-run with ``argv`` (default sys.argv[1:]) and returns its exit status."""
     args = parse_args(argv)
@@ -456,22 +569,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(check_build_text(), end="")
         return 0
+    common = dict(
+        start_timeout=args.start_timeout,
+        extra_env=tuning_env(args),
+        output_dir=args.output_filename,
+        verbose=args.verbose,
+    )
     try:
-        result = launch(
-            args.command,
-            args.num_proc,
-            hosts=args.hosts,
-            num_nodes=args.num_nodes,
-            node_rank=args.node_rank,
-            rendezvous=args.rendezvous,
-            start_timeout=args.start_timeout,
-            extra_env=tuning_env(args),
-            output_dir=args.output_filename,
-            verbose=args.verbose,
-        )
-    except LaunchError as e:
+        if args.host_entries is not None and not only_this_machine(args.host_entries):
+            result = launch_hosts(
+                args.command,
+                args.num_proc,
+                args.host_entries,
+                ssh_port=args.ssh_port,
+                ssh_identity=args.ssh_identity_file,
+                **common,
+            )
+        else:
+            result = launch(
+                args.command,
+                args.num_proc,
+                hosts=args.hosts,
+                num_nodes=args.num_nodes,
+                node_rank=args.node_rank,
+                rendezvous=args.rendezvous,
+                **common,
+            )
+    except (LaunchError, HostError) as e:
         print(f"bagua-run: error: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
+        return e.exit_code if isinstance(e, LaunchError) else 1
     if result.failed_rank is not None:
         print(result.failure_message(), end="", file=sys.stderr, flush=True)
     elif result.signal is not None:

@@ -1,0 +1,280 @@
+"""``bagua-run -H`` over real OpenSSH to two "hosts": network namespaces on a bridge, each with
+its own sshd (host key, client key and known_hosts generated per run). The launcher runs in the
+root namespace, outside both hosts, as on a login node.
+
+Needs root, iproute2 and OpenSSH's server (``.ci/run`` installs it); skipped, saying why,
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SSH_JOB = ROOT / "tests" / "workers" / "ssh_job.py"
+TRANSPORTS = ROOT / "tests" / "workers" / "multinode_allreduce.py"
+PREFIX = "bhvds"  # bench/_netns.py uses bhvdb
+SUBNET = "10.214.0"
+BRIDGE = PREFIX + "br"
+HOSTS = [f"{SUBNET}.1", f"{SUBNET}.2"]
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+JOB_TIMEOUT = 120
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()}")
+    return proc
+
+
+def _teardown() -> None:
+    for i in range(len(HOSTS)):
+        ns = f"{PREFIX}{i}"
+        for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        _run("ip", "link", "del", f"{PREFIX}{i}r", check=False)
+        _run("ip", "netns", "del", ns, check=False)
+    _run("ip", "link", "del", BRIDGE, check=False)
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    for tool in ("ip", "ssh", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            return f"needs {tool}"
+    if not os.path.exists(SSHD):
+        return "needs OpenSSH's server (apt-get install openssh-server)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    """Two hosts with sshd; yields (ssh options for bagua-run, environment)."""
+    why = _missing()
+    if why:
+        pytest.skip(why)
+    tmp = tmp_path_factory.mktemp("ssh")
+    _teardown()
+    _run("ip", "link", "add", BRIDGE, "type", "bridge")
+    _run("ip", "addr", "add", f"{SUBNET}.254/24", "dev", BRIDGE)
+    _run("ip", "link", "set", BRIDGE, "up")
+    _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "host_key"))
+    _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "id"))
+    shutil.copy(tmp / "id.pub", tmp / "authorized_keys")
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation
+    daemons = []
+    try:
+        for i, addr in enumerate(HOSTS):
+            ns = f"{PREFIX}{i}"
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", f"{PREFIX}{i}r", "type", "veth", "peer", "name",
+                 f"{PREFIX}{i}v")  # fmt: skip
+            _run("ip", "link", "set", f"{PREFIX}{i}v", "netns", ns)
+            _run("ip", "link", "set", f"{PREFIX}{i}r", "master", BRIDGE)
+            _run("ip", "link", "set", f"{PREFIX}{i}r", "up")
+            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", f"{PREFIX}{i}v")
+            _run("ip", "-n", ns, "link", "set", f"{PREFIX}{i}v", "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            conf = tmp / f"sshd{i}.conf"
+            conf.write_text(
+                f"ListenAddress {addr}\nPort 22\nHostKey {tmp / 'host_key'}\n"
+                f"PidFile {tmp / f'sshd{i}.pid'}\nAuthorizedKeysFile {tmp / 'authorized_keys'}\n"
+                "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+                "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
+            )
+            daemons.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(conf)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(tmp / f"sshd{i}.log", "wb"),
+                )
+            )
+        for addr in HOSTS:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    socket.create_connection((addr, 22), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"sshd on {addr} did not start") from None
+                    time.sleep(0.1)
+        (tmp / "ssh_config").write_text(
+            f"Host *\n  UserKnownHostsFile {tmp / 'known_hosts'}\n  LogLevel ERROR\n"
+        )
+        env = dict(os.environ, BAGUA_HVD_SSH_ARGS=f"-F {tmp / 'ssh_config'}",
+                   HOROVOD_GLOO_TIMEOUT_SECONDS="30")  # fmt: skip
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        yield ["-i", str(tmp / "id")], env, daemons
+    finally:
+        for d in daemons:
+            d.kill()
+            d.wait()
+        _teardown()
+
+
+def _bagua_run(hosts, *args: str, timeout: float = JOB_TIMEOUT) -> subprocess.CompletedProcess:
+    opts, env, _ = hosts
+    cmd = [sys.executable, "-m", "bagua_hvd.runner.launch", *opts, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def _ns_pids(daemons) -> dict:
+    """Processes in each host's namespace other than its sshd (the listener)."""
+    keep = {d.pid for d in daemons}
+    for d in daemons:  # `ip netns exec` execs sshd: same pid
+        keep.add(d.pid)
+    out = {}
+    for i in range(len(HOSTS)):
+        pids = _run("ip", "netns", "pids", f"{PREFIX}{i}", check=False).stdout.split()
+        out[HOSTS[i]] = sorted(int(p) for p in pids if int(p) not in keep)
+    return out
+
+
+def _shm() -> set:
+    return set(os.listdir("/dev/shm"))
+
+
+def test_two_hosts_over_ssh_shm_within_tcp_between(hosts, tmp_path):
+    spec = f"{HOSTS[0]}:2,{HOSTS[1]}:2"
+    out = tmp_path / "out"
+    proc = _bagua_run(hosts, "-np", "4", "-H", spec, "--output-filename", str(out),
+                      sys.executable, str(TRANSPORTS))  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    seen = {}
+    for m in re.finditer(r"\[(\d)\]<stdout>:rank (\d) node (\d) local (\d) transports (\[.*?\])",
+                         text):  # fmt: skip
+        assert m.group(1) == m.group(2), text  # output prefixed with the rank that wrote it
+        seen[int(m.group(2))] = eval(m.group(5))  # noqa: S307 - a list literal we printed
+    assert sorted(seen) == [0, 1, 2, 3], text
+    for r, kinds in seen.items():
+        for peer, kind in enumerate(kinds):
+            expected = "self" if peer == r else ("shm" if peer // 2 == r // 2 else "tcp")
+            assert kind == expected, f"rank {r} -> {peer}: {kind}\n{text}"
+    assert all(f"[{r}]<stdout>:rank {r} OK" in text for r in range(4)), text
+    for r in range(4):  # --output-filename: each rank's raw lines, on the launching machine
+        lines = (out / f"rank.{r}" / "stdout").read_text().splitlines()
+        assert lines[-1] == f"rank {r} OK" and lines[0].startswith(f"rank {r} node"), lines
+
+
+def test_ranks_run_in_their_hosts_and_no_command_line_shows_the_secret(hosts):
+    spec = f"{HOSTS[0]}:1,{HOSTS[1]}:3"
+    own_net = os.readlink("/proc/self/ns/net")
+    proc = _bagua_run(hosts, "-np", "3", "-H", spec, sys.executable, str(SSH_JOB), "check")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    rows = re.findall(r"rank (\d) host (\S+) net (\S+) secret-shown \[(.*?)\]", text)
+    assert len(rows) == 3, text
+    nets = {}
+    for rank, host, net, shown in rows:
+        # Horovod's placement: host 1 gets rank 0, host 2 ranks 1 and 2 (-np 3 of 4 slots).
+        assert host == (HOSTS[0] if rank == "0" else HOSTS[1]), text
+        assert shown == "", f"rank {rank}: the secret is on a command line: {text}"
+        assert net != own_net, text
+        nets.setdefault(host, set()).add(net)
+    assert len(nets[HOSTS[1]]) == 1 and nets[HOSTS[0]] != nets[HOSTS[1]], text
+
+
+def test_hostfile_and_unreachable_host_named(hosts, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"# two hosts\n{HOSTS[0]} slots=2\n{SUBNET}.9 slots=2\n")
+    t0 = time.monotonic()
+    proc = _bagua_run(hosts, "-np", "4", "--hostfile", str(hostfile), "--start-timeout", "3",
+                      sys.executable, str(SSH_JOB), "check")  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"host {SUBNET}.9: ssh failed" in proc.stderr, proc.stderr
+    assert f"host {HOSTS[0]}" not in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 20, "the reachability check is bounded by --start-timeout"
+    assert "[0]<stdout>" not in proc.stdout  # nothing was started
+
+
+def test_a_rank_killed_on_a_remote_host_fails_the_job(hosts):
+    _, _, daemons = hosts
+    shm = _shm()
+    t0 = time.monotonic()
+    proc = _bagua_run(hosts, "-np", "4", "-H", f"{HOSTS[0]}:2,{HOSTS[1]}:2",
+                      sys.executable, str(SSH_JOB), "die", "3", timeout=90)  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 137, text
+    assert "Process name: 3\nExit code: 137" in proc.stderr, text
+    assert time.monotonic() - t0 < 60, text
+    _assert_nothing_left(daemons, shm)
+
+
+def _assert_nothing_left(daemons, shm) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        left = _ns_pids(daemons)
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not any(left.values()), f"processes left on the hosts: {left}"
+    assert _shm() - shm == set(), f"left in /dev/shm: {_shm() - shm}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_launcher_ends_every_remote_rank(hosts, sig):
+    opts, env, daemons = hosts
+    shm = _shm()
+    cmd = [sys.executable, "-m", "bagua_hvd.runner.launch", *opts, "-np", "4", "-H",
+           f"{HOSTS[0]}:2,{HOSTS[1]}:2", sys.executable, str(SSH_JOB), "wait"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        ready = 0
+        deadline = time.monotonic() + 60
+        while ready < 4 and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            if not line:
+                break
+            ready += " ready" in line
+        assert ready == 4, launcher.stderr.read() if launcher.poll() is not None else "not ready"
+        assert any(_ns_pids(daemons).values())  # the ranks are there before the signal
+        t0 = time.monotonic()
+        launcher.send_signal(sig)
+        launcher.wait(timeout=30)
+        assert launcher.returncode == 128 + sig, launcher.stderr.read()
+        assert time.monotonic() - t0 < 15
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    _assert_nothing_left(daemons, shm)
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        ["tests/mp/test_torch_ops.py", "-k", "allreduce or allgather or broadcast or alltoall"],
+        ["tests/mp/test_tf_ops.py", "-k", "test_allreduce and not indexed or test_broadcast"],
+    ],
+    ids=["torch", "tensorflow"],
+)
+def test_collective_tests_pass_across_hosts(hosts, tests):
+    # The frontends' own multi-process tests (each result against numpy), 2 hosts x 2 ranks.
+    proc = _bagua_run(hosts, "-np", "4", "-H", f"{HOSTS[0]}:2,{HOSTS[1]}:2", sys.executable,
+                      "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests,
+                      timeout=400)  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    for r in range(4):  # every rank's pytest summary: many passed, nothing failed
+        m = re.search(rf"\[{r}\]<stdout>:(\d+) passed(.*) in [0-9.]+s", text)
+        assert m and int(m.group(1)) >= 10, text
+        assert "failed" not in m.group(2) and "error" not in m.group(2), text
