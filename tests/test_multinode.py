@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "multinode_allreduce.py"
 ALGORITHMS_WORKER = ROOT / "tests" / "workers" / "multinode_algorithms.py"
+HIERARCHICAL_WORKER = ROOT / "tests" / "workers" / "hierarchical_allreduce.py"
 
 
 def _free_port() -> int:
@@ -69,3 +70,39 @@ def test_hierarchical_algorithms_on_two_nodes():
     text = _two_nodes(ALGORITHMS_WORKER, timeout=300, BAGUA_HVD_BUCKET_MB="0.001")
     assert len(re.findall(r"rank \d OK", text)) == 4, text
     assert len(re.findall(r"matches the hierarchical reference", text)) == 4 * 5, text
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    "hosts,flags,expected",
+    [
+        # The flat ring 0-1-2-3 sends 2(n-1)/n = 1.5 x 4 MiB from every rank to the next,
+        # which is on the other host for ranks 1 and 3.
+        ("localhost:2,127.0.0.1:2", [], {0: 0, 1: 6 * MIB, 2: 0, 3: 6 * MIB}),
+        # Hierarchical, hosts of equal size: each rank's half of the host's sum is allreduced
+        # with the other host's rank of the same index: 2(2-1)/2 x 2 MiB from every rank.
+        ("localhost:2,127.0.0.1:2", ["--hierarchical-allreduce"], {r: 2 * MIB for r in range(4)}),
+        # Hosts of 2 and 1 ranks: the hosts' first ranks (0 and 2) allreduce the whole 4 MiB.
+        ("localhost:2,127.0.0.1:1", ["--hierarchical-allreduce"], {0: 4 * MIB, 1: 0, 2: 4 * MIB}),
+    ],
+    ids=["flat", "hierarchical", "hierarchical-uneven"],
+)
+def test_hierarchical_allreduce_sends_one_allreduce_per_host(hosts, flags, expected):
+    # Two "hosts" on this machine (two names for it: two agents, TCP between them). Results
+    # against numpy in every case (the worker); the bytes each rank sent to the other host
+    # while allreducing a 4 MiB tensor show which algorithm ran.
+    pytest.importorskip("torch")
+    np_ = sum(int(h.split(":")[1]) for h in hosts.split(","))
+    env = dict(os.environ, HOROVOD_GLOO_TIMEOUT_SECONDS="30")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "bagua_hvd.runner.launch", "-np", str(np_),
+                           "-H", hosts, *flags, sys.executable, str(HIERARCHICAL_WORKER)],
+                          cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    sent = {int(m.group(1)): int(m.group(2))
+            for m in re.finditer(r"rank (\d) remote bytes (\d+) OK", text)}  # fmt: skip
+    assert sent == expected, text

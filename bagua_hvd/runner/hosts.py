@@ -36,7 +36,9 @@ class Slot:
     hostname: str
 
     def env(self) -> dict:
-        """Horovod's rank variables plus the torch-style ones (RANK, WORLD_SIZE, LOCAL_RANK)."""
+        """Horovod's rank variables. Like horovodrun, not torch.distributed's RANK, WORLD_SIZE
+        and LOCAL_RANK: libraries that find them (Accelerate, Lightning) would then expect a
+        torch.distributed master address that this job does not have."""
         return {
             "HOROVOD_RANK": str(self.rank),
             "HOROVOD_SIZE": str(self.size),
@@ -45,9 +47,6 @@ class Slot:
             "HOROVOD_CROSS_RANK": str(self.cross_rank),
             "HOROVOD_CROSS_SIZE": str(self.cross_size),
             "HOROVOD_HOSTNAME": self.hostname,
-            "RANK": str(self.rank),
-            "WORLD_SIZE": str(self.size),
-            "LOCAL_RANK": str(self.local_rank),
         }
 
 

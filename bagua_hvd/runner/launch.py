@@ -32,6 +32,7 @@ import sys
 from typing import Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from bagua_hvd import __version__
+from bagua_hvd.runner import slurm
 from bagua_hvd.runner.hosts import (
     HostError,
     assign_slots,
@@ -186,6 +187,20 @@ def make_parser() -> argparse.ArgumentParser:
         help="response cache entries, 0 disables it (HOROVOD_CACHE_CAPACITY; default 1024)",
     )
     tuning.add_argument(
+        "--hierarchical-allreduce",
+        dest="hierarchical_allreduce",
+        action="store_true",
+        default=None,
+        help="allreduce within each host, among one rank per host, then within the host "
+        "again (HOROVOD_HIERARCHICAL_ALLREDUCE=1; no effect on one host)",
+    )
+    tuning.add_argument(
+        "--no-hierarchical-allreduce",
+        dest="hierarchical_allreduce",
+        action="store_false",
+        help="a flat allreduce over all ranks (HOROVOD_HIERARCHICAL_ALLREDUCE=0, the default)",
+    )
+    tuning.add_argument(
         "--log-level",
         type=_log_level,
         metavar="{" + ",".join(LOG_LEVELS) + "}",
@@ -226,9 +241,17 @@ def make_parser() -> argparse.ArgumentParser:
 
     controller = parser.add_argument_group("controller")
     controller.add_argument(
-        "--gloo", action="store_true", help="accepted for horovodrun compatibility (always on)"
+        "--gloo", action="store_true", help="bagua-run starts the ranks itself (the default)"
     )
-    controller.add_argument("--mpi", action="store_true", help=argparse.SUPPRESS)
+    controller.add_argument(
+        "--mpi",
+        action="store_true",
+        help="start the ranks with the system's mpirun (Open MPI or MPICH); each rank joins "
+        "the job through MPI (needs mpi4py)",
+    )
+    controller.add_argument(
+        "--mpi-args", metavar="ARGS", help="extra arguments for mpirun (with --mpi), as one string"
+    )
     controller.add_argument("--jsrun", action="store_true", help=argparse.SUPPRESS)
 
     nodes = parser.add_argument_group("several nodes (one bagua-run per node)")
@@ -264,11 +287,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.command = args.command[1:]
     if args.check_build:
         return args
-    if args.mpi or args.jsrun:
+    if args.jsrun:
         parser.error(
-            "bagua_hvd has no MPI/jsrun launch mode: it always uses its own Gloo-style "
-            "controller; drop --mpi/--jsrun"
+            "bagua_hvd has no jsrun (LSF) launch mode: use --mpi, or bagua-run's own launch "
+            "with -H/--hostfile"
         )
+    if args.mpi and args.gloo:
+        parser.error("--gloo and --mpi cannot be combined: choose one way to start the ranks")
+    if args.mpi_args is not None and not args.mpi:
+        parser.error("--mpi-args needs --mpi")
+    if args.mpi and args.num_nodes > 1:
+        parser.error("--mpi starts every node's ranks from here: drop --num-nodes")
     if args.num_proc is None:
         parser.error("the following arguments are required: -np/--num-proc")
     if not args.command:
@@ -295,6 +324,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             args.host_entries = parse_hostfile(args.hostfile)
         elif args.hosts is not None:
             args.host_entries = parse_hosts(args.hosts)
+        elif args.num_nodes == 1:
+            args.host_entries = slurm.allocation()  # inside a Slurm allocation: its nodes
         if args.host_entries is not None and not only_this_machine(args.host_entries):
             assign_slots(args.host_entries, args.num_proc)
         elif args.num_nodes == 1:
@@ -345,6 +376,8 @@ def tuning_env(args: argparse.Namespace) -> Dict[str, str]:
         env["HOROVOD_CACHE_CAPACITY"] = str(args.cache_capacity)
     if args.log_level is not None:
         env["HOROVOD_LOG_LEVEL"] = args.log_level
+    if args.hierarchical_allreduce is not None:
+        env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1" if args.hierarchical_allreduce else "0"
     if args.gloo_timeout_seconds is not None:
         env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(args.gloo_timeout_seconds)
     if args.transport is not None:
@@ -576,6 +609,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         verbose=args.verbose,
     )
     try:
+        if args.mpi:
+            from bagua_hvd.runner.mpi import run_mpi
+
+            return run_mpi(
+                args.command,
+                args.num_proc,
+                args.host_entries,
+                common["extra_env"],
+                args.mpi_args or "",
+                args.verbose,
+            )
         if args.host_entries is not None and not only_this_machine(args.host_entries):
             result = launch_hosts(
                 args.command,

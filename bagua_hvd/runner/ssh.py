@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import fcntl
 import json
 import os
 import queue
 import re
 import shlex
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -39,6 +37,7 @@ import time
 from pathlib import Path
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from bagua_hvd.common import network
 from bagua_hvd.runner.agent import REPORT
 from bagua_hvd.runner.hosts import Slot, is_local_host
 from bagua_hvd.runner.job import (
@@ -64,7 +63,6 @@ _NOT_FORWARDED = re.compile(
 )
 _LINE = re.compile(rb"^\[(\d+)\]<(stdout|stderr)>:")
 _POLL_S = 0.1
-_SIOCGIFADDR = 0x8915
 
 
 def ssh_command(
@@ -105,32 +103,20 @@ def forwarded_env(environ: Mapping[str, str]) -> Dict[str, str]:
 
 def interface_address(name: str) -> str:
     """The IPv4 address of network interface ``name`` (LaunchError when it has none)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-        except OSError as e:
-            raise LaunchError(
-                f"--network-interfaces: interface {name!r} has no IPv4 address here "
-                f"({e.strerror or e})"
-            ) from None
-    return socket.inet_ntoa(packed[20:24])
+    addr = network.interface_address(name)
+    if addr is None:
+        raise LaunchError(f"--network-interfaces: interface {name!r} has no IPv4 address here")
+    return addr
 
 
 def address_toward(host: str, port: int) -> str:
     """The local address that traffic to ``host`` leaves from (what its ranks reach us at)."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        return network.address_toward(host, port)
     except socket.gaierror as e:
         raise LaunchError(f"cannot resolve host {host!r}: {e}") from None
-    last: Optional[OSError] = None
-    for family, kind, proto, _, addr in infos:
-        try:
-            with socket.socket(family, kind, proto) as s:
-                s.connect(addr)  # UDP: picks the route, sends nothing
-                return s.getsockname()[0]
-        except OSError as e:
-            last = e
-    raise LaunchError(f"no route to host {host!r}: {last}")
+    except OSError as e:
+        raise LaunchError(f"no route to host {host!r}: {e}") from None
 
 
 def check_hosts(

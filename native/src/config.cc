@@ -101,6 +101,7 @@ Status load_config(int epoch, Config* out) {
       env_bool("STALL_CHECK_DISABLE", false) ? 0 : env_double("STALL_CHECK_TIME_SECONDS", 60);
   cp.stall_shutdown_s = env_double("STALL_SHUTDOWN_TIME_SECONDS", 0);
   c.spin_us = env_int("SPIN_US", 1000);
+  c.hierarchical_allreduce = env_bool("HIERARCHICAL_ALLREDUCE", false);
 
   c.distributed = addr != nullptr;
   if (!c.distributed) {

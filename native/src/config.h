@@ -22,6 +22,9 @@ struct Config {
   int64_t fusion_threshold = int64_t(128) << 20;  // HOROVOD_FUSION_THRESHOLD (bytes)
   double cycle_time_s = 1e-3;                     // HOROVOD_CYCLE_TIME (ms in the environment)
   int64_t spin_us = 1000;  // BAGUA_HVD_SPIN_US: poll this long before sleeping
+  // HOROVOD_HIERARCHICAL_ALLREDUCE: allreduce within each host, among one leader per host,
+  // then within the host again (flat where the set has one host, or one rank per host)
+  bool hierarchical_allreduce = false;
 };
 
 // Reads and validates the environment (the messages are those hvd.init() raises). epoch goes

@@ -294,7 +294,8 @@ int64_t bhvd_async_rounds(int64_t id);
 /* ---- diagnostics -------------------------------------------------------------------------- */
 /* Counters for tests and benchmarks: key is one of "responses", "fused_tensors", "cycles",
  * "cache_hits", "fusion_buffer_bytes", "exec_ns" (time the background thread spent executing
- * operations), "bytes_sent" (payload bytes sent to other ranks). Returns -1 for an unknown key. */
+ * operations), "bytes_sent" (payload bytes sent to other ranks), "bytes_sent_remote" (of those,
+ * to ranks on other hosts). Returns -1 for an unknown key. */
 int64_t bhvd_stat(const char* key);
 /* Timestamps of the core's collectives for bench/timeline.py: a ring buffer of the last 4096
  * begin/mark/end events, recorded only while enabled (off by default). bhvd_trace_enable turns

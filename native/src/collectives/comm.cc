@@ -74,6 +74,10 @@ Comm::Comm(Transport& transport, std::vector<int> global_ranks)
     }
     if (g == transport_.rank()) rank_ = static_cast<int>(i);
   }
+  const std::string here = transport_.host_of(transport_.rank());
+  remote_.resize(global_ranks_.size());
+  for (size_t i = 0; i < global_ranks_.size(); ++i)
+    remote_[i] = transport_.host_of(global_ranks_[i]) != here;
 }
 
 namespace {
@@ -155,7 +159,10 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what, const Work& work) {
     if (x.len == 0) continue;  // completes at once
     const bool send = x.kind == Xfer::SEND;
     if (x.peer == rank_) (send ? self_send : self_recv) += x.len;
-    if (send && x.peer != rank_) bytes_sent_.fetch_add(x.len, std::memory_order_relaxed);
+    if (send && x.peer != rank_) {
+      bytes_sent_.fetch_add(x.len, std::memory_order_relaxed);
+      if (remote_[x.peer]) bytes_sent_remote_.fetch_add(x.len, std::memory_order_relaxed);
+    }
     int& li = lane_of[2 * static_cast<size_t>(x.peer) + (send ? 1 : 0)];
     if (li < 0) {
       li = static_cast<int>(lanes.size());

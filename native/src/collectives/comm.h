@@ -54,16 +54,20 @@ class Comm {
 
   void send(int peer, const void* buf, size_t len, const char* what);
 
-  // Payload bytes handed to the transport for other ranks by every Comm of this process.
+  // Payload bytes handed to the transport for other ranks by every Comm of this process; of
+  // those, the bytes for ranks on other hosts (what crosses the network).
   static int64_t bytes_sent() { return bytes_sent_.load(std::memory_order_relaxed); }
+  static int64_t bytes_sent_remote() { return bytes_sent_remote_.load(std::memory_order_relaxed); }
   void recv(int peer, void* buf, size_t len, const char* what);
 
  private:
   Transport& transport_;
   std::vector<int> global_ranks_;
   int rank_ = -1;
-  std::vector<unsigned char> partial_;
-  static inline std::atomic<int64_t> bytes_sent_{0};  // staging for RECV_REDUCE element fragments
+  std::vector<unsigned char> partial_;  // staging for RECV_REDUCE element fragments
+  std::vector<char> remote_;             // per set rank: on another host than this rank
+  static inline std::atomic<int64_t> bytes_sent_{0};
+  static inline std::atomic<int64_t> bytes_sent_remote_{0};
 };
 
 }  // namespace bagua_hvd

@@ -17,6 +17,9 @@ struct Hierarchy {
   bool active = false;  // several hosts, and some host with several ranks of the set
   bool leader = false;
   std::unique_ptr<Comm> intra, leaders;
+  // When every host has the same number of the set's ranks: the ranks with this rank's index
+  // within its host, one per host (the hierarchical allreduce's shard exchange).
+  std::unique_ptr<Comm> cross;
 };
 
 // Builds the hierarchy of the ranks of `comm` as seen from global rank `me`.

@@ -307,6 +307,7 @@ int64_t bhvd_stat(const char* key) {
     if (k == "fusion_buffer_bytes") return s.fusion_buffer_bytes;
     if (k == "exec_ns") return s.exec_ns;
     if (k == "bytes_sent") return bagua_hvd::Comm::bytes_sent();
+    if (k == "bytes_sent_remote") return bagua_hvd::Comm::bytes_sent_remote();
     return -1;
   });
 }

@@ -81,7 +81,9 @@ void Runtime::execute(const Response& r) {
     return;
   }
   const auto started = Clock::now();
-  Hierarchy* hierarchy = runs_hierarchical(r.type, r.params)
+  const bool hierarchical = runs_hierarchical(r.type, r.params) ||
+                            (r.type == BHVD_OP_ALLREDUCE && hierarchical_allreduce_);
+  Hierarchy* hierarchy = hierarchical
                              ? hierarchies_.get(r.process_set_id, *transport_, *comm, cfg_.rank)
                              : nullptr;
   // Host tensors only for now (enqueue refuses device >= 0): a device engine is chosen here.

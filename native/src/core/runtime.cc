@@ -32,6 +32,7 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
   if (Status st = load_config(epoch_, &config); !st.ok()) return st;
   BootstrapConfig cfg = config.bootstrap;
   spin_ = std::chrono::microseconds(config.spin_us);
+  hierarchical_allreduce_ = config.hierarchical_allreduce;
 
   try {
     if (!config.distributed) {

