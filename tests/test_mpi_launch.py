@@ -169,3 +169,58 @@ def test_a_batch_script_alone_is_not_a_job_of_many():
     proc = subprocess.run([sys.executable, "-c", JOIN.format(setup="")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert "joined as rank 0 of 1" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _srun_tasks(nodes: list, per_node: int, secret: str | None, script: list) -> list:
+    """Starts the tasks srun would (its documented variables, block distribution), no srun."""
+    import random
+
+    job = str(random.randrange(1, 10**6))
+    size = len(nodes) * per_node
+    procs = []
+    for rank in range(size):
+        node = rank // per_node
+        env = dict(_env(), SLURM_PROCID=str(rank), SLURM_STEP_NUM_TASKS=str(size),
+                   SLURM_NTASKS=str(size), SLURM_JOB_ID=job, SLURM_STEP_ID="0",
+                   SLURM_STEP_NODELIST=",".join(nodes),
+                   SLURM_STEP_TASKS_PER_NODE=f"{per_node}(x{len(nodes)})",
+                   SLURM_NODEID=str(node), SLURM_LOCALID=str(rank % per_node),
+                   SLURMD_NODENAME=nodes[node])  # fmt: skip
+        if secret:
+            env["BAGUA_HVD_SECRET"] = secret
+        procs.append(subprocess.Popen([sys.executable, *script], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))  # fmt: skip
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    return outs
+
+
+def test_srun_tasks_without_mpi_meet_through_a_shared_secret():
+    # Two "nodes" that are both this machine under two names: tasks of a node share memory,
+    # the nodes talk TCP, task 0 serves the store on the first node.
+    import socket
+
+    nodes = ["localhost", socket.gethostname()]
+    script = ["-c", "import sys; sys.modules['mpi4py'] = None; sys.argv = ['w']; "
+              f"exec(open({str(TRANSPORTS)!r}).read())"]  # fmt: skip
+    outs = _srun_tasks(nodes, 2, "ab" * 32, script)
+    text = "\n".join(outs)
+    for r in range(4):
+        kinds = ["self" if p == r else ("shm" if p // 2 == r // 2 else "tcp") for p in range(4)]
+        assert f"rank {r} node {r // 2} local {r % 2} transports {kinds}" in text, text
+        assert f"rank {r} OK" in text, text
+
+
+def test_srun_tasks_without_mpi_or_secret_say_what_to_do():
+    outs = _srun_tasks(["localhost"], 2, None, ["-c", JOIN.format(setup="")])
+    for rank, out in enumerate(outs):
+        assert f"started by srun (Slurm) as rank {rank} of 2" in out, out
+        assert "export BAGUA_HVD_SECRET" in out, out
+        assert "joined" not in out, out

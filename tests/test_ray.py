@@ -136,3 +136,29 @@ def test_executable_and_bad_arguments(cluster):
         RayExecutor(RayExecutor.create_settings(), min_workers=1)
     with pytest.raises(RuntimeError, match="start"):
         RayExecutor(RayExecutor.create_settings(), num_workers=1).run(lambda: 0)
+
+
+def test_the_readme_block_runs_as_a_driver(cluster, tmp_path):
+    # README.md's RayExecutor example (a ```py block: a driver, not a rank program), with a
+    # train_fn of its own, run as a separate driver program attached to the cluster.
+    import os
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    blocks = re.findall(r"```py\n(.*?)```", (root / "README.md").read_text(), re.S)
+    block = next(b for b in blocks if "RayExecutor" in b)
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "def train_fn():\n"
+        "    import torch, bagua_hvd.torch as hvd\n"
+        "    hvd.init()\n"
+        "    return hvd.allreduce(torch.ones(3), op=hvd.Sum, name='readme').tolist()\n"
+        + block
+        + "assert results == [[4.0, 4.0, 4.0]] * 4, results\nprint('driver OK')\n"
+    )
+    env = dict(os.environ, RAY_ADDRESS=cluster.address)
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0 and "driver OK" in proc.stdout, proc.stdout + proc.stderr

@@ -1,5 +1,9 @@
 """Jobs started by mpirun (Open MPI, MPICH, Intel MPI) or srun, without bagua-run.
 
+Without MPI, srun's tasks can still meet when they share ``BAGUA_HVD_SECRET`` (srun passes the
+caller's environment on): task 0 serves the store on the step's first node at a port derived
+from the job and step ids (:func:`slurm_port`).
+
 ``hvd.init()`` calls :func:`prepare` first. A process that bagua-run started has the launcher's
 contract in its environment and nothing happens here. A process that mpirun or srun started as one
 of N > 1 has only their variables: it then forms the job through MPI itself (mpi4py), as
@@ -45,19 +49,31 @@ def prepare() -> None:
     def fail(why: str) -> ValueError:
         return ValueError(JOIN_ERROR.format(why=why, **found._asdict()))
 
+    srun = found.launcher.startswith("srun")
     try:
         from mpi4py import MPI
     except ImportError as e:
-        raise fail(f"mpi4py cannot be imported ({e})") from None
-    comm = MPI.COMM_WORLD
-    if comm.Get_size() != found.size or comm.Get_rank() != found.rank:
-        raise fail(
+        MPI, why = None, f"mpi4py cannot be imported ({e})"
+    if MPI is not None:
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() == found.size and comm.Get_rank() == found.rank:
+            config.set_job(_form_job(comm, MPI.Get_processor_name()))
+            return
+        why = (
             f"MPI (mpi4py, {MPI.Get_library_version().split(',')[0].strip()}) sees rank "
             f"{comm.Get_rank()} of {comm.Get_size()}: mpi4py is built for another MPI than "
             "the one that started the job"
         )
-    variables = _form_job(comm, MPI.Get_processor_name())
-    config.set_job(variables)
+    if srun and config.shared_secret():
+        config.set_job(_slurm_job(found))
+        return
+    if srun:
+        why += (
+            "; without MPI, srun's tasks can also meet on their first node when they share "
+            "a secret: export BAGUA_HVD_SECRET=$(python -c 'import secrets; "
+            "print(secrets.token_hex(32))') before srun"
+        )
+    raise fail(why)
 
 
 def _form_job(comm: Any, host: str) -> dict:
@@ -103,6 +119,76 @@ def host_names(hosts: Sequence[Tuple[str, Sequence[str]]]) -> List[str]:
         name if len(kinds[name]) == 1 else f"{name}@{addrs[0] if addrs else 'no-address'}"
         for name, addrs in hosts
     ]
+
+
+# srun without MPI: task 0 serves the store on its node at a port derived from the job and step
+# ids (every task computes the same one), within [base, base + span).
+SLURM_PORT_BASE = 21000
+SLURM_PORT_SPAN = 8000
+
+
+def slurm_port(job_id: int, step_id: int) -> int:
+    return SLURM_PORT_BASE + (job_id * 97 + step_id) % SLURM_PORT_SPAN
+
+
+def _slurm_job(found: Any) -> dict:
+    """The launcher's variables of an srun task that has no MPI (the secret from the
+    environment, shared through srun); task 0 serves the store on the step's first node."""
+    from bagua_hvd.runner.slurm import expand_counts, expand_nodelist
+
+    step = config.slurm_step()
+    try:
+        nodes = expand_nodelist(step["nodelist"])
+        counts = expand_counts(step["tasks_per_node"])
+        node, local = int(step["node_id"]), int(step["local_id"])
+        port = slurm_port(int(step["job_id"] or 0), int(step["step_id"] or 0))
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"bagua_hvd: srun's variables do not describe the job step: {e}") from e
+    if len(counts) != len(nodes) or not 0 <= node < len(nodes):
+        raise ValueError(
+            f"bagua_hvd: srun's node list {step['nodelist']!r} and tasks per node "
+            f"{step['tasks_per_node']!r} do not fit node index {node}"
+        )
+    first = nodes[0]
+    if len(nodes) == 1:
+        addr = "127.0.0.1"
+    elif node == 0:
+        # This node's name may resolve to loopback here: the address peers reach it at.
+        try:
+            addr = network.address_toward(nodes[1], 1)
+        except OSError as e:
+            raise ValueError(f"bagua_hvd: no route from {first} to node {nodes[1]}: {e}") from e
+    else:
+        addr = first
+    secret = bytes.fromhex(config.shared_secret())
+    if found.rank == 0:
+        global _server
+        from bagua_hvd.runner.store import StoreServer
+
+        try:
+            server = StoreServer(secret, host="0.0.0.0" if len(nodes) > 1 else addr, port=port)
+            server.start()
+        except OSError as e:
+            raise ValueError(
+                f"bagua_hvd: task 0 cannot serve the rendezvous on {first} port {port} "
+                f"(derived from the job and step ids): {e}"
+            ) from e
+        _server = server
+    having = [n for n, c in zip(nodes, counts) if c > local]
+    return {
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": port,
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "BAGUA_HVD_JOB_ID": f"slurm-{step['job_id']}-{step['step_id']}",
+        "HOROVOD_RANK": found.rank,
+        "HOROVOD_SIZE": found.size,
+        "HOROVOD_LOCAL_RANK": local,
+        "HOROVOD_LOCAL_SIZE": counts[node],
+        "HOROVOD_CROSS_RANK": having.index(nodes[node]),
+        "HOROVOD_CROSS_SIZE": len(having),
+        "HOROVOD_HOSTNAME": nodes[node],
+    }
 
 
 def placement(hostnames: Sequence[str], rank: int) -> Tuple[int, int, int, int]:

@@ -178,3 +178,21 @@ def shared_secret() -> str:
 def set_job(variables: dict) -> None:
     """The launcher's contract, set by the bootstrap under mpirun/srun for the core to read."""
     os.environ.update({k: str(v) for k, v in variables.items()})
+
+
+def slurm_step() -> dict:
+    """srun's variables of this task ("" where unset): job and step ids, the step's node list
+    and tasks per node, this task's node index, local id and node name."""
+    names = {
+        "job_id": "SLURM_JOB_ID",
+        "step_id": "SLURM_STEP_ID",
+        "nodelist": "SLURM_STEP_NODELIST",
+        "tasks_per_node": "SLURM_STEP_TASKS_PER_NODE",
+        "node_id": "SLURM_NODEID",
+        "local_id": "SLURM_LOCALID",
+        "nodename": "SLURMD_NODENAME",
+    }
+    out = {key: _text(var) for key, var in names.items()}
+    out["nodelist"] = out["nodelist"] or _text("SLURM_JOB_NODELIST")
+    out["tasks_per_node"] = out["tasks_per_node"] or _text("SLURM_TASKS_PER_NODE")
+    return out

@@ -86,10 +86,14 @@ def ssh_command(
     return cmd + [host]
 
 
-def agent_command(env: Mapping[str, str]) -> str:
-    """The shell command that starts an agent on a remote host: this interpreter's path (hosts
-    of one job share their software layout, as horovodrun assumes) with this PYTHONPATH."""
-    words = [sys.executable, "-m", "bagua_hvd.runner.agent"]
+AGENT = ("-m", "bagua_hvd.runner.agent")
+
+
+def agent_command(env: Mapping[str, str], args: Sequence[str] = AGENT) -> str:
+    """The shell command that runs this interpreter with ``args`` on a remote host (by default
+    the agent): the same path (hosts of one job share their software layout, as horovodrun
+    assumes) with this PYTHONPATH."""
+    words = [sys.executable, *args]
     prefix = ""
     if env.get("PYTHONPATH"):
         prefix = "PYTHONPATH=" + shlex.quote(env["PYTHONPATH"]) + " "
@@ -124,7 +128,7 @@ def check_hosts(
 ) -> None:
     """Checks, in parallel and within ``timeout`` seconds, that every host answers ssh and can
     run this interpreter with bagua_hvd; LaunchError naming every host that cannot."""
-    probe = agent_command(os.environ).replace("-m bagua_hvd.runner.agent", "-c 'import bagua_hvd'")
+    probe = agent_command(os.environ, ("-c", "import bagua_hvd"))
 
     def one(host: str) -> Optional[str]:
         cmd = ssh_command(host, port, identity, timeout) + [probe]
@@ -296,7 +300,7 @@ def run_hosts(
             try:
                 for host, slots in placement:
                     if is_local_host(host):
-                        argv = [sys.executable, "-m", "bagua_hvd.runner.agent"]
+                        argv = [sys.executable, *AGENT]
                     else:
                         argv = ssh_command(host, ssh_port, ssh_identity, start_timeout)
                         argv.append(agent_command(spec["env"]))

@@ -105,16 +105,23 @@ def test_allreduce_rss_stable():
     for _ in range(1000):  # warm-up: caches, allocator pools
         hvd.allreduce(x, op=hvd.Sum, name="rss")
         hvd.allreduce_(y, op=hvd.Sum)
+    # A leak grows with the calls, in both halves alike; a one-off step (the allocator mapping
+    # a new region, the kernel collapsing pages into huge pages: 6 MiB once, seen in CI) does
+    # not. The test fails when both halves grow, by 100 bytes a call or more.
+    rss = []
+    for _half in range(2):
+        gc.collect()
+        rss.append(_rss_kib())
+        for i in range(RSS_CALLS // 2):
+            out = hvd.allreduce(x, op=hvd.Sum, name="rss")
+            if i % 2:
+                hvd.synchronize(hvd.allreduce_async_(y.fill_(1.0), op=hvd.Sum))
     gc.collect()
-    before = _rss_kib()
-    for i in range(RSS_CALLS):
-        out = hvd.allreduce(x, op=hvd.Sum, name="rss")
-        if i % 2:
-            hvd.synchronize(hvd.allreduce_async_(y.fill_(1.0), op=hvd.Sum))
-    gc.collect()
-    after = _rss_kib()
+    rss.append(_rss_kib())
+    grew = [b - a for a, b in zip(rss, rss[1:])]
     assert out[0].item() == n
-    assert after - before < 1024, f"RSS grew {after - before} KiB over {RSS_CALLS} allreduces"
+    assert min(grew) < 512, f"RSS grew {grew} KiB over two halves of {RSS_CALLS} allreduces"
+    assert rss[-1] - rss[0] < 16 << 10, f"RSS grew {rss[-1] - rss[0]} KiB"
     assert not hvd.mpi_ops._handle_map, "handles left in the map"
 
 
