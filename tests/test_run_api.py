@@ -25,8 +25,12 @@ def test_returns_results_by_rank() -> None:
         rank = int(os.environ["HOROVOD_RANK"])
         size = int(os.environ["HOROVOD_SIZE"])
         print(f"hello from {rank}")
-        return {"rank": rank, "size": size, "value": rank * scale + bias + offset,
-                "pid": os.getpid()}
+        return {
+            "rank": rank,
+            "size": size,
+            "value": rank * scale + bias + offset,
+            "pid": os.getpid(),
+        }
 
     results = bagua_hvd.run(work, args=(10,), kwargs={"bias": 1}, np=3)
     assert [r["rank"] for r in results] == [0, 1, 2]
@@ -77,33 +81,89 @@ def test_unpicklable_result_is_a_failure() -> None:
         bagua_hvd.run(work, np=1)
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    ({"num_proc": 2, "np": 3}, ValueError, "disagree"),
-    ({"np": 0}, ValueError, ">= 1"),
-    ({"np": 2, "min_np": 1}, ValueError, "elastic"),
-    ({"np": 2, "host_discovery_script": "x.sh"}, ValueError, "elastic"),
-    ({"np": 2, "hostfile": "hosts.txt"}, ValueError, "hostfile"),
-    ({"np": 2, "hosts": "gpu-node-7:2"}, HostError, "this machine only"),
-    ({"np": 2, "ssh_port": 22}, ValueError, "ssh"),
-    ({"np": 2, "use_mpi": True}, ValueError, "MPI"),
-    ({"np": 2, "use_gloo": False}, ValueError, "MPI"),
-    ({"np": 2, "start_timeout": -1}, ValueError, "start_timeout"),
-    ({"args": 5}, TypeError, "args"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        ({"num_proc": 2, "np": 3}, ValueError, "disagree"),
+        ({"np": 0}, ValueError, ">= 1"),
+        ({"np": 2, "min_np": 1}, ValueError, "elastic"),
+        ({"np": 2, "host_discovery_script": "x.sh"}, ValueError, "elastic"),
+        ({"np": 2, "hostfile": "/nonexistent/hosts.txt"}, HostError, "cannot read"),
+        ({"np": 2, "hosts": "localhost:2", "hostfile": "h.txt"}, ValueError, "not both"),
+        ({"np": 3, "hosts": "localhost:2"}, HostError, r"more processes \(3\).*slots \(2\)"),
+        ({"np": 2, "hosts": "localhost:1,localhost:1"}, HostError, "more than once"),
+        ({"np": 2, "ssh_port": 0}, ValueError, "ssh_port"),
+        ({"np": 2, "use_mpi": True}, ValueError, "MPI"),
+        ({"np": 2, "use_gloo": False}, ValueError, "MPI"),
+        ({"np": 2, "start_timeout": -1}, ValueError, "start_timeout"),
+        ({"args": 5}, TypeError, "args"),
+    ],
+)
 def test_bad_arguments(kwargs: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         bagua_hvd.run(lambda: None, **kwargs)
 
 
+def test_hostfile_and_ssh_options_on_this_machine(tmp_path: Path) -> None:
+    # One host naming this machine: no ssh (the ssh options are not used), slots from the file.
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# this machine\nlocalhost slots=2\n")
+    with pytest.raises(HostError, match=r"more processes \(3\).*slots \(2\)"):
+        bagua_hvd.run(lambda: None, np=3, hostfile=str(hostfile))
+
+    def work():
+        import os
+
+        return os.environ["HOROVOD_RANK"], os.environ["HOROVOD_LOCAL_SIZE"]
+
+    results = bagua_hvd.run(
+        work, np=2, hostfile=str(hostfile), ssh_port=2222, ssh_identity_file="/nonexistent/key"
+    )
+    assert results == [("0", "2"), ("1", "2")]
+
+
+def test_results_of_many_megabytes_come_back_intact() -> None:
+    # Larger than one frame of the rendezvous store (16 MiB): func and results go in chunks.
+    import numpy as np
+
+    data = np.random.default_rng(5).integers(0, 2**31, size=3 << 20, dtype=np.int32)  # 12 MiB
+
+    def work(data):
+        import os
+
+        import numpy as np
+
+        rank = int(os.environ["HOROVOD_RANK"])
+        return np.concatenate([data, data]) * (rank + 1), rank  # 24 MiB
+
+    start = time.monotonic()
+    results = bagua_hvd.run(work, args=(data,), np=2)
+    assert [r[1] for r in results] == [0, 1]
+    for rank, (value, _) in enumerate(results):
+        assert value.dtype == np.int32 and value.nbytes == 24 << 20
+        expected = np.tile(data, 2) * (rank + 1)  # independent of how work built it
+        assert np.array_equal(value, expected)
+    assert time.monotonic() - start < 60
+
+
+def test_unreachable_host_is_named() -> None:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"host gpu-node-7\.invalid: (ssh failed|no ssh)"):
+        bagua_hvd.run(lambda: None, np=2, hosts="gpu-node-7.invalid:2", start_timeout=3)
+    assert time.monotonic() - start < 15
+
+
 def test_import_stays_light() -> None:
-    code = ("import sys, bagua_hvd\n"
-            "assert bagua_hvd.__version__ == '0.1.0'\n"
-            "heavy = [m for m in ('torch', 'tensorflow', 'cloudpickle', 'cffi') "
-            "if m in sys.modules]\n"
-            "assert not heavy, heavy\n"
-            "from bagua_hvd import run\n"
-            "from bagua_hvd.runner.api import run as api_run\n"
-            "assert run is api_run\n")
+    code = (
+        "import sys, bagua_hvd\n"
+        "assert bagua_hvd.__version__ == '0.1.0'\n"
+        "heavy = [m for m in ('torch', 'tensorflow', 'cloudpickle', 'cffi') "
+        "if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "from bagua_hvd import run\n"
+        "from bagua_hvd.runner.api import run as api_run\n"
+        "assert run is api_run\n"
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30, env=env)
     assert proc.returncode == 0, proc.stderr.decode()

@@ -18,7 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+import bagua_hvd
 
 ROOT = Path(__file__).resolve().parent.parent
 SSH_JOB = ROOT / "tests" / "workers" / "ssh_job.py"
@@ -150,7 +153,9 @@ def _ns_pids(daemons) -> dict:
 
 
 def _shm() -> set:
-    return set(os.listdir("/dev/shm"))
+    """bagua_hvd's shared-memory segments (``/bhvd_<job>_...``, native/src/transport): other
+    programs' segments (Open MPI's ``sm_segment.*`` of a job running beside) come and go."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("bhvd")}
 
 
 def test_two_hosts_over_ssh_shm_within_tcp_between(hosts, tmp_path):
@@ -307,3 +312,120 @@ def test_mpirun_over_ssh_forms_one_job_across_hosts(hosts):
         kinds = ["self" if p == r else ("shm" if p // 2 == r // 2 else "tcp") for p in range(4)]
         assert f"rank {r} node {r // 2} local {r % 2} transports {kinds}" in text, text
         assert f"[1,{r}]<stdout>: rank {r} OK" in text, text
+
+
+# ---- bagua_hvd.run(func, hosts=...) over the same hosts --------------------------------------
+
+
+def _netns(i: int) -> str:
+    """What /proc/PID/ns/net reads for a process in host i's namespace."""
+    return f"net:[{os.stat(f'/run/netns/{PREFIX}{i}').st_ino}]"
+
+
+@pytest.fixture
+def run_opts(hosts, monkeypatch):
+    """bagua_hvd.run's keyword arguments for the two hosts (this process is the launcher)."""
+    opts, env, _ = hosts
+    monkeypatch.setenv("BAGUA_HVD_SSH_ARGS", env["BAGUA_HVD_SSH_ARGS"])
+    monkeypatch.setenv("HOROVOD_GLOO_TIMEOUT_SECONDS", env["HOROVOD_GLOO_TIMEOUT_SECONDS"])
+    return {"ssh_identity_file": opts[opts.index("-i") + 1], "start_timeout": 20}
+
+
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_run_func_on_two_hosts_returns_results_by_rank(hosts, run_opts):
+    def fn(length):
+        import os
+
+        import numpy as np
+        import torch
+
+        import bagua_hvd.torch as hvd
+
+        def cmdline(pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    return f.read()
+            except OSError:  # gone meanwhile
+                return b""
+
+        hvd.init()
+        secret = os.environ["BAGUA_HVD_SECRET"].encode()  # in no process's argv, on any host
+        shown = [p for p in os.listdir("/proc") if p.isdigit() and secret in cmdline(p)]
+        x = np.random.default_rng(hvd.rank()).standard_normal(length)
+        out = hvd.allreduce(torch.from_numpy(x), op=hvd.Sum, name="run.ar").numpy()
+        where = (os.readlink("/proc/self/ns/net"), os.environ["HOROVOD_HOSTNAME"])
+        return hvd.rank(), hvd.local_rank(), hvd.cross_rank(), where, out, shown
+
+    length = 50_000
+    results = bagua_hvd.run(fn, args=(length,), np=4, hosts=f"{HOSTS[0]}:2,{HOSTS[1]}:2",
+                            **run_opts)  # fmt: skip
+    expected = sum(np.random.default_rng(r).standard_normal(length) for r in range(4))
+    assert len(results) == 4
+    for r, (rank, local_rank, cross_rank, where, out, shown) in enumerate(results):
+        assert (rank, local_rank, cross_rank) == (r, r % 2, r // 2)
+        assert where == (_netns(r // 2), HOSTS[r // 2]), f"rank {r} ran in {where}"
+        np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+        assert shown == [], f"rank {r}: the secret is on the command line of {shown}"
+
+
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_run_func_carries_many_megabytes_both_ways(hosts, run_opts):
+    # func's argument and every result are larger than one frame of the rendezvous store.
+    data = np.random.default_rng(11).integers(0, 2**31, size=5 << 20, dtype=np.int32)  # 20 MiB
+
+    def fn(data):
+        import os
+
+        import numpy as np
+
+        rank = int(os.environ["HOROVOD_RANK"])
+        return os.readlink("/proc/self/ns/net"), np.concatenate([data, data[::-1]]) ^ rank
+
+    results = bagua_hvd.run(fn, args=(data,), np=4, hosts=f"{HOSTS[0]}:2,{HOSTS[1]}:2",
+                            **run_opts)  # fmt: skip
+    both = np.concatenate([data, np.flip(data)])
+    for r, (where, value) in enumerate(results):
+        assert where == _netns(r // 2)
+        assert value.dtype == np.int32 and value.nbytes == 40 << 20
+        assert np.array_equal(value, np.bitwise_xor(both, r)), f"rank {r}'s result differs"
+
+
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_run_func_raising_on_a_remote_host_fails_the_call(hosts, run_opts):
+    _, _, daemons = hosts
+    shm = _shm()
+
+    def fn():
+        import os
+        import time
+
+        import bagua_hvd.torch as hvd
+
+        hvd.init()
+        hvd.barrier()
+        if hvd.rank() == 3:
+            raise ValueError(f"rank 3 on {os.environ['HOROVOD_HOSTNAME']} is unhappy")
+        time.sleep(100)  # the others are stopped by the launcher
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        bagua_hvd.run(fn, np=4, hosts=f"{HOSTS[0]}:2,{HOSTS[1]}:2", **run_opts)
+    assert time.monotonic() - t0 < 40, "the failure ends the call within the grace times"
+    text = str(info.value)
+    assert "rank 3 failed" in text and "Process name: 3\nExit code: 1" in text, text
+    assert "Traceback (most recent call last)" in text, text
+    assert f"ValueError: rank 3 on {HOSTS[1]} is unhappy" in text, text
+    _assert_nothing_left(daemons, shm)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_run_func_names_an_unreachable_host(hosts, run_opts):
+    _, _, daemons = hosts
+    t0 = time.monotonic()
+    run_opts["start_timeout"] = 3
+    with pytest.raises(RuntimeError) as info:
+        bagua_hvd.run(lambda: 1, np=4, hosts=f"{HOSTS[0]}:2,{SUBNET}.9:2", **run_opts)
+    assert time.monotonic() - t0 < 20, "the reachability check is bounded by start_timeout"
+    assert f"host {SUBNET}.9: ssh failed" in str(info.value), info.value
+    assert f"host {HOSTS[0]}" not in str(info.value), info.value
+    assert not any(_ns_pids(daemons).values()), "nothing was started"

@@ -5,13 +5,17 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from bagua_hvd.runner import task
-from bagua_hvd.runner.hosts import REMOTE_HOSTS_HINT, local_slots
-from bagua_hvd.runner.launch import launch
+from bagua_hvd.runner.hosts import (
+    assign_slots,
+    only_this_machine,
+    parse_hostfile,
+    parse_hosts,
+)
+from bagua_hvd.runner.launch import launch, launch_hosts
 
 # The directory holding the bagua_hvd package this process uses; the ranks import the same one.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
@@ -30,6 +34,37 @@ def _resolve_num_proc(num_proc: Optional[int], np: Optional[int]) -> int:
     if not _is_int(value) or value < 1:
         raise ValueError(f"num_proc must be an int >= 1, got {value!r}")
     return value
+
+
+def _start_timeout(value: Optional[float]) -> float:
+    """``start_timeout``, else HOROVOD_START_TIMEOUT, else 30 seconds (horovod.run's order)."""
+    if value is None:
+        text = os.environ.get("HOROVOD_START_TIMEOUT", "").strip()
+        if not text:
+            return 30.0
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        what = f"HOROVOD_START_TIMEOUT={text!r}"
+    else:
+        what = f"start_timeout={value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{what}: the start timeout must be a positive number of seconds")
+    return float(value)
+
+
+def _host_entries(n: int, hosts: Optional[str], hostfile: Optional[str]) -> List[Tuple[str, int]]:
+    """The (host, slots) list: from ``hosts``, else ``hostfile``, else ``localhost:n``."""
+    if hosts is not None and hostfile is not None:
+        raise ValueError("bagua_hvd.run: pass hosts or hostfile, not both")
+    if hosts is not None:
+        if not isinstance(hosts, str):
+            raise TypeError(f"hosts must be a string 'host1:2,host2:2', got {hosts!r}")
+        return parse_hosts(hosts)
+    if hostfile is not None:
+        return parse_hostfile(os.fspath(hostfile))
+    return [("localhost", n)]
 
 
 def _nics(
@@ -77,20 +112,53 @@ def run(
     min_np: Optional[int] = None,
     max_np: Optional[int] = None,
 ) -> List[Any]:
-    """Runs ``func(*args, **kwargs)`` on ``num_proc`` (or ``np``) ranks; returns results by rank.
+    """Runs ``func(*args, **kwargs)`` on every rank of a new job; returns the results by rank.
 
-    Takes horovod.run's signature. Each rank is a fresh ``executable -m bagua_hvd.runner.task``
-    process started like ``bagua-run`` starts its ranks (same environment, output prefixes and
-    failure handling), so ``func`` may call ``hvd.init()``. ``func``, ``args`` and ``kwargs`` are
-    sent with cloudpickle, and so are the results.
+    horovod.run's signature and semantics. Each rank is a fresh ``executable -m
+    bagua_hvd.runner.task`` process started as ``bagua-run`` starts its ranks (same placement,
+    environment, output prefixes and failure handling), on this machine or, for other hosts, over
+    ssh as ``bagua-run -H`` does; so ``func`` may call ``hvd.init()``. ``func``, ``args`` and
+    ``kwargs`` are sent to the ranks with cloudpickle, and the results come back the same way,
+    through the job's rendezvous store (authenticated with the job's secret, which never appears
+    on a command line): no directory shared between hosts is needed.
 
-    Supported: ``hosts`` naming this machine (``"localhost:N"``), ``start_timeout``,
-    ``output_filename``, ``verbose``, ``network_interface(s)``, ``executable``, ``use_gloo``
-    (True or None). ``disable_cache`` is accepted and ignored. Elastic mode (``min_num_proc``,
-    ``max_num_proc``, ``min_np``, ``max_np``, ``slots``, ``reset_limit``, ``cooldown_range``,
-    ``host_discovery_script``), ``hostfile``, ssh options and MPI raise ValueError.
+    Args:
+        func: the function each rank runs; it and its return value must be picklable with
+            cloudpickle.
+        args: positional arguments of ``func`` (default ``()``).
+        kwargs: keyword arguments of ``func`` (default none).
+        num_proc: the number of ranks (default 1). ``np`` is its older name; pass one of them.
+        hosts: ``"host1:slots,host2:slots"`` (slots default to 1); ranks fill the hosts in the
+            order given. Default ``localhost:<num_proc>``. Hosts other than this machine are
+            reached over ssh and must run the same Python (``sys.executable``) with bagua_hvd.
+        hostfile: a file of ``host slots=N`` lines, instead of ``hosts``.
+        start_timeout: seconds for the ssh checks of the hosts and for the job to start
+            (default ``HOROVOD_START_TIMEOUT``, else 30).
+        ssh_port: ssh port of the other hosts (default: ssh's own, usually 22).
+        ssh_identity_file: ssh private key for the other hosts (default: ssh's own).
+        disable_cache: accepted; nothing is cached (the hosts are checked on every call).
+        output_filename: a directory on this machine that also receives every rank's output in
+            ``rank.<rank>/stdout`` and ``rank.<rank>/stderr`` (ranks zero-padded).
+        verbose: print what the launcher does (default off).
+        use_gloo: True or None: bagua_hvd's own controller (Horovod's Gloo mode).
+        network_interface: comma-separated network interfaces for the job's TCP traffic (the
+            first one is used; ``network_interfaces`` may also be a list); default: the
+            address this machine reaches the other hosts from.
+        executable: the interpreter of the ranks (default ``sys.executable``).
 
-    Raises RuntimeError carrying the traceback of the first rank that failed.
+    Not supported (ValueError): elastic mode (``min_num_proc``, ``max_num_proc``, ``min_np``,
+    ``max_np``, ``slots``, ``reset_limit``, ``cooldown_range``, ``host_discovery_script``) and
+    MPI (``use_mpi``, ``mpi_args``, ``use_gloo=False``; ``bagua-run --mpi`` runs a command
+    through mpirun).
+
+    Returns:
+        A list with one entry per rank, ``results[r]`` being what ``func`` returned on rank r.
+
+    Raises:
+        RuntimeError: a rank failed (its traceback and Horovod's text naming the first rank that
+            exited non-zero are in the message; the other ranks were stopped), or the job could
+            not start (e.g. a host that ssh cannot reach, named in the message).
+        ValueError: bad arguments (HostError, a ValueError, for host lists and slots).
     """
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__}")
@@ -115,34 +183,26 @@ def run(
             f"bagua_hvd.run: elastic mode is not supported yet ({', '.join(given)} "
             "given); use a fixed num_proc"
         )
-    if hostfile is not None:
+    if use_mpi or mpi_args is not None or use_gloo is False:
         raise ValueError(
-            f"bagua_hvd.run: hostfile is not supported yet; pass hosts='localhost:{n}'"
+            "bagua_hvd.run has no MPI mode (use_mpi, mpi_args or use_gloo=False given): it "
+            "starts the ranks itself (over ssh on other hosts); leave use_gloo as None or "
+            "True, or run a script with `bagua-run --mpi`"
         )
-    if ssh_port is not None or ssh_identity_file is not None:
-        raise ValueError(
-            f"bagua_hvd.run: ssh_port/ssh_identity_file given, but {REMOTE_HOSTS_HINT}"
-        )
-    if use_mpi or mpi_args is not None:
-        raise ValueError(
-            "bagua_hvd.run: there is no MPI mode (use_mpi/mpi_args); bagua_hvd "
-            "always uses its own Gloo-style controller"
-        )
-    if use_gloo is False:
-        raise ValueError(
-            "bagua_hvd.run: use_gloo=False asks for MPI, which bagua_hvd does not "
-            "have; leave use_gloo as None or True"
-        )
-    if start_timeout is not None and not (
-        isinstance(start_timeout, (int, float)) and start_timeout > 0
-    ):
-        raise ValueError(
-            f"start_timeout must be a positive number of seconds, got {start_timeout!r}"
-        )
-    local_slots(n, hosts)  # HostError (a ValueError) for remote hosts or too few slots
+    if ssh_port is not None and not (_is_int(ssh_port) and 1 <= ssh_port <= 65535):
+        raise ValueError(f"ssh_port must be a port number in 1..65535, got {ssh_port!r}")
+    timeout = _start_timeout(start_timeout)
+    entries = _host_entries(n, hosts, hostfile)
+    assign_slots(entries, n)  # HostError (a ValueError) for too few slots or a repeated host
 
     import cloudpickle
 
+    try:
+        payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
+    except Exception as e:
+        raise TypeError(
+            f"bagua_hvd.run: func/args/kwargs cannot be pickled with cloudpickle: {e}"
+        ) from e
     env: Dict[str, str] = {}
     nics = _nics(network_interface, network_interfaces)
     if nics:
@@ -154,37 +214,47 @@ def run(
         path = os.environ.get("PYTHONPATH")
         env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
 
-    with tempfile.TemporaryDirectory(prefix="bagua_hvd_run_") as job_dir:
-        try:
-            payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
-        except Exception as e:
-            raise TypeError(
-                f"bagua_hvd.run: func/args/kwargs cannot be pickled with cloudpickle: {e}"
-            ) from e
-        with open(Path(job_dir) / task.FUNC_FILE, "wb") as f:
-            f.write(payload)
-        command = [executable or sys.executable, "-m", "bagua_hvd.runner.task", job_dir]
-        result = launch(
+    stores: List[task.KeyValue] = []
+
+    def seed(server: task.KeyValue) -> None:  # before any rank starts
+        task.put_blob(server, task.FUNC_KEY, payload)
+        stores.append(server)
+
+    command = [executable or sys.executable, "-m", "bagua_hvd.runner.task"]
+    common: Dict[str, Any] = dict(
+        extra_env=env,
+        output_dir=None if output_filename is None else os.fspath(output_filename),
+        verbose=bool(verbose),
+        start_timeout=timeout,
+        on_store=seed,
+    )
+    if only_this_machine(entries):
+        result = launch(command, n, **common)
+    else:
+        result = launch_hosts(
             command,
             n,
-            hosts=hosts,
-            extra_env=env,
-            output_dir=output_filename,
-            verbose=bool(verbose),
-            start_timeout=start_timeout if start_timeout is not None else 30,
+            entries,
+            ssh_port=ssh_port,
+            ssh_identity=None if ssh_identity_file is None else os.fspath(ssh_identity_file),
+            **common,
         )
-        outcomes = {}
-        for rank in range(n):
-            path_r = task.result_path(job_dir, rank)
-            if path_r.exists():
-                with open(path_r, "rb") as f:
-                    outcomes[rank] = cloudpickle.load(f)
+
+    def outcome(rank: int) -> Optional[tuple]:
+        try:
+            return task.read_outcome(stores[0], rank) if stores else None
+        except Exception as e:
+            raise RuntimeError(
+                f"bagua_hvd.run: the result of rank {rank} cannot be unpickled here: {e}"
+            ) from e
 
     if result.failed_rank is not None:
         rank = result.failed_rank
-        outcome = outcomes.get(rank)
-        if outcome is not None and outcome[0] == "error":
-            raise RuntimeError(f"bagua_hvd.run: rank {rank} failed:\n{outcome[1]}")
+        failure = outcome(rank)
+        if failure is not None and failure[0] == "error":
+            raise RuntimeError(
+                f"bagua_hvd.run: rank {rank} failed:\n{failure[1]}\n{result.failure_message()}"
+            )
         raise RuntimeError(
             f"bagua_hvd.run: rank {rank} failed without a Python traceback.\n"
             f"{result.failure_message()}"
@@ -193,9 +263,10 @@ def run(
         if result.signal == signal.SIGINT:
             raise KeyboardInterrupt
         raise RuntimeError(f"bagua_hvd.run: stopped by signal {result.signal}")
-    missing = [rank for rank in range(n) if outcomes.get(rank, ("",))[0] != "ok"]
+    outcomes = [outcome(rank) for rank in range(n)]
+    missing = [rank for rank, o in enumerate(outcomes) if o is None or o[0] != "ok"]
     if missing:
         raise RuntimeError(
             f"bagua_hvd.run: ranks {missing} exited with status 0 but left no result"
         )
-    return [outcomes[rank][1] for rank in range(n)]
+    return [o[1] for o in outcomes]

@@ -12,10 +12,11 @@ import ipaddress
 import socket
 from typing import List, Optional, Tuple
 
-# bagua_hvd.run (the Python API) starts ranks on this machine only, for now.
+# launch() (one node) starts ranks on this machine only; other hosts go through launch_hosts.
 REMOTE_HOSTS_HINT = (
-    "bagua_hvd.run starts ranks on this machine only; start a job on other hosts with "
-    "`bagua-run -np N -H HOST1:SLOTS,HOST2:SLOTS COMMAND` (over ssh)"
+    "this launch starts ranks on this machine only; start a job on other hosts with "
+    "`bagua-run -np N -H HOST1:SLOTS,HOST2:SLOTS COMMAND` or "
+    "`bagua_hvd.run(func, np=N, hosts='HOST1:SLOTS,HOST2:SLOTS')` (over ssh)"
 )
 
 

@@ -29,7 +29,7 @@ import os
 import secrets
 import shlex
 import sys
-from typing import Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from bagua_hvd import __version__
 from bagua_hvd.runner import slurm
@@ -44,6 +44,13 @@ from bagua_hvd.runner.hosts import (
     place_ranks,
 )
 from bagua_hvd.runner.job import JobResult, LaunchError, run_job
+
+if TYPE_CHECKING:
+    from bagua_hvd.runner.store import StoreServer
+
+# Called with the job's started rendezvous store before any rank starts (bagua_hvd.run puts its
+# function there); the store's values stay readable after the job (StoreServer.stop keeps them).
+StoreHook = Callable[["StoreServer"], None]
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 TRANSPORTS = ("auto", "shm", "tcp")
@@ -475,11 +482,13 @@ def launch(
     output_dir: Optional[str] = None,
     verbose: bool = False,
     cwd: Optional[str] = None,
+    on_store: Optional[StoreHook] = None,
 ) -> JobResult:
     """Runs this node's share of an ``np``-rank job of ``command`` (see the module docstring).
 
-    Serves the rendezvous store when this is node 0, and returns once every local rank is gone.
-    Raises LaunchError (or HostError, a ValueError) when the job cannot start.
+    Serves the rendezvous store when this is node 0 (``on_store`` is called with it), and returns
+    once every local rank is gone. Raises LaunchError (or HostError, a ValueError) when the job
+    cannot start.
     """
     slots = place_ranks(np, num_nodes, node_rank)
     if num_nodes == 1:
@@ -515,6 +524,8 @@ def launch(
                 raise LaunchError(f"cannot serve the rendezvous on {bind_host}:{port}: {e}") from e
             server = candidate
             port = server.port
+            if on_store is not None:
+                on_store(server)
         else:
             addr, port = rendezvous
             wait_for_rendezvous(addr, port, secret, start_timeout)
@@ -545,15 +556,18 @@ def launch_hosts(
     extra_env: Optional[Dict[str, str]] = None,
     output_dir: Optional[str] = None,
     verbose: bool = False,
+    on_store: Optional[StoreHook] = None,
 ) -> JobResult:
     """Runs an ``np``-rank job over the hosts ``entries`` ((host, slots), in order): the
-    rendezvous served here, other hosts started over ssh (bagua_hvd.runner.ssh)."""
+    rendezvous served here (``on_store`` is called with it), other hosts started over ssh
+    (bagua_hvd.runner.ssh)."""
     from bagua_hvd.runner import ssh
 
     placement = assign_slots(entries, np)
     remote = [host for host, _ in placement if not is_local_host(host)]
     if remote:
-        ssh.check_hosts(remote, ssh_port, ssh_identity, start_timeout)
+        agents_env = dict(os.environ, **(extra_env or {}))  # their PYTHONPATH
+        ssh.check_hosts(remote, ssh_port, ssh_identity, start_timeout, agents_env)
     nic = (extra_env or {}).get("HOROVOD_GLOO_IFACE")
     if nic:
         addr = ssh.interface_address(nic)
@@ -571,6 +585,8 @@ def launch_hosts(
     except OSError as e:
         raise LaunchError(f"cannot serve the rendezvous on {addr}: {e}") from e
     try:
+        if on_store is not None:
+            on_store(server)
         env = job_env(secret, job_id, addr, server.port)
         env.update(extra_env or {})
         if verbose:

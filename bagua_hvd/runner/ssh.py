@@ -124,11 +124,16 @@ def address_toward(host: str, port: int) -> str:
 
 
 def check_hosts(
-    hosts: Sequence[str], port: Optional[int], identity: Optional[str], timeout: float
+    hosts: Sequence[str],
+    port: Optional[int],
+    identity: Optional[str],
+    timeout: float,
+    env: Optional[Mapping[str, str]] = None,
 ) -> None:
     """Checks, in parallel and within ``timeout`` seconds, that every host answers ssh and can
-    run this interpreter with bagua_hvd; LaunchError naming every host that cannot."""
-    probe = agent_command(os.environ, ("-c", "import bagua_hvd"))
+    run this interpreter with bagua_hvd (with the PYTHONPATH of ``env``, default this process's,
+    as the agents will); LaunchError naming every host that cannot."""
+    probe = agent_command(os.environ if env is None else env, ("-c", "import bagua_hvd"))
 
     def one(host: str) -> Optional[str]:
         cmd = ssh_command(host, port, identity, timeout) + [probe]

@@ -446,7 +446,8 @@ class StoreServer:
             self._cond.notify_all()
 
     def get(self, key: KeyLike, timeout: float = 0.0) -> bytes:
-        """Reads a key directly, waiting up to ``timeout`` seconds for it."""
+        """Reads a key directly, waiting up to ``timeout`` seconds for it (values stay readable
+        after :meth:`stop`)."""
         k = _as_bytes(key, "key")
         value = self._wait_for(k, timeout)
         if value is None:

@@ -1,8 +1,16 @@
-"""One rank of ``bagua_hvd.run``: ``python -m bagua_hvd.runner.task JOB_DIR``.
+"""One rank of ``bagua_hvd.run``: ``python -m bagua_hvd.runner.task``.
 
-Loads ``(func, args, kwargs)`` from ``JOB_DIR/func.pkl`` (cloudpickle), calls it and stores
-``("ok", result)`` or ``("error", traceback text)`` in ``JOB_DIR/result.<rank>.pkl``; a failure
-also exits with status 1 so that the launcher stops the other ranks.
+Reads ``(func, args, kwargs)`` (cloudpickle) from the job's rendezvous store, calls it and puts
+``("ok", result)`` or ``("error", traceback text)`` back under the rank's key; a failure also exits
+with status 1 so that the launcher stops the other ranks.
+
+Why the store and not files or the agent's pipes: the store is already there for every job, on
+one host or many; every rank reaches it (hvd.init() does) and it admits only who knows the job's
+secret, which the ranks already hold in their environment. So no directory shared between hosts
+is needed, nothing travels on a command line, and a result never mixes with the ranks' output
+lines (the agents' stdout, where a multi-MB pickle would have to be encoded into one line). The
+launcher holds the results in memory until the job is over, as horovod.run's key-value store
+does. Values go in chunks below the store's frame limit, so their size is bounded only by memory.
 """
 
 from __future__ import annotations
@@ -10,58 +18,114 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from pathlib import Path
+from typing import Any, Optional, Protocol
 
-FUNC_FILE = "func.pkl"
-
-
-def result_path(job_dir: str, rank: int) -> Path:
-    """Where rank ``rank`` stores its outcome."""
-    return Path(job_dir) / f"result.{rank}.pkl"
+FUNC_KEY = "bagua_hvd.run/func"
+# Below the store's frame limit (store.DEFAULT_MAX_FRAME_BYTES, 16 MiB) with room for the key.
+CHUNK_BYTES = 4 << 20
+DEFAULT_TIMEOUT_S = 30.0
 
 
-def _store(job_dir: str, rank: int, outcome: tuple) -> None:
+class KeyValue(Protocol):
+    """What both ends of the rendezvous store offer (StoreServer locally, StoreClient remotely)."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str, timeout: float) -> bytes: ...
+
+
+def result_key(rank: int) -> str:
+    """The key under which rank ``rank`` puts its outcome."""
+    return f"bagua_hvd.run/result/{rank}"
+
+
+def put_blob(store: KeyValue, key: str, data: bytes) -> None:
+    """Stores ``data`` under ``key`` in chunks (``key/0``, ``key/1``...), then ``key`` itself:
+    whoever sees ``key`` finds every chunk."""
+    count = max(1, -(-len(data) // CHUNK_BYTES))
+    view = memoryview(data)
+    for i in range(count):
+        store.set(f"{key}/{i}", bytes(view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]))
+    store.set(key, f"{count} {len(data)}".encode())
+
+
+def get_blob(store: KeyValue, key: str, timeout: float) -> bytes:
+    """Reads what :func:`put_blob` stored, waiting up to ``timeout`` seconds for ``key``."""
+    count, size = (int(x) for x in store.get(key, timeout).split())
+    data = b"".join(store.get(f"{key}/{i}", 0.0) for i in range(count))
+    if len(data) != size:
+        raise RuntimeError(f"{key}: {len(data)} bytes stored, {size} announced")
+    return data
+
+
+def _timeout() -> float:
+    try:
+        value = float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", DEFAULT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+    return value if value > 0 else DEFAULT_TIMEOUT_S
+
+
+def _connect() -> Any:
+    """A client of the job's store, from the environment the launcher gives every rank."""
+    from bagua_hvd.runner.store import StoreClient, secret_from_env
+
+    host = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"]
+    port = int(os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
+    return StoreClient(host, port, secret_from_env(), timeout=_timeout())
+
+
+def _put_outcome(rank: int, outcome: tuple) -> None:
     import cloudpickle
 
-    path = result_path(job_dir, rank)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        cloudpickle.dump(outcome, f)
-    os.replace(tmp, path)  # the caller never sees a half-written result
+    data = cloudpickle.dumps(outcome)
+    with _connect() as store:
+        put_blob(store, result_key(rank), data)
+
+
+def _report_error(rank: int, text: str) -> None:
+    sys.stderr.write(text)
+    try:
+        _put_outcome(rank, ("error", text))
+    except Exception:
+        pass  # the traceback is on stderr anyway
+
+
+def read_outcome(store: KeyValue, rank: int) -> Optional[tuple]:
+    """Rank ``rank``'s ``("ok", value)`` or ``("error", text)``; None when it left none."""
+    from bagua_hvd.runner.store import StoreTimeoutError
+
+    try:
+        data = get_blob(store, result_key(rank), 0.0)
+    except StoreTimeoutError:
+        return None
+    import cloudpickle
+
+    return cloudpickle.loads(data)
 
 
 def main(argv: list) -> int:
-    """Runs the pickled function as this rank (HOROVOD_RANK); returns the exit status."""
-    if len(argv) != 1:
-        print("usage: python -m bagua_hvd.runner.task JOB_DIR", file=sys.stderr)
+    """Runs the job's function as this rank (HOROVOD_RANK); returns the exit status."""
+    if argv:
+        print("usage: python -m bagua_hvd.runner.task (started by bagua_hvd.run)", file=sys.stderr)
         return 2
-    job_dir = argv[0]
     rank = int(os.environ.get("HOROVOD_RANK", "0"))
     try:
         import cloudpickle
 
-        with open(Path(job_dir) / FUNC_FILE, "rb") as f:
-            func, args, kwargs = cloudpickle.load(f)
+        with _connect() as store:
+            payload = get_blob(store, FUNC_KEY, _timeout())
+        func, args, kwargs = cloudpickle.loads(payload)
+        del payload
         value = func(*args, **kwargs)
     except BaseException:  # noqa: B036 - SystemExit/KeyboardInterrupt in func are failures too
-        text = traceback.format_exc()
-        sys.stderr.write(text)
-        try:
-            _store(job_dir, rank, ("error", text))
-        except Exception:
-            pass  # the traceback is on stderr anyway
+        _report_error(rank, traceback.format_exc())
         return 1
     try:
-        _store(job_dir, rank, ("ok", value))
+        _put_outcome(rank, ("ok", value))
     except Exception:
         text = traceback.format_exc()
-        sys.stderr.write(f"bagua_hvd.run: rank {rank} could not pickle its result:\n{text}")
-        try:
-            _store(
-                job_dir, rank, ("error", f"the result of rank {rank} could not be pickled:\n{text}")
-            )
-        except Exception:
-            pass
+        _report_error(rank, f"the result of rank {rank} could not be pickled or sent:\n{text}")
         return 1
     return 0
 
