@@ -2,7 +2,10 @@
 
 Without MPI, srun's tasks can still meet when they share ``BAGUA_HVD_SECRET`` (srun passes the
 caller's environment on): task 0 serves the store on the step's first node at a port derived
-from the job and step ids (:func:`slurm_port`).
+from the job and step ids (:func:`slurm_port`). An srun task that has the secret takes that
+path without touching MPI: an Open MPI built for Slurm (Debian's, for one) aborts the process in
+``MPI_Init`` when srun started it without ``--mpi=pmix``, before any message of ours, and one
+that does not only finds itself alone, after a second of start-up.
 
 ``hvd.init()`` calls :func:`prepare` first. A process that bagua-run started has the launcher's
 contract in its environment and nothing happens here. A process that mpirun or srun started as one
@@ -50,6 +53,9 @@ def prepare() -> None:
         return ValueError(JOIN_ERROR.format(why=why, **found._asdict()))
 
     srun = found.launcher.startswith("srun")
+    if srun and config.shared_secret():
+        config.set_job(_slurm_job(found))
+        return
     try:
         from mpi4py import MPI
     except ImportError as e:
@@ -61,12 +67,13 @@ def prepare() -> None:
             return
         why = (
             f"MPI (mpi4py, {MPI.Get_library_version().split(',')[0].strip()}) sees rank "
-            f"{comm.Get_rank()} of {comm.Get_size()}: mpi4py is built for another MPI than "
-            "the one that started the job"
+            f"{comm.Get_rank()} of {comm.Get_size()}: "
+            + (
+                "srun did not start it (srun --mpi=pmix does, for an MPI built with PMIx)"
+                if srun
+                else "mpi4py is built for another MPI than the one that started the job"
+            )
         )
-    if srun and config.shared_secret():
-        config.set_job(_slurm_job(found))
-        return
     if srun:
         why += (
             "; without MPI, srun's tasks can also meet on their first node when they share "
