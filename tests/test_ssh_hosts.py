@@ -102,9 +102,13 @@ def hosts(tmp_path_factory):
                 "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
                 "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
             )
+            # Each host has a host name of its own, as machines do: Open MPI takes processes on
+            # hosts of one name for one node's and joins them through shared memory sessions
+            # that do not span the namespaces (mpirun's ranks crashed or hung).
+            own_name = ["unshare", "--uts", "sh", "-c", f'hostname {ns} && exec "$0" "$@"']
             daemons.append(
                 subprocess.Popen(
-                    ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(conf)],
+                    ["ip", "netns", "exec", ns, *own_name, SSHD, "-D", "-e", "-f", str(conf)],
                     stdout=subprocess.DEVNULL,
                     stderr=open(tmp / f"sshd{i}.log", "wb"),
                 )

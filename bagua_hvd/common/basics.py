@@ -238,16 +238,22 @@ class HorovodBasics:
 
     # ---- build facts ---------------------------------------------------------------------
     def mpi_threads_supported(self) -> bool:
-        """Raises: bagua_hvd does not use MPI."""
-        raise ValueError(MPI_NOT_ENABLED_ERROR)
+        """Whether the MPI the collectives run through provides MPI_THREAD_MULTIPLE; raises
+        ValueError when MPI is not enabled (``HOROVOD_CPU_OPERATIONS=mpi`` under mpirun)."""
+        supported = int(self.lib.bhvd_mpi_threads_supported())
+        if supported < 0:
+            raise ValueError(MPI_NOT_ENABLED_ERROR)
+        return supported == 1
 
     def mpi_enabled(self) -> bool:
-        """False: bagua_hvd does not use MPI."""
-        return False
+        """True when Horovod's collectives run through MPI: ``HOROVOD_CPU_OPERATIONS=mpi`` in a
+        job that mpirun started (the controller stays bagua_hvd's own)."""
+        return int(self.lib.bhvd_mpi_enabled()) == 1
 
     def mpi_built(self) -> bool:
-        """False: bagua_hvd does not use MPI."""
-        return False
+        """True: MPI support is built in; the MPI library itself is the one the job runs
+        (mpi4py's, loaded at run time)."""
+        return True
 
     def gloo_enabled(self) -> bool:
         """True: the core plays the role of Horovod's Gloo controller and CPU operations."""

@@ -13,7 +13,8 @@ of N > 1 has only their variables: it then forms the job through MPI itself (mpi
 bagua-run would have: rank 0 serves the rendezvous store (a thread of its process, needed only
 while the ranks connect) and broadcasts its address and a fresh secret over MPI_COMM_WORLD, and
 every rank derives its local and cross ranks from the host names gathered over MPI. The core
-then starts as under bagua-run, with its own transports (shared memory, TCP).
+then starts as under bagua-run, with its own transports (shared memory, TCP), or with Horovod's
+collectives through MPI itself when ``HOROVOD_CPU_OPERATIONS=mpi``.
 
 A process that sees another launcher's variables but cannot join the job raises
 :data:`JOIN_ERROR` on every rank instead of running alone as a job of size 1 (which would
@@ -103,7 +104,7 @@ def _form_job(comm: Any, host: str) -> dict:
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
         "HOROVOD_GLOO_RENDEZVOUS_PORT": port,
         "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_CPU_OPERATIONS": config.cpu_operations(),
         "BAGUA_HVD_SECRET": secret,
         "BAGUA_HVD_JOB_ID": job_id,
         "HOROVOD_RANK": rank,
@@ -186,7 +187,7 @@ def _slurm_job(found: Any) -> dict:
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
         "HOROVOD_GLOO_RENDEZVOUS_PORT": port,
         "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_CPU_OPERATIONS": config.cpu_operations(),
         "BAGUA_HVD_JOB_ID": f"slurm-{step['job_id']}-{step['step_id']}",
         "HOROVOD_RANK": found.rank,
         "HOROVOD_SIZE": found.size,

@@ -170,6 +170,12 @@ def network_interface() -> str:
     return _text("HOROVOD_GLOO_IFACE")
 
 
+def cpu_operations() -> str:
+    """``HOROVOD_CPU_OPERATIONS`` (or ``BAGUA_HVD_CPU_OPERATIONS``) as set, lower case; "gloo"
+    (the core's own transports) when unset. The core validates it (native/src/config.cc)."""
+    return (_text("HOROVOD_CPU_OPERATIONS") or _text("BAGUA_HVD_CPU_OPERATIONS") or "gloo").lower()
+
+
 def shared_secret() -> str:
     """``BAGUA_HVD_SECRET`` as set ("" when unset)."""
     return _text("BAGUA_HVD_SECRET")

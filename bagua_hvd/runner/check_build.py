@@ -63,7 +63,7 @@ def check_build_text() -> str:
             (nccl_name, core_ok and nccl > 0),
             ("DDL", False),
             ("CCL", False),
-            ("MPI", False),
+            ("MPI", core_ok),  # HOROVOD_CPU_OPERATIONS=mpi, with the MPI that runs the job
             ("Gloo", core_ok),
         ],
     )

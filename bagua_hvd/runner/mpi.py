@@ -18,6 +18,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from bagua_hvd.runner.job import LaunchError, shell_exit_code
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Variables of the caller's environment that reach every rank, also on other hosts (Open MPI
+# passes its whole environment only to the ranks of its own host).
+_PASSED_ON = {"PYTHONPATH", "HOROVOD_CPU_OPERATIONS", "BAGUA_HVD_CPU_OPERATIONS"}
 
 
 def find_mpirun() -> str:
@@ -60,7 +63,7 @@ def mpi_command(
     ``env`` exported to every rank by name (their values are in mpirun's environment, never on
     its command line)."""
     spec = ",".join(f"{h}:{n}" for h, n in hosts) if hosts else None
-    names = sorted(set(env) | {"PYTHONPATH"} & set(os.environ))
+    names = sorted(set(env) | _PASSED_ON & set(os.environ))
     if kind == "openmpi":
         cmd = [mpirun, "-np", str(np), "--tag-output"]
         if spec:

@@ -4,6 +4,8 @@
 
 #include <unistd.h>
 
+#include <strings.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
@@ -102,6 +104,18 @@ Status load_config(int epoch, Config* out) {
   cp.stall_shutdown_s = env_double("STALL_SHUTDOWN_TIME_SECONDS", 0);
   c.spin_us = env_int("SPIN_US", 1000);
   c.hierarchical_allreduce = env_bool("HIERARCHICAL_ALLREDUCE", false);
+  if (const char* ops = env_lookup("CPU_OPERATIONS")) {
+    if (strcasecmp(ops, "mpi") == 0) {
+      c.cpu_operations_mpi = true;
+    } else if (strcasecmp(ops, "ccl") == 0) {
+      return Status::InvalidArgument(
+          "Horovod initialization failed: HOROVOD_CPU_OPERATIONS=ccl: bagua_hvd has no oneCCL; "
+          "use gloo (its own transports, the default) or mpi");
+    } else if (strcasecmp(ops, "gloo") != 0) {
+      return Status::InvalidArgument(
+          "Unsupported CPU operation type, only MPI, oneCCL, and Gloo are supported");
+    }
+  }
 
   c.distributed = addr != nullptr;
   if (!c.distributed) {

@@ -25,6 +25,9 @@ struct Config {
   // HOROVOD_HIERARCHICAL_ALLREDUCE: allreduce within each host, among one leader per host,
   // then within the host again (flat where the set has one host, or one rank per host)
   bool hierarchical_allreduce = false;
+  // HOROVOD_CPU_OPERATIONS=mpi: Horovod's collectives through the process's MPI library
+  // (ops/mpi_engine.cc); gloo (the default): the core's own transports.
+  bool cpu_operations_mpi = false;
 };
 
 // Reads and validates the environment (the messages are those hvd.init() raises). epoch goes

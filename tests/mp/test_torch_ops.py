@@ -68,13 +68,18 @@ def test_basics():
     assert hvd.cross_size() == int(os.environ.get("HOROVOD_CROSS_SIZE", "1"))
     assert hvd.mpi_ops.is_homogeneous() is True
     assert not hasattr(hvd, "is_homogeneous")  # only in mpi_ops, like Horovod
-    assert hvd.mpi_enabled() is False and hvd.mpi_built() is False
+    # HOROVOD_CPU_OPERATIONS=mpi under mpirun (tests/test_mpi_ops.py): collectives through MPI.
+    over_mpi = os.environ.get("HOROVOD_CPU_OPERATIONS", "").lower() == "mpi" and size() > 1
+    assert hvd.mpi_enabled() is over_mpi and hvd.mpi_built() is True
     assert hvd.gloo_enabled() is True and hvd.gloo_built() is True
     assert isinstance(hvd.nccl_built(), int)
     assert hvd.ddl_built() is False and hvd.ccl_built() is False and hvd.rocm_built() is False
     assert isinstance(hvd.cuda_built(), bool)
-    with pytest.raises(ValueError, match="Horovod MPI is not enabled; Please make sure it's"):
-        hvd.mpi_threads_supported()
+    if over_mpi:
+        assert hvd.mpi_threads_supported() is True  # mpi4py asks for MPI_THREAD_MULTIPLE
+    else:
+        with pytest.raises(ValueError, match="Horovod MPI is not enabled; Please make sure it's"):
+            hvd.mpi_threads_supported()
     assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
     assert hvd.global_process_set.process_set_id == 0
     assert hvd.global_process_set.ranks == list(range(size()))

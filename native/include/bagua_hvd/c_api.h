@@ -225,6 +225,11 @@ int bhvd_is_homogeneous(void);
 int bhvd_cuda_built(void);
 int bhvd_device_pointers_supported(void);
 int bhvd_nccl_built(void); /* NCCL_VERSION_CODE or 0 */
+/* 1 when the collectives run through the process's MPI library (HOROVOD_CPU_OPERATIONS=mpi in
+ * a job MPI started), 0 otherwise (also before init). */
+int bhvd_mpi_enabled(void);
+/* 1 when that MPI provides MPI_THREAD_MULTIPLE, 0 when it does not, -1 when MPI is not enabled. */
+int bhvd_mpi_threads_supported(void);
 /* Name of the transport used between two ranks of the global set: "self", "shm" or "tcp". */
 const char* bhvd_transport_name(int32_t peer_rank);
 
@@ -295,7 +300,8 @@ int64_t bhvd_async_rounds(int64_t id);
 /* Counters for tests and benchmarks: key is one of "responses", "fused_tensors", "cycles",
  * "cache_hits", "fusion_buffer_bytes", "exec_ns" (time the background thread spent executing
  * operations), "bytes_sent" (payload bytes sent to other ranks), "bytes_sent_remote" (of those,
- * to ranks on other hosts). Returns -1 for an unknown key. */
+ * to ranks on other hosts), "mpi_calls" (MPI functions the MPI engine called). Returns -1 for an
+ * unknown key. */
 int64_t bhvd_stat(const char* key);
 /* Timestamps of the core's collectives for bench/timeline.py: a ring buffer of the last 4096
  * begin/mark/end events, recorded only while enabled (off by default). bhvd_trace_enable turns

@@ -144,6 +144,17 @@ int bhvd_nccl_built(void) {
 int bhvd_device_pointers_supported(void) {
   return guarded_value<int>(0, [&]() -> int { return 0; });
 }
+int bhvd_mpi_enabled(void) {
+  return guarded_value<int>(0, [&]() -> int {
+    return Runtime::get().initialized() && Runtime::get().mpi() ? 1 : 0;
+  });
+}
+int bhvd_mpi_threads_supported(void) {
+  return guarded_value<int>(-1, [&]() -> int {
+    const bagua_hvd::MpiFacts* mpi = Runtime::get().initialized() ? Runtime::get().mpi() : nullptr;
+    return mpi ? (mpi->threads_multiple ? 1 : 0) : -1;
+  });
+}
 
 const char* bhvd_transport_name(int32_t peer_rank) {
   return guarded_value<const char*>("", [&]() -> const char* {
@@ -308,6 +319,7 @@ int64_t bhvd_stat(const char* key) {
     if (k == "exec_ns") return s.exec_ns;
     if (k == "bytes_sent") return bagua_hvd::Comm::bytes_sent();
     if (k == "bytes_sent_remote") return bagua_hvd::Comm::bytes_sent_remote();
+    if (k == "mpi_calls") return bagua_hvd::mpi_engine_calls();
     return -1;
   });
 }

@@ -87,7 +87,8 @@ void Runtime::execute(const Response& r) {
                              ? hierarchies_.get(r.process_set_id, *transport_, *comm, cfg_.rank)
                              : nullptr;
   // Host tensors only for now (enqueue refuses device >= 0): a device engine is chosen here.
-  ExecContext ctx{r, *comm, entries, cpu_engine(), fusion_, hierarchy, mu_};
+  DataEngine& engine = mpi_engine_ ? *mpi_engine_ : cpu_engine();
+  ExecContext ctx{r, *comm, entries, engine, fusion_, hierarchy, mu_};
   exec(ctx);
   stats_.exec_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - started)
                         .count();

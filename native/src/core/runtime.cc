@@ -33,6 +33,20 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
   BootstrapConfig cfg = config.bootstrap;
   spin_ = std::chrono::microseconds(config.spin_us);
   hierarchical_allreduce_ = config.hierarchical_allreduce;
+  mpi_engine_.reset();
+  if (config.cpu_operations_mpi && cfg.size > 1) {
+    // Before the rendezvous: a rank that cannot use MPI fails at once, not after the others.
+    std::string why;
+    mpi_engine_ = make_mpi_engine(cfg.rank, cfg.size, &mpi_facts_, &why);
+    if (!mpi_engine_)
+      return Status::InvalidArgument(
+          "Horovod initialization failed: HOROVOD_CPU_OPERATIONS=mpi, but " + why +
+          ". Start the job with mpirun (or bagua-run --mpi) and mpi4py installed, or unset "
+          "HOROVOD_CPU_OPERATIONS to use bagua_hvd's own transports");
+    if (!mpi_facts_.threads_multiple && cfg.rank == 0)
+      BHVD_LOG(WARNING, "MPI has not been initialised with MPI_THREAD_MULTIPLE; calling MPI "
+                        "from the training program while Horovod runs may cause problems");
+  }
 
   try {
     if (!config.distributed) {
@@ -113,6 +127,7 @@ Status Runtime::shutdown() {
     transport_->notify();
   }
   if (thread_.joinable()) thread_.join();
+  mpi_engine_.reset();  // its communicators, once the background thread no longer uses them
   fail_all(Status::Aborted(kShutDown));
   averagers.clear();  // their threads' last collectives have failed by now: they end
   {

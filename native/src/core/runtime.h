@@ -25,6 +25,7 @@
 #include "core/handle.h"
 #include "core/message.h"
 #include "core/response_cache.h"
+#include "ops/data_engine.h"
 #include "ops/fusion.h"
 #include "transport/control_channel.h"
 #include "transport/transport.h"
@@ -78,6 +79,9 @@ class Runtime {
   const char* transport_kind(int peer);
 
   RuntimeStats& stats() { return stats_; }
+
+  // HOROVOD_CPU_OPERATIONS=mpi in effect: the MPI engine runs the collectives (null otherwise).
+  const MpiFacts* mpi() const { return mpi_engine_ ? &mpi_facts_ : nullptr; }
 
   // Ranks that take part in a (compressed) collective of the set: the set's size, or with
   // hierarchical=1 on several hosts with a crowded host, its number of hosts. Sizes the
@@ -146,6 +150,8 @@ class Runtime {
   bool oversubscribed_ = false;            // more local ranks than cores
   std::chrono::microseconds spin_{1000};  // BAGUA_HVD_SPIN_US: poll this long before sleeping
   bool hierarchical_allreduce_ = false;   // HOROVOD_HIERARCHICAL_ALLREDUCE (config.h)
+  std::unique_ptr<DataEngine> mpi_engine_;  // HOROVOD_CPU_OPERATIONS=mpi (ops/mpi_engine.cc)
+  MpiFacts mpi_facts_;
   Clock::time_point wake_at_ = Clock::time_point::max();
 };
 

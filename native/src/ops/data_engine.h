@@ -1,11 +1,14 @@
 // The data engine: how an op executor moves and reduces the bytes of one device kind over a
 // Comm. The seam for a second device and a second data engine (CUDA tensors with NCCL): the op
 // executors call only this, so adding one is a new implementation, not branches in every op.
-// Today there is one, the CPU engine (ops/cpu_engine.cc), over the collectives of collectives/.
+// Two today, both for host memory: the CPU engine (ops/cpu_engine.cc), over the collectives of
+// collectives/, and the MPI engine (ops/mpi_engine.cc) for HOROVOD_CPU_OPERATIONS=mpi.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "collectives/collectives.h"
@@ -49,5 +52,20 @@ class DataEngine {
 
 // The engine for host memory (device < 0). Process-wide, stateless.
 DataEngine& cpu_engine();
+
+// What the MPI engine found out about the process's MPI.
+struct MpiFacts {
+  bool threads_multiple = false;  // MPI_THREAD_MULTIPLE provided
+  std::string version;            // the library's name and version
+};
+
+// The MPI engine for host memory (HOROVOD_CPU_OPERATIONS=mpi): Horovod's collectives through the
+// MPI library the process runs, BAGUA's primitives and what MPI cannot reduce through the CPU
+// engine. MPI_COMM_WORLD must be the job (world rank r is the job's rank r). Null with *error
+// saying why MPI cannot serve. Its collectives run on the background thread only.
+std::unique_ptr<DataEngine> make_mpi_engine(int rank, int size, MpiFacts* facts,
+                                            std::string* error);
+// MPI calls the MPI engines of this process have made (a diagnostics counter).
+int64_t mpi_engine_calls();
 
 }  // namespace bagua_hvd
