@@ -126,6 +126,37 @@ def test_mpi_variables_without_their_mpi_raise():
     assert "sees rank 0 of 1" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_init_takes_an_mpi_communicator_of_every_rank():
+    # Horovod's hvd.init(comm=MPI.COMM_WORLD); a communicator of some ranks only is refused.
+    pytest.importorskip("mpi4py")
+    script = (
+        "from mpi4py import MPI\n"
+        "import bagua_hvd.torch as hvd\n"
+        "half = MPI.COMM_WORLD.Split(MPI.COMM_WORLD.Get_rank() % 2)\n"
+        "try:\n"
+        "    hvd.init(comm=half)\n"
+        "except ValueError as e:\n"
+        "    print('half raised', e, flush=True)\n"
+        "hvd.init(comm=MPI.COMM_WORLD.Dup())\n"
+        "print('joined', hvd.rank(), hvd.size(), flush=True)\n"
+    )
+    text = _run(2, sys.executable, "-c", script, timeout=120).stdout
+    for r in range(2):
+        assert f"[1,{r}]<stdout>: half raised init(comm=[{r}]): bagua_hvd runs every" in text, text
+        assert f"[1,{r}]<stdout>: joined {r} 2" in text, text
+
+
+def test_jsrun_variables_without_its_mpi_raise():
+    # jsrun's (LSF) documented task variables, no MPI that jsrun started: not a job of size 1.
+    pytest.importorskip("mpi4py")
+    env = dict(_env(), JSM_NAMESPACE_RANK="1", JSM_NAMESPACE_SIZE="2", JSM_NAMESPACE_LOCAL_RANK="1")
+    proc = subprocess.run([sys.executable, "-c", JOIN.format(setup="")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert "this process was started by jsrun (LSF) as rank 1 of 2" in text, text
+    assert "joined" not in text, text
+
+
 def test_a_single_process_stays_a_job_of_size_1():
     proc = _run(1, sys.executable, "-c", JOIN.format(setup=""), timeout=120)
     assert "joined as rank 0 of 1" in proc.stdout, proc.stdout + proc.stderr

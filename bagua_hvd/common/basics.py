@@ -55,6 +55,22 @@ def _env_true(name: str) -> bool:
     return config.flag(name)
 
 
+def _ranks_of_mpi_comm(comm: Any) -> list[int]:
+    """The MPI_COMM_WORLD ranks of an mpi4py communicator given to init(comm=...), as Horovod
+    takes one; init() then requires them to be every launched rank."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        MPI = None
+    if MPI is None or not isinstance(comm, MPI.Comm):
+        raise ValueError(
+            f"init(comm={type(comm).__name__}): comm must be a list of ranks or an mpi4py "
+            "communicator"
+        )
+    world = MPI.COMM_WORLD.Get_group()
+    return list(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), world))
+
+
 class HorovodBasics:
     """Horovod's basics API (``horovod.common.basics.HorovodBasics``) over the bagua_hvd core.
 
@@ -86,8 +102,8 @@ class HorovodBasics:
     ) -> None:
         """Starts the runtime (a no-op when already initialized).
 
-        comm: None, or a list of global ranks that must name every launched rank (a
-            sub-communicator needs MPI, which bagua_hvd does not use).
+        comm: None, a list of global ranks, or an mpi4py communicator (under mpirun); either
+            must name every launched rank (a job on a subset of them is not supported).
         process_sets: static ProcessSet objects (ids 1..k in order), or "dynamic" to allow
             add_process_set/remove_process_set after init (HOROVOD_DYNAMIC_PROCESS_SETS=1).
         """
@@ -97,11 +113,7 @@ class HorovodBasics:
                 atexit.register(self.shutdown)
                 _atexit_registered = True
         if comm is not None and not isinstance(comm, (list, tuple, range)):
-            raise ValueError(
-                f"init(comm={type(comm).__name__}): MPI communicators need Horovod's MPI "
-                "controller, which bagua_hvd does not use; launch with bagua-run and use "
-                "process sets instead"
-            )
+            comm = _ranks_of_mpi_comm(comm)
         if process_sets == "dynamic":
             process_sets = []
             config.set_dynamic_process_sets()
@@ -147,8 +159,9 @@ class HorovodBasics:
             _ps._after_init(process_sets, dynamic)
             if comm is not None and sorted(int(r) for r in comm) != list(range(self.size())):
                 raise ValueError(
-                    f"init(comm={list(comm)}): bagua_hvd runs every launched rank; a subset "
-                    "of ranks needs MPI. Use init(process_sets=[ProcessSet(ranks)]) instead"
+                    f"init(comm={list(comm)}): bagua_hvd runs every launched rank; a job on "
+                    "a subset of them is not supported. Use "
+                    "init(process_sets=[ProcessSet(ranks)]) instead"
                 )
         except BaseException:
             self.shutdown()

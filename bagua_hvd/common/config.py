@@ -143,6 +143,8 @@ _FOREIGN_LAUNCHERS = (
     ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
     ("mpirun (MPICH / Intel MPI)", "PMI_RANK", "PMI_SIZE"),
     ("srun (Slurm)", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"),
+    # LSF's jsrun (IBM's job step manager); its MPI also sets Open MPI's variables.
+    ("jsrun (LSF)", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_SIZE"),
 )
 
 
