@@ -64,7 +64,7 @@ setup(
     package_data={"bagua_hvd": ["_lib/*.so", "_lib/c_api.h", "tensorflow/kernels.cc"]},
     ext_modules=[CMakeExtension("bagua_hvd._lib.libbagua_hvd")],
     cmdclass={"build_ext": CMakeBuild},
-    install_requires=["cffi>=1.15", "numpy", "cloudpickle"],
+    install_requires=["cffi>=1.15", "numpy", "cloudpickle", "pyyaml"],  # pyyaml: --config-file
     extras_require={
         "mpi": ["mpi4py"],
         "ray": ["ray"],

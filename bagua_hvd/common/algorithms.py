@@ -350,7 +350,7 @@ class AsyncModelAverage(Algorithm):
             impl.resume()
 
 
-# The names of bagua-run --algorithm (bagua_hvd.runner.launch.ALGORITHM_NAMES, kept in step).
+# The names of bagua-run --algorithm (bagua_hvd.runner.flags.ALGORITHM_NAMES, kept in step).
 BY_NAME: Dict[str, Callable[[], Algorithm]] = {
     "gradient_allreduce": GradientAllReduce,
     "bytegrad": ByteGrad,

@@ -130,16 +130,21 @@ def pad_rank(rank: int, size: int) -> str:
 
 
 class _Output:
-    """Writes whole prefixed lines to the launcher's stdout/stderr under one lock."""
+    """Writes whole prefixed lines to the launcher's stdout/stderr under one lock; with
+    ``timestamp`` (``bagua-run --prefix-output-with-timestamp``) each line starts with the local
+    time, as horovodrun writes it (``time.asctime()``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.timestamp = False
 
     def write(self, kind: str, data: bytes) -> None:
         # Looked up per write so that redirection (pytest capture, notebooks) is honoured.
         stream = sys.stdout if kind == "stdout" else sys.stderr
         if stream is None:
             return
+        if self.timestamp:
+            data = time.asctime().encode() + data
         with self._lock:
             try:
                 buffer = getattr(stream, "buffer", None)

@@ -31,8 +31,16 @@ import shlex
 import sys
 from typing import TYPE_CHECKING, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
-from bagua_hvd import __version__
 from bagua_hvd.runner import slurm
+from bagua_hvd.runner.flags import (
+    ConfigError,
+    _positive_int,
+    apply_config,
+    load_config,
+    make_parser,
+    no_effect_warning,
+    tuning_env,
+)
 from bagua_hvd.runner.hosts import (
     HostError,
     assign_slots,
@@ -43,7 +51,7 @@ from bagua_hvd.runner.hosts import (
     parse_hosts,
     place_ranks,
 )
-from bagua_hvd.runner.job import JobResult, LaunchError, run_job
+from bagua_hvd.runner.job import OUTPUT, JobResult, LaunchError, run_job
 
 if TYPE_CHECKING:
     from bagua_hvd.runner.store import StoreServer
@@ -52,46 +60,7 @@ if TYPE_CHECKING:
 # function there); the store's values stay readable after the job (StoreServer.stop keeps them).
 StoreHook = Callable[["StoreServer"], None]
 
-LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
-TRANSPORTS = ("auto", "shm", "tcp")
 MIN_SECRET_BYTES = 16
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number in 1..65535, got {value}")
-    return value
-
-
-def _log_level(text: str) -> str:
-    level = text.upper()
-    if level not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(
-            f"invalid choice {text!r} (choose from {', '.join(LOG_LEVELS)})"
-        )
-    return level
 
 
 def _default_start_timeout() -> int:
@@ -107,202 +76,40 @@ def _default_start_timeout() -> int:
         ) from None
 
 
-def make_parser() -> argparse.ArgumentParser:
-    """The argument parser (unknown flags are errors; the command starts at the first word)."""
-    parser = argparse.ArgumentParser(
-        prog="bagua-run",
-        allow_abbrev=False,
-        description="Launch a bagua_hvd (Horovod-compatible) job: runs COMMAND once per rank.",
-    )
-    parser.add_argument(
-        "-v",
-        "--version",
-        action="version",
-        version=__version__,
-        help="print the bagua_hvd version and exit",
-    )
-    parser.add_argument(
-        "-np",
-        "--num-proc",
-        dest="num_proc",
-        type=_positive_int,
-        help="total number of ranks (processes) of the job",
-    )
-    parser.add_argument(
-        "-cb",
-        "--check-build",
-        action="store_true",
-        help="show the frameworks, controllers, transports and GPU support "
-        "this installation has, and exit",
-    )
-    hosts = parser.add_mutually_exclusive_group()
-    hosts.add_argument(
-        "-H",
-        "--hosts",
-        help="host list HOST1:SLOTS,HOST2:SLOTS (default localhost:NP); other hosts are "
-        "started over ssh, ranks fill the hosts in the order given",
-    )
-    hosts.add_argument(
-        "-hostfile",
-        "--hostfile",
-        metavar="FILE",
-        help="file with one 'HOST slots=N' per line, instead of -H",
-    )
-    parser.add_argument(
-        "-p", "--ssh-port", type=_port, help="ssh port of the other hosts (default: ssh's)"
-    )
-    parser.add_argument(
-        "-i",
-        "--ssh-identity-file",
-        metavar="FILE",
-        help="ssh private key for the other hosts (default: ssh's)",
-    )
-    parser.add_argument(
-        "--start-timeout",
-        type=_positive_int,
-        default=None,
-        help="seconds to wait for the job to start (the rendezvous server of "
-        "node 0); default 30 or HOROVOD_START_TIMEOUT",
-    )
-    parser.add_argument("--verbose", action="store_true", help="log what the launcher does")
-    parser.add_argument(
-        "--output-filename",
-        metavar="DIR",
-        help="also write each rank's output to DIR/rank.<rank>/stdout|stderr",
-    )
-    parser.add_argument(
-        "--disable-cache",
-        action="store_true",
-        help="accepted for horovodrun compatibility (nothing is cached)",
-    )
-
-    tuning = parser.add_argument_group("tuning (environment variables of the ranks)")
-    tuning.add_argument(
-        "--fusion-threshold-mb",
-        type=_non_negative_int,
-        help="tensor fusion buffer in MB, 0 disables fusion "
-        "(HOROVOD_FUSION_THRESHOLD; default 128)",
-    )
-    tuning.add_argument(
-        "--cycle-time-ms",
-        type=_non_negative_float,
-        help="fusion cycle time in ms (HOROVOD_CYCLE_TIME; default 1)",
-    )
-    tuning.add_argument(
-        "--cache-capacity",
-        type=_non_negative_int,
-        help="response cache entries, 0 disables it (HOROVOD_CACHE_CAPACITY; default 1024)",
-    )
-    tuning.add_argument(
-        "--hierarchical-allreduce",
-        dest="hierarchical_allreduce",
-        action="store_true",
-        default=None,
-        help="allreduce within each host, among one rank per host, then within the host "
-        "again (HOROVOD_HIERARCHICAL_ALLREDUCE=1; no effect on one host)",
-    )
-    tuning.add_argument(
-        "--no-hierarchical-allreduce",
-        dest="hierarchical_allreduce",
-        action="store_false",
-        help="a flat allreduce over all ranks (HOROVOD_HIERARCHICAL_ALLREDUCE=0, the default)",
-    )
-    tuning.add_argument(
-        "--log-level",
-        type=_log_level,
-        metavar="{" + ",".join(LOG_LEVELS) + "}",
-        help="core log level (HOROVOD_LOG_LEVEL; default WARNING)",
-    )
-    tuning.add_argument(
-        "--gloo-timeout-seconds",
-        type=_positive_int,
-        help="timeout of rendezvous and connection set-up "
-        "(HOROVOD_GLOO_TIMEOUT_SECONDS; default 30)",
-    )
-    tuning.add_argument(
-        "--transport",
-        choices=TRANSPORTS,
-        help="auto: shared memory within a host, TCP between hosts; tcp: TCP "
-        "everywhere (BAGUA_HVD_TRANSPORT)",
-    )
-    tuning.add_argument(
-        "--algorithm",
-        choices=ALGORITHM_NAMES,
-        help="one of BAGUA's algorithms, with default arguments, for every "
-        "DistributedOptimizer built without algorithm= (BAGUA_HVD_ALGORITHM; "
-        "docs/algorithms.md)",
-    )
-    tuning.add_argument(
-        "--network-interfaces",
-        metavar="NICS",
-        help="comma-separated interfaces for TCP traffic; the first one is used "
-        "(HOROVOD_GLOO_IFACE, NCCL_SOCKET_IFNAME)",
-    )
-    tuning.add_argument(
-        "--network-interface",
-        dest="network_interface",
-        action="append",
-        metavar="NIC",
-        help="deprecated form of --network-interfaces (repeatable)",
-    )
-
-    controller = parser.add_argument_group("controller")
-    controller.add_argument(
-        "--gloo", action="store_true", help="bagua-run starts the ranks itself (the default)"
-    )
-    controller.add_argument(
-        "--mpi",
-        action="store_true",
-        help="start the ranks with the system's mpirun (Open MPI or MPICH); each rank joins "
-        "the job through MPI (needs mpi4py)",
-    )
-    controller.add_argument(
-        "--mpi-args", metavar="ARGS", help="extra arguments for mpirun (with --mpi), as one string"
-    )
-    controller.add_argument("--jsrun", action="store_true", help=argparse.SUPPRESS)
-
-    nodes = parser.add_argument_group("several nodes (one bagua-run per node)")
-    nodes.add_argument(
-        "--num-nodes",
-        type=_positive_int,
-        default=1,
-        help="number of nodes, each running -np/num-nodes ranks (default 1)",
-    )
-    nodes.add_argument(
-        "--node-rank",
-        type=_non_negative_int,
-        default=0,
-        help="index of this node, 0..num-nodes-1 (node 0 serves the rendezvous)",
-    )
-    nodes.add_argument(
-        "--rendezvous-addr",
-        metavar="ADDR:PORT",
-        help="address of node 0's rendezvous server (required with --num-nodes "
-        "> 1; node 0 listens on PORT)",
-    )
-    parser.add_argument(
-        "command", nargs=argparse.REMAINDER, help="the command each rank runs, e.g. python train.py"
-    )
-    return parser
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parses and checks the command line (exits with status 2 and a message on bad input)."""
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
+    if args.config_file is not None:
+        try:
+            apply_config(args, load_config(args.config_file), args.config_file)
+        except ConfigError as e:
+            parser.error(str(e))
     if args.check_build:
         return args
     if args.jsrun:
         parser.error(
-            "bagua_hvd has no jsrun (LSF) launch mode: use --mpi, or bagua-run's own launch "
-            "with -H/--hostfile"
+            "--jsrun: bagua_hvd cannot start ranks with LSF's jsrun, which places them on the "
+            "LSF allocation's hosts (bagua-run does not read them): give the hosts with "
+            "-H/--hostfile, or use --mpi"
         )
-    if args.mpi and args.gloo:
-        parser.error("--gloo and --mpi cannot be combined: choose one way to start the ranks")
-    if args.mpi_args is not None and not args.mpi:
-        parser.error("--mpi-args needs --mpi")
+    elastic = [
+        flag
+        for flag, value in (
+            ("--min-np", args.min_num_proc),
+            ("--host-discovery-script", args.host_discovery_script),
+        )
+        if value is not None
+    ]
+    if elastic:
+        parser.error(
+            f"{' and '.join(elastic)}: elastic training is not supported yet by bagua_hvd. "
+            f"With {'it' if len(elastic) == 1 else 'them'} horovodrun runs an elastic job (ranks join and leave while it runs, "
+            "the script uses hvd.elastic); a fixed-size job in its place would not be the "
+            "job asked for. Run a fixed job with -np (and -H/--hostfile) instead"
+        )
     if args.mpi and args.num_nodes > 1:
         parser.error("--mpi starts every node's ranks from here: drop --num-nodes")
     if args.num_proc is None:
@@ -311,8 +118,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("no command given: expected e.g. `bagua-run -np 2 python train.py`")
     if args.start_timeout is None:
         args.start_timeout = _default_start_timeout()
-    if args.network_interface and not args.network_interfaces:
-        args.network_interfaces = ",".join(args.network_interface)
     if args.num_nodes > 1:
         if args.hosts is not None or args.hostfile is not None:
             parser.error(
@@ -359,44 +164,6 @@ def parse_rendezvous_addr(text: str) -> Tuple[str, int]:
     if not 1 <= port <= 65535:
         raise ValueError(f"--rendezvous-addr {text!r}: port must be in 1..65535")
     return host, port
-
-
-# bagua_hvd.torch.algorithms.from_name's names (QAdam needs its own optimizer: code only). Kept
-# here so that the launcher does not import torch.
-ALGORITHM_NAMES = (
-    "gradient_allreduce",
-    "bytegrad",
-    "decentralized",
-    "low_precision_decentralized",
-    "async",
-)
-
-
-def tuning_env(args: argparse.Namespace) -> Dict[str, str]:
-    """The environment variables set by tuning flags (only those given)."""
-    env: Dict[str, str] = {}
-    if args.fusion_threshold_mb is not None:
-        env["HOROVOD_FUSION_THRESHOLD"] = str(args.fusion_threshold_mb * 1024 * 1024)
-    if args.cycle_time_ms is not None:
-        env["HOROVOD_CYCLE_TIME"] = f"{args.cycle_time_ms:g}"
-    if args.cache_capacity is not None:
-        env["HOROVOD_CACHE_CAPACITY"] = str(args.cache_capacity)
-    if args.log_level is not None:
-        env["HOROVOD_LOG_LEVEL"] = args.log_level
-    if args.hierarchical_allreduce is not None:
-        env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1" if args.hierarchical_allreduce else "0"
-    if args.gloo_timeout_seconds is not None:
-        env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(args.gloo_timeout_seconds)
-    if args.transport is not None:
-        env["BAGUA_HVD_TRANSPORT"] = args.transport
-    if args.algorithm is not None:
-        env["BAGUA_HVD_ALGORITHM"] = args.algorithm
-    if args.network_interfaces:
-        nics = [n.strip() for n in args.network_interfaces.split(",") if n.strip()]
-        if nics:
-            env["HOROVOD_GLOO_IFACE"] = nics[0]
-            env["NCCL_SOCKET_IFNAME"] = ",".join(nics)
-    return env
 
 
 def job_env(secret: bytes, job_id: str, addr: str, port: int) -> Dict[str, str]:
@@ -618,6 +385,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(check_build_text(), end="")
         return 0
+    warning = no_effect_warning(args)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
+    OUTPUT.timestamp = args.prefix_output_with_timestamp
     common = dict(
         start_timeout=args.start_timeout,
         extra_env=tuning_env(args),
@@ -635,6 +406,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 common["extra_env"],
                 args.mpi_args or "",
                 args.verbose,
+                binding_args=args.binding_args or "",
+                timestamp=args.prefix_output_with_timestamp,
             )
         if args.host_entries is not None and not only_this_machine(args.host_entries):
             result = launch_hosts(

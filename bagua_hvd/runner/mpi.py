@@ -58,16 +58,22 @@ def mpi_command(
     env: Dict[str, str],
     mpi_args: str,
     command: Sequence[str],
+    binding_args: str = "",
+    timestamp: bool = False,
 ) -> List[str]:
     """mpirun's argv: ``np`` ranks over ``hosts`` (None: mpirun's default), the variables of
     ``env`` exported to every rank by name (their values are in mpirun's environment, never on
-    its command line)."""
+    its command line). As horovodrun, ``binding_args`` and ``timestamp`` (--timestamp-output)
+    are given to Open MPI only."""
     spec = ",".join(f"{h}:{n}" for h, n in hosts) if hosts else None
     names = sorted(set(env) | _PASSED_ON & set(os.environ))
     if kind == "openmpi":
         cmd = [mpirun, "-np", str(np), "--tag-output"]
         if spec:
             cmd += ["-H", spec]
+        if timestamp:
+            cmd.append("--timestamp-output")
+        cmd += shlex.split(binding_args)
         for name in names:
             cmd += ["-x", name]
     else:
@@ -86,10 +92,15 @@ def run_mpi(
     extra_env: Dict[str, str],
     mpi_args: str = "",
     verbose: bool = False,
+    binding_args: str = "",
+    timestamp: bool = False,
 ) -> int:
     """Runs the job under mpirun; returns mpirun's exit status."""
     mpirun = find_mpirun()
-    cmd = mpi_command(mpirun, flavour(mpirun), np, hosts, extra_env, mpi_args, command)
+    kind = flavour(mpirun)
+    cmd = mpi_command(
+        mpirun, kind, np, hosts, extra_env, mpi_args, command, binding_args, timestamp
+    )
     if verbose:
         print(f"bagua-run: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     try:

@@ -441,7 +441,7 @@ def test_validation_messages(monkeypatch):
 
 
 def test_launcher_offers_every_named_algorithm():
-    from bagua_hvd.runner.launch import ALGORITHM_NAMES
+    from bagua_hvd.runner.flags import ALGORITHM_NAMES
 
     assert list(ALGORITHM_NAMES) == list(A.BY_NAME)
 
