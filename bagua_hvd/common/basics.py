@@ -7,6 +7,7 @@ All frontends talk to the same core library, so the state lives in the core and 
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import warnings
@@ -22,10 +23,6 @@ INIT_FAILED_ERROR = (
 )
 MPI_NOT_ENABLED_ERROR = "Horovod MPI is not enabled; Please make sure it's installed and enabled."
 TIMELINE_NOT_DYNAMIC_ERROR = "Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage."
-TIMELINE_NOT_IMPLEMENTED = (
-    "bagua_hvd does not write timelines yet: HOROVOD_TIMELINE is accepted but "
-    "start_timeline/stop_timeline are not implemented"
-)
 
 # Reduce ops (Horovod's C enum values).
 Average = ops.Average
@@ -46,9 +43,6 @@ def before_shutdown(fn: Callable[[], None]) -> None:
     """Runs ``fn()`` at every shutdown while the job is still up (registered once per ``fn``)."""
     if fn not in _before_shutdown:
         _before_shutdown.append(fn)
-
-
-_timeline_warned = False
 
 
 def _env_true(name: str) -> bool:
@@ -139,7 +133,6 @@ class HorovodBasics:
         if lib.bhvd_is_initialized():
             return
         bootstrap.prepare()  # started by mpirun/srun rather than bagua-run: join through MPI
-        self._check_timeline_env()
         dynamic = _env_true("HOROVOD_DYNAMIC_PROCESS_SETS")
         ffi = _native.ffi
         flat = [r for ps in process_sets for r in ps.ranks]
@@ -166,17 +159,6 @@ class HorovodBasics:
         except BaseException:
             self.shutdown()
             raise
-
-    def _check_timeline_env(self) -> None:
-        global _timeline_warned
-        timeline = config.timeline()
-        if timeline and timeline != "DYNAMIC" and not _timeline_warned:
-            _timeline_warned = True
-            warnings.warn(
-                f"HOROVOD_TIMELINE={timeline} is ignored: {TIMELINE_NOT_IMPLEMENTED}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
 
     def shutdown(self) -> None:
         """Stops the runtime; pending operations fail with HorovodInternalError."""
@@ -234,20 +216,26 @@ class HorovodBasics:
 
     # ---- timeline ------------------------------------------------------------------------
     def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:
-        """Horovod's dynamic timeline; bagua_hvd does not write timelines yet."""
-        self._timeline_checks()
-        raise NotImplementedError(f"start_timeline({file_path!r}): {TIMELINE_NOT_IMPLEMENTED}")
+        """Starts writing Horovod's timeline (a Chrome-trace JSON, written by rank 0) to
+        ``file_path``, with a CYCLE_START marker per cycle when ``mark_cycles``. Needs
+        ``HOROVOD_TIMELINE`` set at ``init()`` (``DYNAMIC`` to start no file until now)."""
+        self._timeline_status(
+            self.lib.bhvd_start_timeline(os.fsencode(file_path), int(bool(mark_cycles)))
+        )
 
     def stop_timeline(self) -> None:
-        """Horovod's dynamic timeline; bagua_hvd does not write timelines yet."""
-        self._timeline_checks()
-        raise NotImplementedError(f"stop_timeline(): {TIMELINE_NOT_IMPLEMENTED}")
+        """Stops the timeline; the file is complete (valid JSON) when this returns."""
+        self._timeline_status(self.lib.bhvd_stop_timeline())
 
-    def _timeline_checks(self) -> None:
-        if not self.is_initialized():
+    def _timeline_status(self, status: int) -> None:
+        if status == ops.OK:
+            return
+        if status == ops.NOT_INITIALIZED:
             raise ValueError(NOT_INITIALIZED_ERROR)
-        if config.timeline() != "DYNAMIC":
-            raise ValueError(TIMELINE_NOT_DYNAMIC_ERROR)
+        detail = _native.last_error()
+        if status == ops.INVALID_ARGUMENT:
+            raise ValueError(detail)
+        raise RuntimeError(detail)
 
     # ---- build facts ---------------------------------------------------------------------
     def mpi_threads_supported(self) -> bool:

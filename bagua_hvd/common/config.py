@@ -20,7 +20,6 @@ WAIT_WARNING_ENV = "BAGUA_HVD_WAIT_WARNING_SECONDS"
 GLOO_TIMEOUT_ENV = "HOROVOD_GLOO_TIMEOUT_SECONDS"
 DEFAULT_GLOO_TIMEOUT_S = 30.0  # Horovod's default, as native/src/config.cc
 DEFAULT_WAIT_WARNING_S = 60.0
-TIMELINE_ENV = "HOROVOD_TIMELINE"
 DYNAMIC_PROCESS_SETS_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
 
 
@@ -76,11 +75,6 @@ def bucket_bytes() -> int:
     if mb < 0:
         raise ValueError(f"{BUCKET_MB_ENV} must be >= 0, got {value!r}")
     return int(mb * (1 << 20))
-
-
-def timeline() -> str:
-    """``HOROVOD_TIMELINE`` as set ("" when unset)."""
-    return os.environ.get(TIMELINE_ENV, "")
 
 
 def dynamic_process_sets() -> bool:

@@ -28,6 +28,10 @@ struct Config {
   // HOROVOD_CPU_OPERATIONS=mpi: Horovod's collectives through the process's MPI library
   // (ops/mpi_engine.cc); gloo (the default): the core's own transports.
   bool cpu_operations_mpi = false;
+  // HOROVOD_TIMELINE: the file rank 0 writes its timeline to (core/timeline.h), "DYNAMIC" to
+  // start none until hvd.start_timeline(); empty: off, and start_timeline refused.
+  std::string timeline;
+  bool timeline_mark_cycles = false;  // HOROVOD_TIMELINE_MARK_CYCLES
 };
 
 // Reads and validates the environment (the messages are those hvd.init() raises). epoch goes

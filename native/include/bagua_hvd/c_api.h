@@ -211,6 +211,16 @@ int bhvd_is_initialized(void);
 const char* bhvd_last_error(void);
 const char* bhvd_version(void);
 
+/* Horovod's timeline (hvd.start_timeline / hvd.stop_timeline): a Chrome-trace JSON written by
+ * rank 0 (the other ranks accept and do nothing). Refused with BHVD_INVALID_ARGUMENT and
+ * Horovod's text unless HOROVOD_TIMELINE was set at init (a file, or DYNAMIC to start none);
+ * BHVD_NOT_INITIALIZED before init. start opens path (truncating; another open file is completed
+ * first; the same path only changes mark_cycles); a file that cannot be opened is logged and no
+ * timeline written, as Horovod does. stop returns once the file is complete (a valid JSON
+ * array, every event closed). */
+int bhvd_start_timeline(const char* path, int32_t mark_cycles);
+int bhvd_stop_timeline(void);
+
 int bhvd_rank(void);
 int bhvd_size(void);
 int bhvd_local_rank(void);

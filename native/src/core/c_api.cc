@@ -81,6 +81,17 @@ int bhvd_shutdown(void) {
   });
 }
 
+int bhvd_start_timeline(const char* path, int32_t mark_cycles) {
+  return guarded([&]() -> int {
+    if (!path || !*path) return report(Status::InvalidArgument("start_timeline: empty file path"));
+    return report(Runtime::get().start_timeline(path, mark_cycles != 0));
+  });
+}
+
+int bhvd_stop_timeline(void) {
+  return guarded([&]() -> int { return report(Runtime::get().stop_timeline()); });
+}
+
 int bhvd_is_initialized(void) {
   return guarded_value<int>(0, [&]() -> int { return Runtime::get().initialized() ? 1 : 0; });
 }

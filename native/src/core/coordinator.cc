@@ -21,6 +21,12 @@ std::string num_str(double v) {
   return os.str();
 }
 
+// The timeline of a coordinator given none: never active.
+Timeline& no_timeline() {
+  static Timeline off(2);  // never started: its destructor has nothing to stop
+  return off;
+}
+
 const char* type_name(int32_t type) {
   if (type == kOpAddProcessSet) return "ADD_PROCESS_SET";
   if (type == kOpRemoveProcessSet) return "REMOVE_PROCESS_SET";
@@ -30,13 +36,14 @@ const char* type_name(int32_t type) {
 }  // namespace
 
 Coordinator::Coordinator(int world_size, const std::map<int32_t, std::vector<int32_t>>& sets,
-                         CoordinatorParams params)
+                         CoordinatorParams params, Timeline* timeline)
     : world_size_(world_size),
       sets_(sets),
       params_(params),
       fusion_{params.fusion_threshold, params.no_fuse_bytes},
       joined_(world_size, 0),
-      cache_(params.cache_capacity, world_size) {
+      cache_(params.cache_capacity, world_size),
+      timeline_(timeline ? *timeline : no_timeline()) {
   for (const auto& kv : sets_) next_set_id_ = std::max(next_set_id_, kv.first + 1);
 }
 
@@ -106,6 +113,10 @@ void Coordinator::add_request(Request r) {
     // on the rank's own entry by treating the tensor as ready with an error.
     sr = 0;
   }
+  if (timeline_.active()) {
+    if (p.count == 0) timeline_.negotiate_begin(key, r.type);
+    timeline_.negotiate_rank(key, r.rank);
+  }
   if (!p.have[sr]) {
     p.have[sr] = 1;
     ++p.count;
@@ -126,6 +137,7 @@ void Coordinator::check_ready(const std::string& name, Pending& p, Clock::time_p
   p.ready = true;
   p.ready_time = now;
   ready_.push_back(name);
+  if (timeline_.active()) timeline_.negotiate_end(name);
 }
 
 bool Coordinator::member_joined(const Pending& p) const {

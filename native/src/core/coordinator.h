@@ -12,6 +12,7 @@
 #include "common.h"
 #include "core/message.h"
 #include "core/response_cache.h"
+#include "core/timeline.h"
 #include "ops/fusion.h"
 
 namespace bagua_hvd {
@@ -30,9 +31,10 @@ struct CoordinatorParams {
 class Coordinator {
  public:
   // sets: process set id -> sorted global ranks (the runtime's table, updated by it as
-  // add/remove responses execute).
+  // add/remove responses execute). timeline: where the negotiations are recorded while it is
+  // active (rank 0's; null: never).
   Coordinator(int world_size, const std::map<int32_t, std::vector<int32_t>>& sets,
-              CoordinatorParams params);
+              CoordinatorParams params, Timeline* timeline = nullptr);
 
   // Adds one rank's RequestList (the coordinator's own requests come through here too).
   void add(const RequestList& list, int from_rank);
@@ -81,6 +83,7 @@ class Coordinator {
   int32_t next_set_id_ = 1;
 
   ResponseCache cache_;
+  Timeline& timeline_;
 
  public:
   // Exposed for tests through bhvd_stat.

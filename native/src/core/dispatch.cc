@@ -21,7 +21,8 @@ void Runtime::register_set(int32_t id, std::vector<int32_t> ranks) {
   comms_[id] = std::make_unique<Comm>(*transport_, ranks);
 }
 
-void Runtime::execute(const Response& r) {
+void Runtime::execute(const Response& r, uint64_t tl_group) {
+  if (tl_group) timeline_.activity_end(tl_group);  // out of QUEUE
   stats_.responses++;
   if (r.names.size() > 1) stats_.fused_tensors += static_cast<int64_t>(r.names.size());
   std::vector<std::string> keys;
@@ -88,7 +89,7 @@ void Runtime::execute(const Response& r) {
                              : nullptr;
   // Host tensors only for now (enqueue refuses device >= 0): a device engine is chosen here.
   DataEngine& engine = mpi_engine_ ? *mpi_engine_ : cpu_engine();
-  ExecContext ctx{r, *comm, entries, engine, fusion_, hierarchy, mu_};
+  ExecContext ctx{r, *comm, entries, engine, fusion_, hierarchy, mu_, &timeline_, tl_group};
   exec(ctx);
   stats_.exec_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - started)
                         .count();

@@ -54,6 +54,7 @@ void Runtime::loop_once_coordinator(bool* active) {
   if (out.responses.empty() && !out.shutdown && out.evicted.empty()) return;
   std::string payload = encode(out);
   for (int w = 1; w < cfg_.size; ++w) ctrl_->send(w, payload);
+  if (timeline_.active() && !out.responses.empty()) timeline_.mark_cycle();
   apply(out);
   *active = true;
 }
@@ -78,13 +79,33 @@ void Runtime::loop_once_worker(bool* active) {
 
 void Runtime::apply(const ResponseList& list) {
   cache_.evict(list.evicted);
+  // On the timeline (rank 0), every response of the list starts now and waits in QUEUE behind
+  // the earlier ones until it executes.
+  std::vector<uint64_t> groups;
+  if (timeline_.active()) {
+    groups.assign(list.responses.size(), 0);
+    for (size_t i = 0; i < list.responses.size(); ++i) {
+      const Response& r = list.responses[i];
+      if (r.kind == Response::ERROR && r.type == kAbortType) continue;
+      const Comm* comm = comm_for(r.process_set_id);
+      if (!comm || comm->rank() < 0) continue;  // not a member: nothing runs here
+      std::vector<std::string> keys;
+      keys.reserve(r.names.size());
+      for (const auto& name : r.names) keys.push_back(tensor_key(r.process_set_id, name));
+      groups[i] = timeline_.op_begin(std::move(keys), r.type, static_cast<int32_t>(r.dtype));
+      timeline_.activity_begin(groups[i], kTlQueue);
+    }
+  }
   std::string abort_reason;
-  for (const auto& r : list.responses) {
+  for (size_t i = 0; i < list.responses.size(); ++i) {
+    const Response& r = list.responses[i];
     if (r.kind == Response::ERROR && r.type == kAbortType) {
       abort_reason = r.error;
       continue;
     }
-    execute(r);
+    const uint64_t group = groups.empty() ? 0 : groups[i];
+    execute(r, group);
+    if (group) timeline_.op_end(group);
   }
   stats_.cycles++;
   if (list.seq) acked_seq_ = list.seq;

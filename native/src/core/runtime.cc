@@ -33,6 +33,7 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
   BootstrapConfig cfg = config.bootstrap;
   spin_ = std::chrono::microseconds(config.spin_us);
   hierarchical_allreduce_ = config.hierarchical_allreduce;
+  timeline_enabled_ = !config.timeline.empty();
   mpi_engine_.reset();
   if (config.cpu_operations_mpi && cfg.size > 1) {
     // Before the rendezvous: a rank that cannot use MPI fails at once, not after the others.
@@ -110,7 +111,14 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
       cfg_.local_size > static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   ctrl_ = std::make_unique<ControlChannel>(*transport_, cfg_.timeout_s);
   coordinator_.reset();
-  if (cfg_.rank == 0) coordinator_ = std::make_unique<Coordinator>(cfg_.size, sets_, config.coordinator);
+  if (cfg_.rank == 0) {
+    coordinator_ = std::make_unique<Coordinator>(cfg_.size, sets_, config.coordinator, &timeline_);
+    if (timeline_enabled_ && config.timeline != "DYNAMIC") {
+      // As Horovod: a file that cannot be written is logged, the job runs without a timeline.
+      if (Status s = timeline_.start(config.timeline, config.timeline_mark_cycles); !s.ok())
+        BHVD_LOG(ERROR, s.reason);
+    }
+  }
   initialized_ = true;
   thread_ = std::thread([this] { loop(); });
   name_thread(thread_, "bhvd_core");
@@ -127,6 +135,7 @@ Status Runtime::shutdown() {
     transport_->notify();
   }
   if (thread_.joinable()) thread_.join();
+  timeline_.shutdown();  // the file is complete once hvd.shutdown() returns
   mpi_engine_.reset();  // its communicators, once the background thread no longer uses them
   fail_all(Status::Aborted(kShutDown));
   averagers.clear();  // their threads' last collectives have failed by now: they end
@@ -150,6 +159,29 @@ Status Runtime::shutdown() {
 }
 
 // ---- frontend side ------------------------------------------------------------------------
+
+namespace {
+// Horovod's text.
+constexpr const char* kTimelineNotEnabled =
+    "Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.";
+}  // namespace
+
+Status Runtime::start_timeline(const std::string& path, bool mark_cycles) {
+  if (!initialized_) return Status::NotInitialized();
+  if (!timeline_enabled_)
+    return Status::InvalidArgument(kTimelineNotEnabled);
+  if (cfg_.rank != 0) return Status::OK();
+  if (Status s = timeline_.start(path, mark_cycles); !s.ok()) BHVD_LOG(ERROR, s.reason);
+  return Status::OK();
+}
+
+Status Runtime::stop_timeline() {
+  if (!initialized_) return Status::NotInitialized();
+  if (!timeline_enabled_)
+    return Status::InvalidArgument(kTimelineNotEnabled);
+  timeline_.stop();
+  return Status::OK();
+}
 
 Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
   if (!initialized_) return Status::NotInitialized();

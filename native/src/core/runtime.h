@@ -25,6 +25,7 @@
 #include "core/handle.h"
 #include "core/message.h"
 #include "core/response_cache.h"
+#include "core/timeline.h"
 #include "ops/data_engine.h"
 #include "ops/fusion.h"
 #include "transport/control_channel.h"
@@ -80,6 +81,11 @@ class Runtime {
 
   RuntimeStats& stats() { return stats_; }
 
+  // Horovod's dynamic timeline (hvd.start_timeline/stop_timeline): rank 0 writes, the other
+  // ranks accept and do nothing. Refused (Horovod's text) unless HOROVOD_TIMELINE was set.
+  Status start_timeline(const std::string& path, bool mark_cycles);
+  Status stop_timeline();
+
   // HOROVOD_CPU_OPERATIONS=mpi in effect: the MPI engine runs the collectives (null otherwise).
   const MpiFacts* mpi() const { return mpi_engine_ ? &mpi_facts_ : nullptr; }
 
@@ -97,7 +103,8 @@ class Runtime {
   void drain_local(RequestList* out, bool* any);
   void apply(const ResponseList& list);
   // Execution of one response (core/dispatch.cc).
-  void execute(const Response& r);
+  // tl_group: the response's group on the timeline (0: not recorded).
+  void execute(const Response& r, uint64_t tl_group);
   int group_size_locked(int32_t set_id, bool hierarchical);
   void finish(const std::string& name, const Status& s);
   void fail_all(const Status& s);
@@ -153,6 +160,8 @@ class Runtime {
   std::unique_ptr<DataEngine> mpi_engine_;  // HOROVOD_CPU_OPERATIONS=mpi (ops/mpi_engine.cc)
   MpiFacts mpi_facts_;
   Clock::time_point wake_at_ = Clock::time_point::max();
+  Timeline timeline_;             // rank 0's (core/timeline.h)
+  bool timeline_enabled_ = false;  // HOROVOD_TIMELINE set: start_timeline allowed
 };
 
 }  // namespace bagua_hvd

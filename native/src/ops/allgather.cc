@@ -8,6 +8,7 @@ void execute_allgather(ExecContext& ctx) {
   const Response& r = ctx.r;
   Comm& comm = ctx.comm;
   const size_t esize = dtype_size(r.dtype);
+  TimelineActivity activity(ctx, TlCollective::kAllgather);
   for (size_t i = 0; i < r.names.size(); ++i) {
     Entry* e = ctx.entries[i];
     const auto& shape = e ? e->request.shape : r.shapes[i];

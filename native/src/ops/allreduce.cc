@@ -2,6 +2,8 @@
 // through the set's hierarchy when the runtime gives one (HOROVOD_HIERARCHICAL_ALLREDUCE, and
 // the op type BHVD_OP_HIERARCHICAL_ALLREDUCE). Fusion itself: ops/fusion.cc; the compressed
 // allreduce: ops/compressed_allreduce.cc.
+#include <optional>
+
 #include "ops/op.h"
 
 namespace bagua_hvd {
@@ -24,6 +26,7 @@ void execute_allreduce(ExecContext& ctx) {
     if (entries[0]->input != entries[0]->output && total)
       eng.copy(buf, entries[0]->input, total * esize);
   } else {
+    TimelineActivity memcpy_in(ctx, kTlMemcpyIn);
     buf = ctx.fusion.get(total * esize);
     size_t off = 0;
     for (size_t i = 0; i < counts.size(); ++i) {
@@ -35,6 +38,7 @@ void execute_allreduce(ExecContext& ctx) {
       off += bytes;
     }
   }
+  std::optional<TimelineActivity> collective(std::in_place, ctx, TlCollective::kAllreduce);
   if (r.prescale != 1.0) eng.scale(buf, total, r.dtype, r.prescale);
   if (Hierarchy* h = ctx.hierarchy; h && h->cross) {
     // The network carries one allreduce's worth per host, not per rank, spread over the host's
@@ -62,7 +66,9 @@ void execute_allreduce(ExecContext& ctx) {
   double post = r.postscale;
   if (r.reduce_op == ReduceOp::AVERAGE) post /= ctx.comm.size();
   if (post != 1.0) eng.scale(buf, total, r.dtype, post);
+  collective.reset();
   if (!direct) {
+    TimelineActivity memcpy_out(ctx, kTlMemcpyOut);
     size_t off = 0;
     for (size_t i = 0; i < counts.size(); ++i) {
       size_t bytes = counts[i] * esize;

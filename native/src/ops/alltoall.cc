@@ -9,6 +9,7 @@ void execute_alltoall(ExecContext& ctx) {
   Comm& comm = ctx.comm;
   const size_t esize = dtype_size(r.dtype);
   const int n = comm.size(), me = comm.rank();
+  TimelineActivity activity(ctx, TlCollective::kAlltoall);
   for (size_t i = 0; i < r.names.size(); ++i) {
     Entry* e = ctx.entries[i];
     if (!e) continue;

@@ -16,6 +16,9 @@ void execute_compressed_allreduce(ExecContext& ctx) {
   if (e->input != e->output && count) eng.copy(e->output, e->input, count * esize);
   if (r.prescale != 1.0) eng.scale(e->output, count, r.dtype, r.prescale);
   const bool average = r.reduce_op == ReduceOp::AVERAGE;
+  // Compression, exchange and decompression are pipelined block by block in one collective
+  // (collectives/allreduce_minmax_uint8.cc): one activity.
+  TimelineActivity activity(ctx, kTlCompressedAllreduce);
   if (Hierarchy* h = ctx.hierarchy) {
     // BAGUA's hierarchy: full precision within the host, compressed among the hosts.
     eng.allreduce(*h->intra, e->output, count, r.dtype, ReduceOp::SUM);

@@ -8,6 +8,7 @@ namespace bagua_hvd {
 void execute_lp_decentralized_exchange(ExecContext& ctx) {
   Entry* e = ctx.entries[0];
   if (!e) return;
+  TimelineActivity activity(ctx, kTlPeerExchange);
   Replicas& rep = state<Replicas>(e);
   ctx.engine.lp_decentralized_exchange(ctx.comm, static_cast<const uint8_t*>(e->input), rep.left,
                                        rep.right, rep.count, rep.dtype);

@@ -9,6 +9,7 @@ void execute_lp_decentralized_step(ExecContext& ctx) {
   const Response& r = ctx.r;
   Entry* e = ctx.entries[0];
   if (!e) return;
+  TimelineActivity activity(ctx, kTlPeerExchange);
   Replicas& rep = state<Replicas>(e);
   const size_t count = static_cast<size_t>(num_elements(r.shapes[0]));
   if (ctx.hierarchy) {

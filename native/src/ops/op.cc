@@ -1,8 +1,18 @@
-// The table from op type to executor (ops/op.h), and the helper the hierarchical weight
-// averages share.
+// The table from op type to executor (ops/op.h), the timeline's names of the collectives, and
+// the helper the hierarchical weight averages share.
 #include "ops/op.h"
 
+#include <cstring>
+
 namespace bagua_hvd {
+
+const char* timeline_collective(const DataEngine& engine, TlCollective c) {
+  static const char* const kNames[2][5] = {
+      {"GLOO_ALLREDUCE", "GLOO_ALLGATHER", "GLOO_BCAST", "GLOO_ALLTOALL", "GLOO_REDUCESCATTER"},
+      {"MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BCAST", "MPI_ALLTOALL", "MPI_REDUCESCATTER"}};
+  const int mpi = std::strcmp(engine.name(), "mpi") == 0 ? 1 : 0;
+  return kNames[mpi][static_cast<int>(c)];
+}
 
 OpExecutor op_executor(int32_t type) {
   switch (type) {

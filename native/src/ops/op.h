@@ -14,6 +14,7 @@
 #include "collectives/hierarchy.h"
 #include "core/handle.h"
 #include "core/message.h"
+#include "core/timeline.h"
 #include "ops/data_engine.h"
 #include "ops/fusion.h"
 
@@ -31,6 +32,38 @@ struct ExecContext {
   Hierarchy* hierarchy;
   // Guards the handles' core-allocated outputs, which frontend threads read.
   std::mutex& handles_mu;
+  // Rank 0's timeline and the response's group on it (0: not recorded, TimelineActivity
+  // records nothing).
+  Timeline* timeline = nullptr;
+  uint64_t tl_group = 0;
+};
+
+// The collectives as the timeline names their activity: Horovod's GLOO_* on the core's own
+// transports (which play Horovod's Gloo role: gloo_enabled() is true), MPI_* on the MPI engine.
+enum class TlCollective { kAllreduce, kAllgather, kBroadcast, kAlltoall, kReducescatter };
+const char* timeline_collective(const DataEngine& engine, TlCollective c);
+
+// One activity of the response's tensors on the timeline, for its scope (nothing, one branch,
+// when the response is not recorded).
+class TimelineActivity {
+ public:
+  TimelineActivity(const ExecContext& ctx, const char* activity)
+      : timeline_(ctx.tl_group ? ctx.timeline : nullptr), group_(ctx.tl_group) {
+    if (timeline_) timeline_->activity_begin(group_, activity);
+  }
+  TimelineActivity(const ExecContext& ctx, TlCollective c)
+      : timeline_(ctx.tl_group ? ctx.timeline : nullptr), group_(ctx.tl_group) {
+    if (timeline_) timeline_->activity_begin(group_, timeline_collective(ctx.engine, c));
+  }
+  ~TimelineActivity() {
+    if (timeline_) timeline_->activity_end(group_);
+  }
+  TimelineActivity(const TimelineActivity&) = delete;
+  TimelineActivity& operator=(const TimelineActivity&) = delete;
+
+ private:
+  Timeline* timeline_;
+  uint64_t group_;
 };
 
 using OpExecutor = void (*)(ExecContext& ctx);

@@ -12,6 +12,7 @@ void execute_peer_average(ExecContext& ctx) {
   const auto& p = params<PeerAverageParams>(ctx);
   const size_t count = static_cast<size_t>(num_elements(r.shapes[0]));
   const auto mode = static_cast<PeerMode>(p.peer_mode);
+  TimelineActivity activity(ctx, kTlPeerExchange);
   if (ctx.hierarchy) {
     host_average_then(ctx, e, count, [&](Comm& leaders) {
       ctx.engine.decentralized_average(leaders, e->output, e->output, count, r.dtype, mode,

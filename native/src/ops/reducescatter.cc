@@ -11,6 +11,7 @@ void execute_reducescatter(ExecContext& ctx) {
   DataEngine& eng = ctx.engine;
   const size_t esize = dtype_size(r.dtype);
   const int n = comm.size();
+  TimelineActivity activity(ctx, TlCollective::kReducescatter);
   for (size_t i = 0; i < r.names.size(); ++i) {
     Entry* e = ctx.entries[i];
     if (!e) continue;
