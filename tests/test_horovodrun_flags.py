@@ -56,7 +56,6 @@ HOROVODRUN_FLAGS = [f for flags in HOROVODRUN_GROUPS.values() for f in flags] + 
 MB = 1024 * 1024
 AUTOTUNE = "bagua_hvd has no autotuner"
 ELASTIC = "they only configure elastic jobs"
-TIMELINE = "does not write timelines yet"
 
 # (horovodrun command line without "horovodrun" and the command, the variables the ranks get
 # from the flags, {flag named in the warning: words of its reason}; {} = no warning)
@@ -91,11 +90,9 @@ CASES = [
                            "--reset-limit", "--blacklist-cooldown-range")}),
     ("-np 2 --max-num-proc 4", {}, {"--max-np": ELASTIC}),
     ("-np 2 --timeline-filename /tmp/tl.json --timeline-mark-cycles",
-     {"HOROVOD_TIMELINE": "/tmp/tl.json", "HOROVOD_TIMELINE_MARK_CYCLES": "1"},
-     {"--timeline-filename": TIMELINE, "--timeline-mark-cycles": TIMELINE}),
+     {"HOROVOD_TIMELINE": "/tmp/tl.json", "HOROVOD_TIMELINE_MARK_CYCLES": "1"}, {}),
     ("-np 2 --timeline-filename tl.json --no-timeline-mark-cycles",
-     {"HOROVOD_TIMELINE": "tl.json", "HOROVOD_TIMELINE_MARK_CYCLES": "0"},
-     {"--timeline-filename": TIMELINE}),
+     {"HOROVOD_TIMELINE": "tl.json", "HOROVOD_TIMELINE_MARK_CYCLES": "0"}, {}),
     ("-np 2 --no-stall-check", {"HOROVOD_STALL_CHECK_DISABLE": "1"}, {}),
     ("-np 2 --stall-check --stall-check-warning-time-seconds 10 "
      "--stall-check-shutdown-time-seconds 20",
@@ -286,8 +283,7 @@ def test_config_file_sections(tmp_path: Path) -> None:
     assert sorted(warned(args)) == sorted([
         "--autotune", "--autotune-log-file", "--autotune-warmup-samples",
         "--autotune-steps-per-sample", "--autotune-bayes-opt-max-samples",
-        "--autotune-gaussian-process-noise", "--timeline-filename", "--timeline-mark-cycles",
-        "--num-nccl-streams", "--thread-affinity"])  # fmt: skip
+        "--autotune-gaussian-process-noise", "--num-nccl-streams", "--thread-affinity"])  # fmt: skip
 
 
 @pytest.mark.parametrize("where", ["before", "after"])

@@ -320,8 +320,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--timeline-filename",
         action=_Given,
         metavar="FILE",
-        help="the ranks get HOROVOD_TIMELINE=FILE, as with horovodrun; "
-        "bagua_hvd does not write timelines yet",
+        help="rank 0 writes Horovod's timeline (Chrome trace JSON) to FILE (HOROVOD_TIMELINE)",
     )
     _switch(
         timeline,
@@ -705,7 +704,6 @@ def tuning_env(args: argparse.Namespace) -> Dict[str, str]:
 
 _NO_AUTOTUNER = "bagua_hvd has no autotuner: the fusion threshold and cycle time stay as set"
 _ELASTIC_ONLY = "they only configure elastic jobs, which bagua_hvd does not run yet"
-_NO_TIMELINE = "bagua_hvd does not write timelines yet, though the ranks get HOROVOD_TIMELINE"
 # (flag, its destination, whether the value asks for something, why it has no effect here)
 _NO_EFFECT: Tuple[Tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("--hierarchical-allgather", "hierarchical_allgather", bool,
@@ -727,8 +725,6 @@ _NO_EFFECT: Tuple[Tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("--elastic-timeout", "elastic_timeout", lambda v: v is not None, _ELASTIC_ONLY),
     ("--reset-limit", "reset_limit", lambda v: v is not None, _ELASTIC_ONLY),
     ("--blacklist-cooldown-range", "cooldown_range", lambda v: v is not None, _ELASTIC_ONLY),
-    ("--timeline-filename", "timeline_filename", bool, _NO_TIMELINE),
-    ("--timeline-mark-cycles", "timeline_mark_cycles", bool, _NO_TIMELINE),
     ("--mpi-threads-disable", "mpi_threads_disable", bool,
      "the core's background thread needs MPI_THREAD_SERIALIZED or more"),
     ("--num-nccl-streams", "num_nccl_streams", lambda v: v is not None,
