@@ -103,17 +103,9 @@ PYTEST_IN_JOB = (
 @pytest.mark.parametrize(
     "np_, tests",
     [
-        (
-            3,
-            [
-                "tests/mp/test_torch_ops.py",
-                "-k",
-                "allreduce or allgather or broadcast or alltoall or reducescatter",
-            ],
-        ),
         # Training against the plain-torch reference, and bit-for-bit comparisons between fused
         # and unfused layouts: at 3+ ranks MPI's summation order depends on the message size
-        # (its algorithm choice), at 2 it cannot.
+        # (its algorithm choice), at 2 it cannot. (Each collective at 3 ranks: the worker above.)
         (
             2,
             [
@@ -122,8 +114,8 @@ PYTEST_IN_JOB = (
                 "equivalence or backward_passes or reduce_op or compression or bucketwise_update_gives",
             ],
         ),
-    ],  # fmt: skip
-    ids=["ops", "optimizer"],
+    ],
+    ids=["optimizer"],
 )
 def test_collective_tests_pass_over_mpi(np_, tests):
     argv = [_open_mpi(), "-np", str(np_), "--oversubscribe", "--tag-output", sys.executable,
