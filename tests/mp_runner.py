@@ -1,5 +1,5 @@
-"""Launching the multi-process test files of tests/mp/ (one pytest per rank): shared by the
-outer runners tests/test_torch_ops.py and tests/test_tf_ops.py."""
+"""Launching jobs from the tests: the multi-process test files of tests/mp/ (one pytest per
+rank, run_inner) and any command at np ranks through the launcher (launch, run_command)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,12 @@ needs_core = pytest.mark.skipif(
 )
 
 
-def _env() -> dict:
+def launch(np: int) -> list:
+    """bagua-run -np <np>, as a command prefix (the module: no installed script needed)."""
+    return [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", str(np)]
+
+
+def _env(**extra: str) -> dict:
     env = dict(os.environ)
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + path if path else "")
@@ -37,16 +42,18 @@ def _env() -> dict:
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up banner out
     for k in [k for k in env if k.startswith("HOROVOD_") and k not in ("HOROVOD_LOG_LEVEL",)]:
         del env[k]  # an outer launcher's rank variables must not leak into the inner job
+    env.update(extra)
     return env
 
 
-def run_command(cmd: list, what: str) -> str:
-    """Runs cmd from the repository root (rank variables of an outer launcher removed); fails
-    the test on a non-zero exit or after TIMEOUT_S. Returns stdout and stderr together."""
+def run_command(cmd: list, what: str, **env: str) -> str:
+    """Runs cmd from the repository root (rank variables of an outer launcher removed, env
+    added); fails the test on a non-zero exit or after TIMEOUT_S. Returns stdout and stderr
+    together."""
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
-        env=_env(),
+        env=_env(**env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -71,8 +78,7 @@ def run_inner(inner: str, np: int) -> str:
     if np == 1:
         text = run_command(pytest_cmd, f"{inner} at size 1")
     else:
-        launch = [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", str(np)]
-        text = run_command(launch + pytest_cmd, f"{inner} at {np} ranks")
+        text = run_command(launch(np) + pytest_cmd, f"{inner} at {np} ranks")
     passed = re.findall(r"(\d+) passed", text)
     assert len(passed) == np, f"expected a pytest summary from each of {np} ranks:\n{text}"
     assert all(int(p) > 0 for p in passed), text

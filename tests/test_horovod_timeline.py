@@ -8,13 +8,12 @@ between, cycle markers appear only with mark_cycles, and the errors are Horovod'
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from mp_runner import launch, run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "horovod_timeline_worker.py"
@@ -22,22 +21,9 @@ WORKER = ROOT / "tests" / "workers" / "horovod_timeline_worker.py"
 pytest.importorskip("torch")
 
 
-def run_job(*args: str, **env_extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for key in [k for k in env if k.startswith("HOROVOD_")]:
-        del env[key]
-    env.update(env_extra)
-    proc = subprocess.run(
-        [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "2", sys.executable, str(WORKER)]
-        + list(args),
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+def run_job(*args: str, **env: str) -> str:
+    """The worker at 2 ranks with env; its output (stdout and stderr)."""
+    return run_command(launch(2) + [sys.executable, str(WORKER), *args], "the worker", **env)
 
 
 def load_rows(path: Path) -> tuple[list, dict]:
@@ -88,9 +74,9 @@ def phases(row: list) -> list:
 
 def test_timeline_from_environment(tmp_path):
     path = tmp_path / "timeline.json"
-    proc = run_job("env", HOROVOD_TIMELINE=str(path), HOROVOD_TIMELINE_MARK_CYCLES="1")
+    out = run_job("env", HOROVOD_TIMELINE=str(path), HOROVOD_TIMELINE_MARK_CYCLES="1")
     # Read while the job ran (as Horovod's test_timeline does): valid JSON with the first op.
-    assert "[0]<stdout>:LIVE True True" in proc.stdout, proc.stdout
+    assert "[0]<stdout>:LIVE True True" in out, out
     text = path.read_text()
     for needle in ("allreduce.test_allreduce", "NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"):
         assert needle in text  # Horovod's test_timeline.py assertions
@@ -160,16 +146,15 @@ def test_dynamic_start_stop(tmp_path):
 
 
 def test_errors_without_horovod_timeline():
-    proc = run_job("errors")
-    out = proc.stdout
+    out = run_job("errors")
     assert out.count("BEFORE_INIT Horovod has not been initialized; use hvd.init().") == 2, out
-    assert (
-        out.count("NOT_ENABLED Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.") == 4
-    )
+    not_enabled = "NOT_ENABLED Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage."
+    assert out.count(not_enabled) == 2, out
+    assert out.count("STOPPED") == 2, out
 
 
 def test_unwritable_file_is_logged_and_the_job_runs(tmp_path):
     path = tmp_path / "missing-dir" / "timeline.json"
-    proc = run_job("plain", HOROVOD_TIMELINE=str(path))
-    assert "Error opening the Horovod Timeline file" in proc.stderr + proc.stdout
+    out = run_job("plain", HOROVOD_TIMELINE=str(path))
+    assert "Error opening the Horovod Timeline file" in out, out
     assert not path.exists()

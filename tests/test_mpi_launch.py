@@ -146,17 +146,6 @@ def test_init_takes_an_mpi_communicator_of_every_rank():
         assert f"[1,{r}]<stdout>: joined {r} 2" in text, text
 
 
-def test_jsrun_variables_without_its_mpi_raise():
-    # jsrun's (LSF) documented task variables, no MPI that jsrun started: not a job of size 1.
-    pytest.importorskip("mpi4py")
-    env = dict(_env(), JSM_NAMESPACE_RANK="1", JSM_NAMESPACE_SIZE="2", JSM_NAMESPACE_LOCAL_RANK="1")
-    proc = subprocess.run([sys.executable, "-c", JOIN.format(setup="")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    text = proc.stdout + proc.stderr
-    assert "this process was started by jsrun (LSF) as rank 1 of 2" in text, text
-    assert "joined" not in text, text
-
-
 def test_a_single_process_stays_a_job_of_size_1():
     proc = _run(1, sys.executable, "-c", JOIN.format(setup=""), timeout=120)
     assert "joined as rank 0 of 1" in proc.stdout, proc.stdout + proc.stderr
@@ -182,15 +171,24 @@ def test_bagua_run_mpi_starts_the_job_through_mpirun():
             assert f"[1,{r}]<stdout>: rank {r} of 2 2" in text, text
 
 
-def test_srun_variables_without_a_matching_mpi_raise():
-    # srun's step variables (documented by Slurm) as srun would set them for task 1 of 2,
-    # without an MPI that srun started: the task must not run alone.
+@pytest.mark.parametrize(
+    "variables,started_by",
+    [
+        # srun's step variables (documented by Slurm) as srun sets them for task 1 of 2.
+        ({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2"}, "srun (Slurm)"),
+        # jsrun's (LSF) documented task variables.
+        ({"JSM_NAMESPACE_RANK": "1", "JSM_NAMESPACE_SIZE": "2", "JSM_NAMESPACE_LOCAL_RANK": "1"},
+         "jsrun (LSF)"),
+    ],
+)  # fmt: skip
+def test_launcher_variables_without_its_mpi_raise(variables: dict, started_by: str):
+    # Task 1 of 2 of a launcher, without an MPI that launcher started: it must not run alone.
     pytest.importorskip("mpi4py")
-    env = dict(_env(), SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_NTASKS="2")
-    proc = subprocess.run([sys.executable, "-c", JOIN.format(setup="")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", JOIN.format(setup="")], cwd=ROOT,
+                          env=dict(_env(), **variables), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
     text = proc.stdout + proc.stderr
-    assert "this process was started by srun (Slurm) as rank 1 of 2" in text, text
+    assert f"this process was started by {started_by} as rank 1 of 2" in text, text
     assert "joined" not in text, text
 
 

@@ -6,12 +6,11 @@ return of its wait and, where the update runs bucket by bucket, its update after
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mp_runner import launch, run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "timeline_worker.py"
@@ -21,19 +20,8 @@ pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def timeline() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), BAGUA_HVD_OP_TIMEOUT_SECONDS="60")
-    for key in [k for k in env if k.startswith("HOROVOD_")]:
-        del env[key]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "2", sys.executable, str(WORKER)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = next(x for x in proc.stdout.splitlines() if "TIMELINE " in x)
+    text = run_command(launch(2) + [sys.executable, str(WORKER)], "the timeline worker")
+    line = next(x for x in text.splitlines() if "TIMELINE " in x)
     return json.loads(line.split("TIMELINE ", 1)[1])
 
 

@@ -224,7 +224,9 @@ class HorovodBasics:
         )
 
     def stop_timeline(self) -> None:
-        """Stops the timeline; the file is complete (valid JSON) when this returns."""
+        """Stops the timeline; the file is complete (valid JSON) when this returns. As Horovod,
+        stopping a timeline that does not run does nothing; before ``init()`` it raises
+        ``ValueError``."""
         self._timeline_status(self.lib.bhvd_stop_timeline())
 
     def _timeline_status(self, status: int) -> None:

@@ -2,9 +2,8 @@
 // calls getenv.
 #include "config.h"
 
-#include <unistd.h>
-
 #include <strings.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -134,9 +133,9 @@ Status load_config(int epoch, Config* out) {
   b.cross_rank = env_rank_var("HOROVOD_CROSS_RANK", 0);
   b.cross_size = env_rank_var("HOROVOD_CROSS_SIZE", 1);
   if (b.size < 1 || b.rank < 0 || b.rank >= b.size)
-    return Status::InvalidArgument("Horovod initialization failed: HOROVOD_RANK=" +
-                                   std::to_string(b.rank) + " is not in [0, HOROVOD_SIZE=" +
-                                   std::to_string(b.size) + ")");
+    return Status::InvalidArgument(
+        "Horovod initialization failed: HOROVOD_RANK=" + std::to_string(b.rank) +
+        " is not in [0, HOROVOD_SIZE=" + std::to_string(b.size) + ")");
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   b.hostname = env_str("HOSTNAME", host);

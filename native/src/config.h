@@ -17,7 +17,7 @@ namespace bagua_hvd {
 struct Config {
   // False without HOROVOD_GLOO_RENDEZVOUS_ADDR: a job of size 1, bootstrap holds its defaults.
   bool distributed = false;
-  BootstrapConfig bootstrap;    // rank, size, hosts, rendezvous, secret, timeout, transport
+  BootstrapConfig bootstrap;      // rank, size, hosts, rendezvous, secret, timeout, transport
   CoordinatorParams coordinator;  // fusion, cycle time, response cache, stall inspector
   int64_t fusion_threshold = int64_t(128) << 20;  // HOROVOD_FUSION_THRESHOLD (bytes)
   double cycle_time_s = 1e-3;                     // HOROVOD_CYCLE_TIME (ms in the environment)

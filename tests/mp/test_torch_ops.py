@@ -95,8 +95,7 @@ def test_timeline_errors(monkeypatch):
     monkeypatch.delenv("HOROVOD_TIMELINE", raising=False)
     with pytest.raises(ValueError, match="Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic"):
         hvd.start_timeline("/tmp/timeline.json")
-    with pytest.raises(ValueError, match="Set HOROVOD_TIMELINE=DYNAMIC"):
-        hvd.stop_timeline()
+    hvd.stop_timeline()  # as Horovod: stopping a timeline that does not run is no error
     # As Horovod, the environment is read at init: setting it afterwards enables nothing.
     monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")
     with pytest.raises(ValueError, match="Set HOROVOD_TIMELINE=DYNAMIC"):

@@ -40,11 +40,12 @@ def main() -> None:
         except ValueError as e:
             print("BEFORE_INIT", e, flush=True)
         hvd.init()
-        for call in (lambda: hvd.start_timeline("/tmp/never.json"), hvd.stop_timeline):
-            try:
-                call()
-            except ValueError as e:
-                print("NOT_ENABLED", e, flush=True)
+        try:
+            hvd.start_timeline("/tmp/never.json")
+        except ValueError as e:
+            print("NOT_ENABLED", e, flush=True)
+        hvd.stop_timeline()  # as Horovod: stopping what does not run is no error
+        print("STOPPED", flush=True)
         hvd.shutdown()
         return
     hvd.init()

@@ -35,11 +35,11 @@ enum bhvd_status {
   BHVD_INVALID_ARGUMENT = 4,   /* bad input at enqueue: ValueError */
   BHVD_IN_PROGRESS = 5,
   BHVD_TIMED_OUT = 6,
-  BHVD_NOT_IMPLEMENTED = 7,    /* NotImplementedError */
-  BHVD_NOT_INITIALIZED = 8     /* a call that needs hvd.init() before it (or after hvd.shutdown()),
-                                  with Horovod's text; Horovod reports it as a PRECONDITION_ERROR.
-                                  torch: ValueError, TensorFlow: FailedPreconditionError, as
-                                  Horovod's frontends raise it */
+  BHVD_NOT_IMPLEMENTED = 7, /* NotImplementedError */
+  BHVD_NOT_INITIALIZED = 8  /* a call that needs hvd.init() before it (or after hvd.shutdown()),
+                               with Horovod's text; Horovod reports it as a PRECONDITION_ERROR.
+                               torch: ValueError, TensorFlow: FailedPreconditionError, as
+                               Horovod's frontends raise it */
 };
 
 /* Data types; values follow Horovod's DataType, bfloat16 added. */
@@ -120,32 +120,33 @@ enum bhvd_peer_mode {
 };
 
 typedef struct bhvd_tensor {
-  void* data;           /* NULL allowed for outputs the core allocates (allgather, alltoall) */
-  int32_t dtype;        /* enum bhvd_dtype */
+  void* data;    /* NULL allowed for outputs the core allocates (allgather, alltoall) */
+  int32_t dtype; /* enum bhvd_dtype */
   int32_t ndim;
   const int64_t* shape; /* ndim entries */
 } bhvd_tensor;
 
 typedef struct bhvd_request {
-  int32_t op_type;        /* enum bhvd_op_type */
-  const char* name;       /* full name, e.g. "allreduce.grad0"; NULL: the core names it "<op>.noname.<handle>" */
+  int32_t op_type; /* enum bhvd_op_type */
+  const char*
+      name; /* full name, e.g. "allreduce.grad0"; NULL: the core names it "<op>.noname.<handle>" */
   int32_t process_set_id; /* 0: global */
   int32_t reduce_op;      /* enum bhvd_reduce_op (allreduces, reducescatter) */
   int32_t root_rank;      /* broadcast: a GLOBAL rank */
   int32_t device;         /* -1: CPU, >= 0: CUDA device ordinal */
   double prescale_factor;
   double postscale_factor;
-  int32_t num_tensors;    /* > 1 for grouped ops: members are fused together */
+  int32_t num_tensors; /* > 1 for grouped ops: members are fused together */
   const bhvd_tensor* inputs;
   const bhvd_tensor* outputs; /* allreduces, broadcast, reducescatter, BAGUA's primitives:
                                  caller-allocated (may alias inputs) */
   const int32_t* splits;      /* alltoall: one entry per process-set rank, or NULL */
   int32_t num_splits;
-  int32_t urgent;             /* the caller blocks on this handle at once: do not hold it for
-                                 fusion */
-  const void* params;         /* the parameter struct of op_type (named at enum bhvd_op_type),
-                                 whose first field repeats op_type; NULL for op types without
-                                 one. Copied by bhvd_enqueue like the rest of the request. */
+  int32_t urgent;     /* the caller blocks on this handle at once: do not hold it for
+                         fusion */
+  const void* params; /* the parameter struct of op_type (named at enum bhvd_op_type),
+                         whose first field repeats op_type; NULL for op types without
+                         one. Copied by bhvd_enqueue like the rest of the request. */
 } bhvd_request;
 
 /* Parameters of BAGUA's primitives, one struct per op type. Each starts with the op type it
@@ -175,8 +176,8 @@ typedef struct bhvd_peer_average_params {
 } bhvd_peer_average_params;
 
 typedef struct bhvd_lp_init_params {
-  int32_t op_type;      /* BHVD_OP_LP_DECENTRALIZED_INIT */
-  int32_t hierarchical; /* 1: the ring of the hosts' leaders (the others copy x) */
+  int32_t op_type;          /* BHVD_OP_LP_DECENTRALIZED_INIT */
+  int32_t hierarchical;     /* 1: the ring of the hosts' leaders (the others copy x) */
   const bhvd_tensor* self;  /* this rank's replica, as many elements as x */
   const bhvd_tensor* left;  /* the left neighbour's */
   const bhvd_tensor* right; /* the right neighbour's */
@@ -289,7 +290,8 @@ int bhvd_received_splits(int64_t handle, int32_t* splits_out, int32_t capacity);
 int bhvd_join_result(int64_t handle);
 int bhvd_release(int64_t handle);
 
-/* ---- asynchronous model averaging (docs/algorithms.md) ------------------------------------------ */
+/* ---- asynchronous model averaging (docs/algorithms.md) ------------------------------------------
+ */
 /* Starts background averaging of num_tensors weight buffers over a process set: rounds at least
  * interval_ms apart, each an allreduce per buffer under the names "<name>.go" and "<name>.w<i>"
  * (name: the same on every rank, unique in the job). */

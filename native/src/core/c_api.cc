@@ -156,9 +156,8 @@ int bhvd_device_pointers_supported(void) {
   return guarded_value<int>(0, [&]() -> int { return 0; });
 }
 int bhvd_mpi_enabled(void) {
-  return guarded_value<int>(0, [&]() -> int {
-    return Runtime::get().initialized() && Runtime::get().mpi() ? 1 : 0;
-  });
+  return guarded_value<int>(
+      0, [&]() -> int { return Runtime::get().initialized() && Runtime::get().mpi() ? 1 : 0; });
 }
 int bhvd_mpi_threads_supported(void) {
   return guarded_value<int>(-1, [&]() -> int {
@@ -250,9 +249,9 @@ int bhvd_wait(int64_t handle, int64_t timeout_ms) {
 int bhvd_on_done(int64_t handle, bhvd_done_fn fn, void* arg) {
   return guarded([&]() -> int {
     if (!fn) return report(Status::InvalidArgument("NULL callback"));
-    return report(Runtime::get().on_done(
-        handle,
-        [handle, fn, arg](const Status& s) { fn(handle, static_cast<int32_t>(s.type), arg); }));
+    return report(Runtime::get().on_done(handle, [handle, fn, arg](const Status& s) {
+      fn(handle, static_cast<int32_t>(s.type), arg);
+    }));
   });
 }
 
@@ -346,8 +345,8 @@ int bhvd_trace_read(int64_t* out, int max_events) {
 int bhvd_lp_decentralized_local(void* x, void* self, const void* left, const void* right,
                                 int32_t dtype, int64_t count, uint8_t* c_out) {
   return guarded([&]() -> int {
-    if (!bagua_hvd::dtype_valid(dtype) || count < 0 || (count > 0 && (!x || !self || !left ||
-                                                                       !right || !c_out)))
+    if (!bagua_hvd::dtype_valid(dtype) || count < 0 ||
+        (count > 0 && (!x || !self || !left || !right || !c_out)))
       return report(Status::InvalidArgument("low-precision decentralized: invalid buffers"));
     try {
       bagua_hvd::lp_decentralized_local(x, self, left, right, static_cast<size_t>(count),
@@ -437,9 +436,9 @@ int bhvd_async_start(const char* name, const bhvd_tensor* weights, int32_t num_t
       Runtime::get().release(h);
       return s;
     };
-    *id_out = bagua_hvd::AsyncRegistry::get().add(std::make_unique<AsyncAverager>(
-        run, name, std::move(ws), process_set_id, static_cast<int>(it->second.size()),
-        interval_ms));
+    *id_out = bagua_hvd::AsyncRegistry::get().add(
+        std::make_unique<AsyncAverager>(run, name, std::move(ws), process_set_id,
+                                        static_cast<int>(it->second.size()), interval_ms));
     return BHVD_OK;
   });
 }

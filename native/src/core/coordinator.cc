@@ -70,9 +70,9 @@ void Coordinator::add(const RequestList& list, int from_rank) {
   for (size_t i = 0; i < list.cached.size(); ++i) {
     int32_t id = list.cached[i];
     const Request* tmpl = cache_.find(id);
-    if (!tmpl) throw TransportError("rank " + std::to_string(from_rank) +
-                                    " referred to unknown response-cache entry " +
-                                    std::to_string(id));
+    if (!tmpl)
+      throw TransportError("rank " + std::to_string(from_rank) +
+                           " referred to unknown response-cache entry " + std::to_string(id));
     Request r = *tmpl;
     r.rank = from_rank;
     r.urgent = i < list.cached_urgent.size() && list.cached_urgent[i] != 0;
@@ -242,8 +242,8 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
       for (size_t d = 1; d < bs.size(); ++d) {
         if (bs[d] != a.shape[d])
           return fail(std::string("Mismatched ") + tn +
-                      " tensor shapes: One rank sent a tensor with dimension " +
-                      std::to_string(d) + " equal to " + std::to_string(a.shape[d]) +
+                      " tensor shapes: One rank sent a tensor with dimension " + std::to_string(d) +
+                      " equal to " + std::to_string(a.shape[d]) +
                       ", but another rank sent a tensor with dimension " + std::to_string(d) +
                       " equal to " + std::to_string(bs[d]) + ".");
       }
@@ -277,8 +277,9 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
                   describe(a.params) + "), but another rank sent (" + describe(b.params) +
                   "): every rank must use the same algorithm and step.");
     if ((t == kOpAddProcessSet || t == kOpRemoveProcessSet) && b.splits != a.splits)
-      return fail("Mismatched process set arguments: every rank must pass the same ranks (or id) "
-                  "to add_process_set/remove_process_set.");
+      return fail(
+          "Mismatched process set arguments: every rank must pass the same ranks (or id) "
+          "to add_process_set/remove_process_set.");
   }
 
   const size_t n = p.reqs.size();
@@ -307,8 +308,8 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
     resp.set_ranks = ranks;
   } else if (t == kOpRemoveProcessSet) {
     int32_t id = a.splits.empty() ? -1 : a.splits[0];
-    if (id <= 0 || !set_ranks(id)) return fail("Process set " + std::to_string(id) +
-                                               " does not exist or cannot be removed.");
+    if (id <= 0 || !set_ranks(id))
+      return fail("Process set " + std::to_string(id) + " does not exist or cannot be removed.");
     resp.new_set_id = id;
   }
   return resp;
@@ -340,10 +341,10 @@ void Coordinator::stall_check(Clock::time_point now, ResponseList& out,
         if (!p.have[i] && !joined_[g]) missing[g].push_back(kv.first);
       }
     }
-    auto check_at = p.first_seen + std::chrono::duration_cast<Clock::duration>(
-                                       std::chrono::duration<double>(
-                                           params_.stall_warning_s > 0 ? params_.stall_warning_s
-                                                                       : params_.stall_shutdown_s));
+    auto check_at =
+        p.first_seen +
+        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+            params_.stall_warning_s > 0 ? params_.stall_warning_s : params_.stall_shutdown_s));
     if (check_at > now && check_at < *wake_at) *wake_at = check_at;
   }
   if (warn && !missing.empty()) {
@@ -397,8 +398,8 @@ ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_a
     size_t first = 0;
     while (first < p.have.size() && !p.have[first]) ++first;
     if (first < p.have.size())
-      ready_bytes += num_elements(p.reqs[first].shape) *
-                     static_cast<int64_t>(dtype_size(p.reqs[first].dtype));
+      ready_bytes +=
+          num_elements(p.reqs[first].shape) * static_cast<int64_t>(dtype_size(p.reqs[first].dtype));
   }
   if (!ready_.empty() && !flush) {
     auto due = oldest + std::chrono::duration_cast<Clock::duration>(

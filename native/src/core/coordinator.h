@@ -22,10 +22,10 @@ struct CoordinatorParams {
   // Tensors this large are bandwidth-bound: fusing them would only add two copies through the
   // fusion buffer, so they run alone, in place.
   int64_t no_fuse_bytes = 1 << 20;
-  double cycle_time_s = 1e-3;            // how long non-urgent ready tensors may wait to fuse
-  int64_t cache_capacity = 1024;         // 0 disables the response cache
-  double stall_warning_s = 60;           // 0 disables the stall inspector
-  double stall_shutdown_s = 0;           // 0: never give up on a stalled tensor
+  double cycle_time_s = 1e-3;     // how long non-urgent ready tensors may wait to fuse
+  int64_t cache_capacity = 1024;  // 0 disables the response cache
+  double stall_warning_s = 60;    // 0 disables the stall inspector
+  double stall_shutdown_s = 0;    // 0: never give up on a stalled tensor
 };
 
 class Coordinator {

@@ -1,10 +1,9 @@
 // The execution of one negotiated response on this rank (core/runtime.h): errors and control
 // ops (join, barrier, process-set changes) here, tensor ops through their executor (ops/) with
 // the set's Comm, its host hierarchy, the data engine and the fusion buffer.
-#include "core/runtime.h"
-
 #include <algorithm>
 
+#include "core/runtime.h"
 #include "ops/op.h"
 
 namespace bagua_hvd {
@@ -46,8 +45,8 @@ void Runtime::execute(const Response& r, uint64_t tl_group) {
       return;
     case kOpAddProcessSet:
       register_set(r.new_set_id, r.set_ranks);
-      if (coordinator_) coordinator_->set_next_set_id(std::max(coordinator_->next_set_id(),
-                                                               r.new_set_id + 1));
+      if (coordinator_)
+        coordinator_->set_next_set_id(std::max(coordinator_->next_set_id(), r.new_set_id + 1));
       set_result(keys[0], r.new_set_id);
       finish(keys[0], Status::OK());
       return;
@@ -84,15 +83,14 @@ void Runtime::execute(const Response& r, uint64_t tl_group) {
   const auto started = Clock::now();
   const bool hierarchical = runs_hierarchical(r.type, r.params) ||
                             (r.type == BHVD_OP_ALLREDUCE && hierarchical_allreduce_);
-  Hierarchy* hierarchy = hierarchical
-                             ? hierarchies_.get(r.process_set_id, *transport_, *comm, cfg_.rank)
-                             : nullptr;
+  Hierarchy* hierarchy =
+      hierarchical ? hierarchies_.get(r.process_set_id, *transport_, *comm, cfg_.rank) : nullptr;
   // Host tensors only for now (enqueue refuses device >= 0): a device engine is chosen here.
   DataEngine& engine = mpi_engine_ ? *mpi_engine_ : cpu_engine();
   ExecContext ctx{r, *comm, entries, engine, fusion_, hierarchy, mu_, &timeline_, tl_group};
   exec(ctx);
-  stats_.exec_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - started)
-                        .count();
+  stats_.exec_ns +=
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - started).count();
   for (size_t i = 0; i < keys.size(); ++i) {
     if (r.cache_ids[i] >= 0 && entries[i]) {
       cache_.record(keys[i], r.cache_ids[i], entries[i]->request);

@@ -1,9 +1,9 @@
 // The runtime's negotiation cycle (core/runtime.h): drain this rank's queued requests (as cache
 // ids where the response cache knows them), exchange RequestLists and ResponseLists with the
 // coordinator over the control channel, and apply each ResponseList in its total order.
-#include "core/runtime.h"
-
 #include <algorithm>
+
+#include "core/runtime.h"
 
 namespace bagua_hvd {
 

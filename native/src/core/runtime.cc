@@ -45,8 +45,9 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
           ". Start the job with mpirun (or bagua-run --mpi) and mpi4py installed, or unset "
           "HOROVOD_CPU_OPERATIONS to use bagua_hvd's own transports");
     if (!mpi_facts_.threads_multiple && cfg.rank == 0)
-      BHVD_LOG(WARNING, "MPI has not been initialised with MPI_THREAD_MULTIPLE; calling MPI "
-                        "from the training program while Horovod runs may cause problems");
+      BHVD_LOG(WARNING,
+               "MPI has not been initialised with MPI_THREAD_MULTIPLE; calling MPI "
+               "from the training program while Horovod runs may cause problems");
   }
 
   try {
@@ -136,7 +137,7 @@ Status Runtime::shutdown() {
   }
   if (thread_.joinable()) thread_.join();
   timeline_.shutdown();  // the file is complete once hvd.shutdown() returns
-  mpi_engine_.reset();  // its communicators, once the background thread no longer uses them
+  mpi_engine_.reset();   // its communicators, once the background thread no longer uses them
   fail_all(Status::Aborted(kShutDown));
   averagers.clear();  // their threads' last collectives have failed by now: they end
   {
@@ -168,8 +169,7 @@ constexpr const char* kTimelineNotEnabled =
 
 Status Runtime::start_timeline(const std::string& path, bool mark_cycles) {
   if (!initialized_) return Status::NotInitialized();
-  if (!timeline_enabled_)
-    return Status::InvalidArgument(kTimelineNotEnabled);
+  if (!timeline_enabled_) return Status::InvalidArgument(kTimelineNotEnabled);
   if (cfg_.rank != 0) return Status::OK();
   if (Status s = timeline_.start(path, mark_cycles); !s.ok()) BHVD_LOG(ERROR, s.reason);
   return Status::OK();
@@ -177,8 +177,11 @@ Status Runtime::start_timeline(const std::string& path, bool mark_cycles) {
 
 Status Runtime::stop_timeline() {
   if (!initialized_) return Status::NotInitialized();
-  if (!timeline_enabled_)
-    return Status::InvalidArgument(kTimelineNotEnabled);
+  // As Horovod (horovod_stop_timeline): stopping a timeline that does not run is no error.
+  if (!timeline_enabled_ || (cfg_.rank == 0 && !timeline_.active())) {
+    BHVD_LOG(INFO, "Timeline is already stopped. Please start timeline before stopping it.");
+    return Status::OK();
+  }
   timeline_.stop();
   return Status::OK();
 }
@@ -369,8 +372,9 @@ Status Runtime::on_done(int64_t handle, std::function<void(const Status&)> fn) {
     if (it == handles_.end())
       return Status::InvalidArgument("unknown handle " + std::to_string(handle));
     auto& h = *it->second;
-    if (h.on_done) return Status::InvalidArgument("handle " + std::to_string(handle) +
-                                                  " already has a completion callback");
+    if (h.on_done)
+      return Status::InvalidArgument("handle " + std::to_string(handle) +
+                                     " already has a completion callback");
     if (!h.done) {
       // Counted like a blocked caller while pending, so that the background thread keeps
       // polling for the reply rather than sleeping.
@@ -469,8 +473,8 @@ void Runtime::loop() {
       }
     }
   } catch (const std::exception& e) {
-    std::string reason = std::string("Horovod is shut down because communication failed: ") +
-                         e.what();
+    std::string reason =
+        std::string("Horovod is shut down because communication failed: ") + e.what();
     BHVD_LOG(ERROR, reason);
     // Tell the others (best effort) so that ranks not talking to the failed peer stop too.
     if (coordinator_) {

@@ -133,8 +133,8 @@ class Runtime {
   // only then: the duplicate check depends on the program's order alone, the same on every
   // rank, not on whether the background thread happened to finish the first request yet.
   std::unordered_set<std::string> reserved_;
-  std::deque<std::string> queue_;                 // names not yet sent to the coordinator
-  std::vector<std::string> urgent_queue_;         // sent names whose caller now blocks
+  std::deque<std::string> queue_;          // names not yet sent to the coordinator
+  std::vector<std::string> urgent_queue_;  // sent names whose caller now blocks
   std::map<int32_t, std::vector<int32_t>> sets_;
   std::map<int32_t, std::unique_ptr<Comm>> comms_;
   Hierarchies hierarchies_;  // background thread only
@@ -152,15 +152,15 @@ class Runtime {
   bool sent_shutdown_ = false;
   std::unique_ptr<ControlChannel> ctrl_;
   FusionBuffer fusion_{stats_.fusion_buffer_bytes};
-  std::atomic<int> waiters_{0};            // frontend threads blocked in wait()
-  std::atomic<int> callbacks_pending_{0};  // on_done callbacks not yet run (a caller waits)
-  bool oversubscribed_ = false;            // more local ranks than cores
-  std::chrono::microseconds spin_{1000};  // BAGUA_HVD_SPIN_US: poll this long before sleeping
-  bool hierarchical_allreduce_ = false;   // HOROVOD_HIERARCHICAL_ALLREDUCE (config.h)
+  std::atomic<int> waiters_{0};             // frontend threads blocked in wait()
+  std::atomic<int> callbacks_pending_{0};   // on_done callbacks not yet run (a caller waits)
+  bool oversubscribed_ = false;             // more local ranks than cores
+  std::chrono::microseconds spin_{1000};    // BAGUA_HVD_SPIN_US: poll this long before sleeping
+  bool hierarchical_allreduce_ = false;     // HOROVOD_HIERARCHICAL_ALLREDUCE (config.h)
   std::unique_ptr<DataEngine> mpi_engine_;  // HOROVOD_CPU_OPERATIONS=mpi (ops/mpi_engine.cc)
   MpiFacts mpi_facts_;
   Clock::time_point wake_at_ = Clock::time_point::max();
-  Timeline timeline_;             // rank 0's (core/timeline.h)
+  Timeline timeline_;              // rank 0's (core/timeline.h)
   bool timeline_enabled_ = false;  // HOROVOD_TIMELINE set: start_timeline allowed
 };
 

@@ -10,8 +10,8 @@ void execute_broadcast(ExecContext& ctx) {
   Comm& comm = ctx.comm;
   const size_t esize = dtype_size(r.dtype);
   const auto& ranks = comm.global_ranks();
-  int root = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), r.root_rank) -
-                              ranks.begin());
+  int root =
+      static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), r.root_rank) - ranks.begin());
   TimelineActivity activity(ctx, TlCollective::kBroadcast);
   for (size_t i = 0; i < r.names.size(); ++i) {
     Entry* e = ctx.entries[i];

@@ -28,8 +28,7 @@ void execute_compressed_allreduce(ExecContext& ctx) {
                                  ef.server);
     eng.broadcast(*h->intra, e->output, count * esize, 0);
   } else {
-    eng.allreduce_minmax_uint8(ctx.comm, e->output, count, r.dtype, average, ef.worker,
-                               ef.server);
+    eng.allreduce_minmax_uint8(ctx.comm, e->output, count, r.dtype, average, ef.worker, ef.server);
   }
   if (r.postscale != 1.0) eng.scale(e->output, count, r.dtype, r.postscale);
 }

@@ -44,8 +44,8 @@ class DataEngine {
                                      DataType dtype, PeerMode mode, int64_t step) = 0;
   virtual void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right,
                                 size_t count, DataType dtype) = 0;
-  virtual void lp_decentralized_init(Comm& comm, const void* x, void* self, void* left,
-                                     void* right, size_t count, DataType dtype) = 0;
+  virtual void lp_decentralized_init(Comm& comm, const void* x, void* self, void* left, void* right,
+                                     size_t count, DataType dtype) = 0;
   virtual void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* right,
                                          size_t count, DataType dtype) = 0;
 };

@@ -14,8 +14,8 @@ void execute_lp_decentralized_init(ExecContext& ctx) {
   const size_t count = static_cast<size_t>(num_elements(r.shapes[0]));
   Hierarchy* h = ctx.hierarchy;
   if (!h || h->leader) {
-    eng.lp_decentralized_init(h ? *h->leaders : ctx.comm, e->output, rep.self, rep.left,
-                              rep.right, count, r.dtype);
+    eng.lp_decentralized_init(h ? *h->leaders : ctx.comm, e->output, rep.self, rep.left, rep.right,
+                              count, r.dtype);
     return;
   }
   // Only the leaders' replicas are used; the others keep plain copies.

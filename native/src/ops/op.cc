@@ -16,17 +16,28 @@ const char* timeline_collective(const DataEngine& engine, TlCollective c) {
 
 OpExecutor op_executor(int32_t type) {
   switch (type) {
-    case BHVD_OP_ALLREDUCE: return execute_allreduce;
-    case BHVD_OP_ALLGATHER: return execute_allgather;
-    case BHVD_OP_BROADCAST: return execute_broadcast;
-    case BHVD_OP_ALLTOALL: return execute_alltoall;
-    case BHVD_OP_REDUCESCATTER: return execute_reducescatter;
-    case BHVD_OP_HIERARCHICAL_ALLREDUCE: return execute_allreduce;  // with the hierarchy
-    case BHVD_OP_COMPRESSED_ALLREDUCE: return execute_compressed_allreduce;
-    case BHVD_OP_PEER_AVERAGE: return execute_peer_average;
-    case BHVD_OP_LP_DECENTRALIZED_INIT: return execute_lp_decentralized_init;
-    case BHVD_OP_LP_DECENTRALIZED_STEP: return execute_lp_decentralized_step;
-    case BHVD_OP_LP_DECENTRALIZED_EXCHANGE: return execute_lp_decentralized_exchange;
+    case BHVD_OP_ALLREDUCE:
+      return execute_allreduce;
+    case BHVD_OP_ALLGATHER:
+      return execute_allgather;
+    case BHVD_OP_BROADCAST:
+      return execute_broadcast;
+    case BHVD_OP_ALLTOALL:
+      return execute_alltoall;
+    case BHVD_OP_REDUCESCATTER:
+      return execute_reducescatter;
+    case BHVD_OP_HIERARCHICAL_ALLREDUCE:
+      return execute_allreduce;  // with the hierarchy
+    case BHVD_OP_COMPRESSED_ALLREDUCE:
+      return execute_compressed_allreduce;
+    case BHVD_OP_PEER_AVERAGE:
+      return execute_peer_average;
+    case BHVD_OP_LP_DECENTRALIZED_INIT:
+      return execute_lp_decentralized_init;
+    case BHVD_OP_LP_DECENTRALIZED_STEP:
+      return execute_lp_decentralized_step;
+    case BHVD_OP_LP_DECENTRALIZED_EXCHANGE:
+      return execute_lp_decentralized_exchange;
   }
   return nullptr;
 }

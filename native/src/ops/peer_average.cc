@@ -15,8 +15,7 @@ void execute_peer_average(ExecContext& ctx) {
   TimelineActivity activity(ctx, kTlPeerExchange);
   if (ctx.hierarchy) {
     host_average_then(ctx, e, count, [&](Comm& leaders) {
-      ctx.engine.decentralized_average(leaders, e->output, e->output, count, r.dtype, mode,
-                                       p.step);
+      ctx.engine.decentralized_average(leaders, e->output, e->output, count, r.dtype, mode, p.step);
     });
     return;
   }
