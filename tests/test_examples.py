@@ -171,17 +171,23 @@ def test_digits_two_ranks_through_launcher(tmp_path: Path):
     assert abs(ref_loss - only(LOSS_RE, proc)) < 1e-4, (ref_loss, proc.stdout)
 
 
+@pytest.fixture(scope="module")
+def four_ranks() -> subprocess.CompletedProcess:
+    """digits.py at 4 ranks with Horovod's DistributedOptimizer (allreduce)."""
+    return digits(4, "--checkpoint", "")
+
+
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_digits_four_ranks_through_launcher():
-    proc = digits(4, "--checkpoint", "")
-    assert "4 rank(s)" in proc.stdout, proc.stdout
-    assert "max parameter difference between replicas: 0" in proc.stdout, proc.stdout
-    assert final_accuracy(proc) >= 0.95, proc.stdout
+def test_digits_four_ranks_through_launcher(four_ranks):
+    out = four_ranks.stdout
+    assert "4 rank(s)" in out, out
+    assert "max parameter difference between replicas: 0" in out, out
+    assert final_accuracy(four_ranks) >= 0.95, out
 
 
 @pytest.fixture(scope="module")
-def allreduce_accuracy_4_ranks() -> float:
-    return final_accuracy(digits(4, "--checkpoint", "", "--algorithm", "gradient_allreduce"))
+def allreduce_accuracy_4_ranks(four_ranks) -> float:
+    return final_accuracy(four_ranks)
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 30)
@@ -191,12 +197,12 @@ def allreduce_accuracy_4_ranks() -> float:
 )
 def test_digits_algorithms_converge_like_allreduce(algorithm, allreduce_accuracy_4_ranks):
     """Every BAGUA algorithm reaches, in the same 15 epochs at 4 ranks, a test accuracy within
-    1.5 points of GradientAllReduce's (async: checked for accuracy only, it is not
-    deterministic)."""
+    1.5 points of allreduce's (Horovod's DistributedOptimizer; async: checked for accuracy only,
+    it is not deterministic)."""
     proc = digits(4, "--checkpoint", "", "--algorithm", algorithm)
     accuracy = final_accuracy(proc)
     assert accuracy >= allreduce_accuracy_4_ranks - 0.015, (
-        f"{algorithm}: {accuracy:.4f} against gradient allreduce's "
+        f"{algorithm}: {accuracy:.4f} against allreduce's "
         f"{allreduce_accuracy_4_ranks:.4f}\n{proc.stdout}"
     )
     assert accuracy >= 0.95, proc.stdout

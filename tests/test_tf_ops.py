@@ -1,5 +1,6 @@
 """Runs the multi-process TensorFlow tests (tests/mp/test_tf_ops.py) at size 1 (directly) and
-through the launcher at 2 and 3 ranks, and asserts that every rank passed."""
+through the launcher at 3 ranks, and asserts that every rank passed (the frontend does not
+depend on the size; the core under it runs at 2 ranks in the torch and C++ tests)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ pytest.importorskip("tensorflow")
 pytestmark = needs_core
 
 
-@pytest.mark.parametrize("np", [1, 2, 3])
+@pytest.mark.parametrize("np", [1, 3])
 def test_tf_multiprocess(np: int) -> None:
     text = run_inner("test_tf_ops.py", np)
     # Only the tests that need peers may skip, and only at size 1: the mismatch tests (eager,
