@@ -1,12 +1,12 @@
 // The coordinator's negotiation table (core/coordinator.cc): requests of N simulated ranks in,
 // responses or Horovod's error texts out; readiness, validation, fusion grouping, cache ids.
+#include "core/coordinator.h"
+
 #include <gtest/gtest.h>
 
 #include <map>
 #include <string>
 #include <vector>
-
-#include "core/coordinator.h"
 
 namespace bagua_hvd {
 namespace {
@@ -312,6 +312,98 @@ TEST_F(Negotiation, CacheCapacityEvictsTheLeastRecentlyUsed) {
   ResponseList r2 = build();
   ASSERT_EQ(r2.responses.size(), 1u);
   EXPECT_EQ(r2.evicted, std::vector<int32_t>{r1.responses[0].cache_ids[0]});
+}
+
+// ---- the stall inspector (Horovod's stall_inspector.cc; messages checked against its text) ----
+
+class StallInspector : public Negotiation {
+ protected:
+  StallInspector() : Negotiation(3) {
+    params_.stall_warning_s = 10;
+    params_.stall_shutdown_s = 30;
+  }
+  // One build at `seconds` after now, rank 0's log of it in *log.
+  ResponseList build_at(double seconds, std::string* log) {
+    Clock::time_point wake = Clock::time_point::max();
+    ::testing::internal::CaptureStderr();
+    ResponseList out = coord_->build(Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                        std::chrono::duration<double>(seconds)),
+                                     &wake);
+    *log = ::testing::internal::GetCapturedStderr();
+    return out;
+  }
+};
+
+constexpr const char* kStallHead =
+    "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks "
+    "and are waiting for remainder of ranks for more than 10 seconds. This may indicate that "
+    "different ranks are trying to submit different tensors or that only subset of ranks is "
+    "submitting tensors, which will cause deadlock. \nMissing ranks:";
+
+TEST_F(StallInspector, NamesTheMissingRanksAndTheirTensorsThenShutsDown) {
+  start();
+  // Rank 1 misses eight tensors (Horovod shows six, then " ..."), rank 2 one of them.
+  for (const char* name : {"h", "g", "f", "e", "d", "c", "b", "a"}) submit(0, allreduce(name, {1}));
+  for (const char* name : {"h", "g", "f", "e", "d", "c", "b"}) submit(2, allreduce(name, {1}));
+  std::string log;
+  EXPECT_FALSE(build_at(5, &log).shutdown);
+  EXPECT_EQ(log, "");  // not stalled yet
+  ResponseList out = build_at(11, &log);
+  EXPECT_FALSE(out.shutdown);
+  EXPECT_TRUE(out.responses.empty());
+  EXPECT_NE(log.find(std::string(kStallHead) + "\n1: [a, b, c, d, e, f ...]\n2: [a]"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("Will shutdown"), std::string::npos) << log;
+  build_at(15, &log);
+  EXPECT_EQ(log, "");  // reported again only HOROVOD_STALL_CHECK_TIME_SECONDS later
+  build_at(22, &log);
+  EXPECT_NE(log.find("Missing ranks:"), std::string::npos) << log;
+  out = build_at(31, &log);
+  EXPECT_TRUE(out.shutdown);  // every rank shuts down
+  EXPECT_NE(log.find(std::string(kStallHead) +
+                     "\n1!: [a, b, c, d, e, f ...]\n2!: [a]\nOne or more rank (marked by \"!\") is "
+                     "stalled for longer than 30 seconds. Will shutdown."),
+            std::string::npos)
+      << log;
+}
+
+TEST_F(StallInspector, ShutdownTimeBelowTheCheckTimeNeverShutsDown) {
+  params_.stall_shutdown_s = 5;  // Horovod: warns once and never shuts down
+  ::testing::internal::CaptureStderr();
+  start();
+  EXPECT_NE(::testing::internal::GetCapturedStderr().find(
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than "
+                "HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown."),
+            std::string::npos);
+  submit(0, allreduce("a", {1}));
+  std::string log;
+  ResponseList out = build_at(1000, &log);
+  EXPECT_FALSE(out.shutdown);
+  EXPECT_NE(log.find("\n1: [a]\n2: [a]"), std::string::npos) << log;
+}
+
+TEST_F(StallInspector, DisabledChecksNothingAndNeverShutsDown) {
+  params_.stall_warning_s = 0;  // HOROVOD_STALL_CHECK_DISABLE=1
+  start();
+  submit(0, allreduce("a", {1}));
+  std::string log;
+  EXPECT_FALSE(build_at(1000, &log).shutdown);
+  EXPECT_EQ(log, "");
+}
+
+TEST_F(StallInspector, ProcessSetMembersAreNamedByGlobalRank) {
+  sets_[1] = {0, 2};
+  start();
+  Request r = allreduce("s", {1});
+  r.process_set_id = 1;
+  submit(0, r);  // set rank 1 (global rank 2) is missing
+  submit(0, allreduce("a", {1}));
+  submit(1, allreduce("a", {1}));
+  std::string log;
+  build_at(11, &log);
+  EXPECT_NE(log.find("Missing ranks:\n2: [a, s]"), std::string::npos) << log;
+  EXPECT_EQ(log.find("\n1: "), std::string::npos) << log;
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 #include "core/coordinator.h"
 
 #include <algorithm>
+#include <map>
+#include <set>
 #include <sstream>
 
 namespace bagua_hvd {
@@ -45,6 +47,12 @@ Coordinator::Coordinator(int world_size, const std::map<int32_t, std::vector<int
       cache_(params.cache_capacity, world_size),
       timeline_(timeline ? *timeline : no_timeline()) {
   for (const auto& kv : sets_) next_set_id_ = std::max(next_set_id_, kv.first + 1);
+  if (params_.stall_shutdown_s > 0 && params_.stall_shutdown_s < params_.stall_warning_s) {
+    BHVD_LOG(WARNING,
+             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than "
+             "HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown.");  // Horovod's rule
+    params_.stall_shutdown_s = 0;
+  }
 }
 
 const std::vector<int32_t>* Coordinator::set_ranks(int32_t id) const {
@@ -315,69 +323,72 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
   return resp;
 }
 
-void Coordinator::stall_check(Clock::time_point now, ResponseList& out,
-                              Clock::time_point* wake_at) {
-  if (params_.stall_warning_s <= 0 && params_.stall_shutdown_s <= 0) return;
-  std::vector<std::string> give_up;
-  std::map<int, std::vector<std::string>> missing;
-  bool warn = false;
+// Horovod's stall inspector (horovod/common/stall_inspector.cc): a tensor some ranks submitted
+// and others did not for longer than HOROVOD_STALL_CHECK_TIME_SECONDS is reported (rank 0's log)
+// with the missing ranks and their tensors; past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS those ranks
+// are marked "!" and the job shuts down (every rank's pending and later operations fail with
+// Horovod's shut-down error). HOROVOD_STALL_CHECK_DISABLE turns off both.
+void Coordinator::stall_check(Clock::time_point now, Clock::time_point* wake_at) {
+  const double warn_s = params_.stall_warning_s, shutdown_s = params_.stall_shutdown_s;
+  if (warn_s <= 0 || shutdown_requested_) return;
+  const auto after = [](Clock::time_point t, double s) {
+    return t + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+  };
+  std::map<int, std::set<std::string>> missing;  // global rank -> tensor names, sorted
+  std::set<int> shut_ranks;
+  bool report = false;
   for (auto& kv : table_) {
     Pending& p = kv.second;
     if (p.ready) continue;
-    double waited = std::chrono::duration<double>(now - p.first_seen).count();
-    if (params_.stall_shutdown_s > 0 && waited > params_.stall_shutdown_s) {
-      give_up.push_back(kv.first);
+    const double waited = std::chrono::duration<double>(now - p.first_seen).count();
+    if (waited <= warn_s) {
+      *wake_at = std::min(*wake_at, after(p.first_seen, warn_s));
       continue;
     }
-    if (params_.stall_warning_s > 0 && waited > params_.stall_warning_s &&
-        std::chrono::duration<double>(now - p.last_warning).count() >= params_.stall_warning_s) {
+    const bool shut = shutdown_s > 0 && waited > shutdown_s;
+    // Reported once per HOROVOD_STALL_CHECK_TIME_SECONDS (as Horovod checks at that interval).
+    if (shut || std::chrono::duration<double>(now - p.last_warning).count() >= warn_s) {
       p.last_warning = now;
-      warn = true;
+      report = true;
     }
-    if (params_.stall_warning_s > 0 && waited > params_.stall_warning_s) {
-      const auto* ranks = set_ranks(p.set_id);
-      for (size_t i = 0; i < p.have.size(); ++i) {
-        int g = ranks ? (*ranks)[i] : static_cast<int>(i);
-        if (!p.have[i] && !joined_[g]) missing[g].push_back(kv.first);
+    *wake_at = std::min(*wake_at, after(p.last_warning, warn_s));
+    if (shutdown_s > 0 && !shut) *wake_at = std::min(*wake_at, after(p.first_seen, shutdown_s));
+    const auto* ranks = set_ranks(p.set_id);
+    for (size_t i = 0; i < p.have.size(); ++i) {
+      const int g = ranks ? (*ranks)[i] : static_cast<int>(i);
+      if (p.have[i] || joined_[g]) continue;
+      missing[g].insert(key_name(kv.first));
+      if (shut) shut_ranks.insert(g);
+    }
+  }
+  if (!report || missing.empty()) return;
+  std::ostringstream os;
+  os << "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of "
+        "ranks and are waiting for remainder of ranks for more than "
+     << static_cast<int64_t>(warn_s)
+     << " seconds. This may indicate that different ranks are trying to submit different tensors "
+        "or that only subset of ranks is submitting tensors, which will cause deadlock. \n"
+        "Missing ranks:";
+  for (const auto& kv : missing) {
+    os << "\n" << kv.first << (shut_ranks.count(kv.first) ? "!" : "") << ": [";
+    size_t shown = 0;  // as Horovod: the first six names, then " ..." when there are more
+    for (const auto& name : kv.second) {
+      if (shown == 6) {
+        os << " ...";
+        break;
       }
+      os << (shown++ ? ", " : "") << name;
     }
-    auto check_at =
-        p.first_seen +
-        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
-            params_.stall_warning_s > 0 ? params_.stall_warning_s : params_.stall_shutdown_s));
-    if (check_at > now && check_at < *wake_at) *wake_at = check_at;
+    os << "]";
   }
-  if (warn && !missing.empty()) {
-    std::ostringstream os;
-    os << "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of "
-          "ranks and are waiting for remainder of ranks for more than "
-       << static_cast<int64_t>(params_.stall_warning_s)
-       << " seconds. This may indicate that different ranks are trying to submit different tensors "
-          "or that only subset of ranks is submitting tensors, which will cause deadlock. \n"
-          "Missing ranks:";
-    for (const auto& kv : missing) {
-      os << "\n" << kv.first << ": [";
-      for (size_t i = 0; i < kv.second.size() && i < 8; ++i) os << (i ? ", " : "") << kv.second[i];
-      if (kv.second.size() > 8) os << " ...";
-      os << "]";
-    }
+  if (shut_ranks.empty()) {
     BHVD_LOG(WARNING, os.str());
+    return;
   }
-  for (const auto& name : give_up) {
-    Response r;
-    r.kind = Response::ERROR;
-    r.type = table_[name].reqs.empty() ? 0 : table_[name].reqs[0].type;
-    r.process_set_id = table_[name].set_id;
-    r.names = {key_name(name)};
-    r.shapes = {{}};
-    r.per_rank = {{}};
-    r.cache_ids = {-1};
-    r.error = "One or more rank (marked by \"!\") is stalled for longer than " +
-              std::to_string(static_cast<int64_t>(params_.stall_shutdown_s)) +
-              " seconds. Will shutdown.";
-    out.responses.push_back(std::move(r));
-    table_.erase(name);
-  }
+  os << "\nOne or more rank (marked by \"!\") is stalled for longer than "
+     << static_cast<int64_t>(shutdown_s) << " seconds. Will shutdown.";
+  BHVD_LOG(ERROR, os.str());
+  shutdown_requested_ = true;  // build() sends the shutdown to every rank
 }
 
 ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_at) {
@@ -446,7 +457,7 @@ ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_a
     last_joined_ = -1;
   }
 
-  stall_check(now, out, wake_at);
+  stall_check(now, wake_at);
 
   // Retire evicted cache templates once every rank has seen the eviction.
   cache_.retire(seq_);

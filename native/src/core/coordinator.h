@@ -24,8 +24,8 @@ struct CoordinatorParams {
   int64_t no_fuse_bytes = 1 << 20;
   double cycle_time_s = 1e-3;     // how long non-urgent ready tensors may wait to fuse
   int64_t cache_capacity = 1024;  // 0 disables the response cache
-  double stall_warning_s = 60;    // 0 disables the stall inspector
-  double stall_shutdown_s = 0;    // 0: never give up on a stalled tensor
+  double stall_warning_s = 60;    // 0 disables the stall inspector (shutdown included)
+  double stall_shutdown_s = 0;    // 0: never shut the job down for a stalled tensor
 };
 
 class Coordinator {
@@ -64,7 +64,7 @@ class Coordinator {
   bool member_joined(const Pending& p) const;
   const std::vector<int32_t>* set_ranks(int32_t id) const;
   int set_rank_of(int32_t set_id, int32_t global_rank) const;
-  void stall_check(Clock::time_point now, ResponseList& out, Clock::time_point* wake_at);
+  void stall_check(Clock::time_point now, Clock::time_point* wake_at);
 
   int world_size_;
   const std::map<int32_t, std::vector<int32_t>>& sets_;
