@@ -3,6 +3,8 @@
     python bench/train.py                 # 2 ranks: bagua_hvd vs DDP, same invocation
     python bench/train.py --repeat 3      # three runs, per-run figures and their medians
     python bench/train.py --np 1          # 1 rank: DistributedOptimizer vs the plain optimizer
+    python bench/train.py --timeline      # also bagua_hvd with Horovod's timeline recording:
+                                          # the cost of tracing (goal < 5 %)
     python bench/train.py --framework tf  # TensorFlow: bagua_hvd vs MultiWorkerMirroredStrategy
                                           # (bench/_tf_train.py describes that mode)
     python bench/train.py --framework tf --algorithms bytegrad,low_precision_decentralized
@@ -22,6 +24,9 @@ steps, then timed steps), so that slow drifts of the machine hit every mode alik
   ddp        DistributedDataParallel(gloo, bucket_cap_mb=25) + SGD
   no-comm    the DDP replica under ddp.no_sync(): the same step without communication
 At --np 1 the modes are the plain SGD optimizer and DistributedOptimizer wrapping it.
+--timeline adds, after bagua_hvd, the mode
+  bagua_hvd+timeline  the same step on its own replica, with HOROVOD_TIMELINE=DYNAMIC and
+                      hvd.start_timeline() before each of its blocks, hvd.stop_timeline() after
 
 Memory: the peak resident set (VmHWM of /proc/self/status) of each mode is measured in a fresh
 set of processes per mode (one more launcher invocation each), which build only what that mode
@@ -83,9 +88,19 @@ DDP_BUCKET_MB = 25
 # Goals of the issue (docs/benchmarks.md).
 MIN_SPEEDUP = 1.3  # bagua_hvd samples/s over DDP's, 2 ranks
 MAX_OVERHEAD = 0.03  # DistributedOptimizer at 1 rank over the plain optimizer
+MAX_TIMELINE_COST = 0.05  # bagua_hvd with the timeline recording over bagua_hvd (issue 15)
 
 MODES_MULTI = ("bagua_hvd", "ddp", "no-comm")
 MODES_SINGLE = ("plain", "bagua_hvd")
+TIMELINE_MODE = "bagua_hvd+timeline"
+
+
+def throughput_modes(np_: int, timeline: bool) -> tuple[str, ...]:
+    modes = MODES_MULTI if np_ > 1 else MODES_SINGLE
+    if timeline:
+        i = modes.index("bagua_hvd") + 1
+        modes = modes[:i] + (TIMELINE_MODE,) + modes[i:]
+    return modes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -139,6 +154,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", metavar="FILE", help="also write all results to FILE (JSON)")
     parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also run bagua_hvd with Horovod's timeline recording (HOROVOD_TIMELINE=DYNAMIC, "
+        "hvd.start_timeline/stop_timeline around each block) and report its cost",
+    )
+    parser.add_argument(
         "--algorithms",
         metavar="NAMES",
         help="with --framework tf: BAGUA's algorithms (comma-separated bagua-run names, e.g. "
@@ -186,6 +207,9 @@ def launch(args: argparse.Namespace, worker_args: list[str], steady: bool = Fals
             "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--rounds", str(args.rounds),
         ]  # fmt: skip
+        if args.timeline and "throughput" in worker_args:
+            env["HOROVOD_TIMELINE"] = "DYNAMIC"  # as Horovod: start_timeline needs it at init
+            cmd.append("--timeline")
         rc = run_ranks(args.np, cmd, env, args.timeout)
         if rc is None:
             raise RuntimeError(f"no result after --timeout {args.timeout:g} s")
@@ -275,6 +299,7 @@ def main_launcher(args: argparse.Namespace) -> int:
         "cpus": os.cpu_count(),
         "env": {k: v for k, v in sorted(os.environ.items()) if k in TUNING_ENV},
         "malloc": args.malloc,
+        "timeline": args.timeline,
     }
     if args.json:
         with open(args.json, "w") as f:
@@ -296,7 +321,7 @@ def fmt_runs(values: list[float], fmt: str) -> str:
 
 def print_report(meta: dict, runs: list[dict]) -> None:
     np_, batch = meta["np"], meta["batch_size"]
-    modes = MODES_MULTI if np_ > 1 else MODES_SINGLE
+    modes = throughput_modes(np_, meta["timeline"])
     print(
         f"\nMLP {IN_FEATURES}->{HIDDEN}x{HIDDEN_LAYERS}->{CLASSES} "
         f"({runs[0]['throughput']['params'] / 1e6:.2f}M params), batch {batch}/rank, "
@@ -329,7 +354,7 @@ def print_report(meta: dict, runs: list[dict]) -> None:
             fmt_runs([p["opt_ms"] for p in per], ".1f"),
         ]
         summary[mode] = {"step_ms": med(steps), "samples_s": med(sps)}
-        if mode == "bagua_hvd" and np_ > 1:
+        if mode.startswith("bagua_hvd") and np_ > 1:
             waits = [p["sync_ms"] for p in per]
             cells.append(fmt_runs(waits, ".1f"))
         elif mode == "ddp":
@@ -338,7 +363,7 @@ def print_report(meta: dict, runs: list[dict]) -> None:
         else:
             cells.append("-")
         cells.append(fmt_runs(sps, ".1f"))
-        if mode == "bagua_hvd" and np_ > 1:
+        if mode.startswith("bagua_hvd") and np_ > 1:
             cells.append(fmt_runs([100 * p["sync_ms"] / s for p, s in zip(per, steps)], ".1f"))
         elif mode == "ddp":
             cells.append(fmt_runs([100 * (1 - n / s) for s, n in zip(steps, nocomm)], ".1f"))
@@ -388,6 +413,23 @@ def print_report(meta: dict, runs: list[dict]) -> None:
                     + ", ".join(f"{w} {h / 1024:.0f}/{r / 1024:.0f}" for w, h, r in marks)
                 )
     print()
+    if meta["timeline"]:
+        costs = [
+            r["throughput"]["modes"][TIMELINE_MODE]["step_ms"]
+            / r["throughput"]["modes"]["bagua_hvd"]["step_ms"]
+            - 1
+            for r in runs
+        ]
+        events = [r["throughput"]["timeline_events"] for r in runs]
+        cost = med(costs)
+        print(
+            f"timeline cost, step {TIMELINE_MODE} / bagua_hvd - 1: "
+            f"{fmt_runs([100 * c for c in costs], '+.1f')} % (runs, median); "
+            f"goal < {100 * MAX_TIMELINE_COST:.0f} %: "
+            f"{'met' if cost < MAX_TIMELINE_COST else 'NOT met'}; rank 0 wrote "
+            + ", ".join(f"{e} events" for e in events)
+            + " (per run, every block's file)"
+        )
     if np_ > 1:
         ratios = [
             r["throughput"]["modes"]["ddp"]["step_ms"]
@@ -478,7 +520,7 @@ class Worker:
         self.rank = int(os.environ.get("HOROVOD_RANK", "0"))
         self.size = int(os.environ.get("HOROVOD_SIZE", "1"))
         self.hvd = self.dist = None
-        if "bagua_hvd" in modes:
+        if any(m.startswith("bagua_hvd") for m in modes):
             import bagua_hvd.torch as hvd
 
             hvd.init()
@@ -504,6 +546,7 @@ class Worker:
         self.x = torch.randn(args.batch_size, IN_FEATURES, generator=gen)
         self.y = torch.randint(0, CLASSES, (args.batch_size,), generator=gen)
         self.steps: dict[str, object] = {}  # mode -> step function
+        self.timeline_files: list[str] = []
         self.models: dict[str, object] = {}
         for mode in modes:
             self.build(mode)
@@ -522,7 +565,7 @@ class Worker:
         model = self.make_model()
         self.mark("model")
         x, y = self.x, self.y
-        if mode == "bagua_hvd":
+        if mode in ("bagua_hvd", TIMELINE_MODE):
             hvd = self.hvd
             # The first optimizer of a process costs ~70 MiB of torch's own lazy imports: marked
             # apart so that it is not billed to DistributedOptimizer.
@@ -600,9 +643,14 @@ class Worker:
 
     def block(self, mode: str, n: int, out: list, losses: dict) -> None:
         """Warm-up then n timed steps of one mode; appends (step, fwd, bwd, opt, sync, minor
-        page faults) rows."""
+        page faults) rows. The timeline mode records its warm-up and timed steps."""
         self.barrier()
         step = self.steps[mode]
+        if mode == TIMELINE_MODE:
+            self.timeline_files.append(
+                os.path.join(os.environ[RESULT_ENV], f"timeline{len(self.timeline_files)}.json")
+            )
+            self.hvd.start_timeline(self.timeline_files[-1])
         for _ in range(self.args.warmup):
             step()
         self.barrier()
@@ -610,7 +658,19 @@ class Worker:
             faults = minor_faults()
             *times, loss = step()
             out.append([*times, minor_faults() - faults])
+        if mode == TIMELINE_MODE:
+            self.hvd.stop_timeline()  # the file is complete when this returns (rank 0)
         losses[mode] = loss.item()
+
+    def timeline_events(self) -> int:
+        """Events in rank 0's timeline files (each must be one valid JSON array); 0 elsewhere."""
+        if self.rank != 0:
+            return 0
+        count = 0
+        for path in self.timeline_files:
+            with open(path) as f:
+                count += len(json.load(f))
+        return count
 
     def slowest(self, rows: list) -> list:
         """Per step and column, the maximum over ranks (gloo, outside the timed region)."""
@@ -675,7 +735,7 @@ def summarize(rows: list) -> dict:
 
 
 def worker_throughput(args: argparse.Namespace) -> int:
-    modes = MODES_MULTI if args.np > 1 else MODES_SINGLE
+    modes = throughput_modes(args.np, args.timeline)
     w = Worker(args, modes)
     rows: dict[str, list] = {m: [] for m in modes}
     losses: dict[str, float] = {}
@@ -692,6 +752,7 @@ def worker_throughput(args: argparse.Namespace) -> int:
         "modes": {m: summarize(w.slowest(r)) for m, r in rows.items()},
         "replicas_identical": w.replicas_identical(),
         "final_loss": losses,
+        "timeline_events": w.timeline_events(),
     }
     w.write(result)
     w.close()
