@@ -1,4 +1,5 @@
-"""What the benchmarks share: running a script on N ranks through the launcher, with a bound."""
+"""What the benchmarks share: running a script on N ranks through the launcher, with a bound;
+reading a process's own memory figures."""
 
 from __future__ import annotations
 
@@ -29,3 +30,12 @@ def run_ranks(np: int, argv: list[str], env: dict, timeout: float) -> int | None
             proc.kill()
             proc.wait()
         return None
+
+
+def read_status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM, RssAnon, ...)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")

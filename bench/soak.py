@@ -25,7 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import run_ranks  # noqa: E402
+from _launch import read_status_kib, run_ranks  # noqa: E402
 
 WORKER_FLAG = "--_worker"
 
@@ -59,14 +59,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # ---- worker side ----------------------------------------------------------------------------
-
-
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -153,7 +145,7 @@ def worker(args: argparse.Namespace) -> int:
 
     def measure() -> list:
         return [
-            status_kib("VmRSS") / 1024,
+            read_status_kib("VmRSS") / 1024,
             len(os.listdir("/proc/self/task")),
             len(os.listdir("/proc/self/fd")),
             len(mpi_ops._handle_map),

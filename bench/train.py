@@ -62,7 +62,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import free_port, run_ranks  # noqa: E402
+from _launch import free_port, read_status_kib, run_ranks  # noqa: E402
 
 PORT_ENV = "BAGUA_HVD_BENCH_GLOO_PORT"
 RESULT_ENV = "BAGUA_HVD_BENCH_RESULT"  # a directory: each rank writes its JSON there
@@ -499,14 +499,6 @@ def minor_faults() -> int:
     """This process's minor page faults so far: a step that faults its fresh gradients in anew
     (glibc returned them to the system) shows thousands."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def read_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 class Worker:

@@ -70,7 +70,7 @@ def test_past_the_shutdown_time_every_rank_stops():
 
 def test_disabled_it_reports_nothing():
     out = job(
-        2.5,
+        5,
         HOROVOD_STALL_CHECK_TIME_SECONDS="1",
         HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="2",
         HOROVOD_STALL_CHECK_DISABLE="1",
