@@ -189,6 +189,27 @@ def test_oversize_frame_after_authentication(
             c2.close()
 
 
+def test_error_reply_reaches_a_client_behind_on_reading(secret: bytes) -> None:
+    """An oversized request is refused after its length alone, the rest of it unread: closing
+    then reset the connection, which discarded the replies still queued for a client that reads
+    late, the error reply included (found by native/fuzz/store_server_fuzz.py; its input is in
+    native/fuzz/regressions/store_server/)."""
+    set_request = b"S" + struct.pack("<I", 1) + b"k" + b"v"
+    with StoreServer(secret, host="127.0.0.1", max_frame_bytes=1024) as srv:
+        with socket.socket() as s:
+            # A small receive window keeps the replies queued on the server's side.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(5)
+            s.connect(("127.0.0.1", srv.port))
+            client_handshake(s, secret, STORE_PURPOSE, b"test", "store")
+            frame = struct.pack("<I", len(set_request)) + set_request
+            s.sendall(frame * 2000 + struct.pack("<I", 1025) + b"S")
+            time.sleep(0.5)  # the server refuses the last request meanwhile
+            reply = recv_until_closed(s)
+    assert reply.count(struct.pack("<I", 1) + b"K") == 2000
+    assert b"exceeds the limit of 1024 bytes" in reply
+
+
 def test_bad_request_is_refused(server: StoreServer, secret: bytes) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
         client_handshake(s, secret, STORE_PURPOSE, b"test", "store")

@@ -23,19 +23,20 @@ def test_tf_multiprocess(np: int) -> None:
 
 
 def test_kernels_build_command(tmp_path) -> None:
-    """``python -m bagua_hvd.tensorflow.build_kernels`` builds the kernels into an empty cache
-    directory and prints the library; with no usable compiler it fails and says why."""
+    """``python -m bagua_hvd.tensorflow.build_kernels`` prints the kernels' library, built in the
+    user's cache (the same build the first TensorFlow op runs: the other tests' ranks share that
+    cache, so no second build of the kernels here); with no usable compiler it fails and says why.
+    """
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, BAGUA_HVD_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ)
     cmd = [sys.executable, "-m", "bagua_hvd.tensorflow.build_kernels"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     path = done.stdout.strip().splitlines()[-1]
-    assert path.startswith(str(tmp_path / "cache")) and path.endswith(".so"), done.stdout
-    assert os.path.getsize(path) > 0
+    assert path.endswith(".so") and os.path.getsize(path) > 0, done.stdout
     env["BAGUA_HVD_CACHE_DIR"] = str(tmp_path / "other")
     env["CXX"] = "false"
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

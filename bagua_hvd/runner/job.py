@@ -193,6 +193,16 @@ def _signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
+def _terminate_group(pgid: int) -> bool:
+    """SIGTERM to a process group, then SIGCONT: a stopped (SIGSTOP) rank acts on the SIGTERM at
+    once instead of waiting for the SIGKILL (as shells' kill and systemd do). False when the
+    group is empty."""
+    if not _signal_group(pgid, signal.SIGTERM):
+        return False
+    _signal_group(pgid, signal.SIGCONT)
+    return True
+
+
 def _group_alive(pgid: int) -> bool:
     """True while the process group has a member that is not a zombie.
 
@@ -384,7 +394,7 @@ def _stop(ranks: Sequence[_Rank]) -> None:
     """Terminates ranks that are still running (SIGTERM, then SIGKILL), then cleans up."""
     alive = [r for r in ranks if r.proc.poll() is None]
     for r in alive:
-        _signal_group(r.proc.pid, signal.SIGTERM)
+        _terminate_group(r.proc.pid)
     deadline = time.monotonic() + KILL_AFTER_S
     for r in alive:
         try:
@@ -430,7 +440,7 @@ def _supervise(
             termed = True
             stopped.update(running)
             for rank in sorted(running):
-                _signal_group(by_rank[rank].proc.pid, signal.SIGTERM)
+                _terminate_group(by_rank[rank].proc.pid)
         if kill_at is not None and not killed and now >= kill_at:
             killed = True
             for rank in sorted(running):
@@ -462,7 +472,7 @@ def _supervise(
 
 def _cleanup(ranks: Sequence[_Rank]) -> None:
     """Ends what the ranks left in their process groups and drains their output (bounded)."""
-    leftover = [r for r in ranks if _signal_group(r.proc.pid, signal.SIGTERM)]
+    leftover = [r for r in ranks if _terminate_group(r.proc.pid)]
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while leftover and time.monotonic() < deadline:
         time.sleep(_POLL_S)

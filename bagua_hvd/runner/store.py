@@ -39,6 +39,8 @@ MAX_CONNECTIONS = 4096
 MAX_PENDING_HANDSHAKES = 64
 # At most one warning about rejected connections per this many seconds.
 REJECT_LOG_INTERVAL_S = 5.0
+# After an error reply, how long the server reads on (and discards) what the client still sends.
+ERROR_LINGER_S = 1.0
 STORE_PURPOSE = b"store"
 
 _MAGIC = b"BHVD"
@@ -557,6 +559,7 @@ class StoreServer:
                 _send_frame(sock, reply)
                 if reply[:1] == b"E":
                     logger.warning("rendezvous store: dropped %s: %s", what, reply[1:].decode())
+                    self._linger(sock)
                     return
         except OSError as e:
             if not self._stopping:
@@ -572,6 +575,23 @@ class StoreServer:
         try:
             _send_frame(sock, b"E" + message.encode())
         except OSError:
+            return
+        StoreServer._linger(sock)
+
+    @staticmethod
+    def _linger(sock: socket.socket) -> None:
+        """Ends the connection after an error reply without losing the reply: closing a socket
+        with unread bytes (the rest of an oversized request) resets the connection, and the reset
+        discards the replies the client has not received yet. So send the end of stream, then read
+        and discard what the client still sends, until it closes or ERROR_LINGER_S passed."""
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + ERROR_LINGER_S
+            while (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                if not sock.recv(65536):
+                    return
+        except OSError:  # the client is gone, or ERROR_LINGER_S passed (socket.timeout)
             pass
 
     def _handle(self, req: bytes, what: str) -> bytes:

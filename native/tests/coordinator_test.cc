@@ -314,6 +314,65 @@ TEST_F(Negotiation, CacheCapacityEvictsTheLeastRecentlyUsed) {
   EXPECT_EQ(r2.evicted, std::vector<int32_t>{r1.responses[0].cache_ids[0]});
 }
 
+// ---- requests no real rank sends (found by native/fuzz/coordinator_fuzz.cc) -------------------
+
+// A shape that no tensor has is garbage on the channel, like an unknown cache id: build() and
+// fusion multiplied it out, a signed overflow (native/fuzz/regressions/coordinator/).
+TEST_F(Negotiation, ARequestWhoseShapeNoTensorHasIsRefused) {
+  const int64_t big = int64_t(1) << 62;
+  const std::vector<std::vector<int64_t>> bad = {
+      {-1},
+      {4, -3},
+      {-281474976710654, 16492674416639},  // the fuzzer's input
+      {big, 2},                            // 2^63 elements
+      {big / 2, 1, 2, 2},                  // 2^62 elements of 4 bytes
+      {big, big, 0},                       // empty, but its dimensions overflow before the 0
+  };
+  for (const auto& shape : bad) {
+    start();
+    RequestList l;
+    l.requests.push_back(allreduce("a", shape));
+    EXPECT_THROW(coord_->add(l, 1), TransportError) << ::testing::PrintToString(shape);
+  }
+  start();
+  submit_all(allreduce("ok", {big / 8, 2}, DataType::UINT8));  // 2^60 bytes still count
+  submit_all(allreduce("empty", {0, big}));
+  EXPECT_EQ(build().responses.size(), 2u);
+}
+
+// A new process set with a rank outside the job, or a rank twice, is an error for every rank: the
+// coordinator indexed its tables by those ranks once the set was registered (hvd.add_process_set
+// does not check them; native/fuzz/regressions/coordinator/process-set-rank-out-of-range).
+TEST_F(Negotiation, AProcessSetWithARankOutsideTheJobIsRefused) {
+  Request add = req("__process_set_change.0", kOpAddProcessSet, DataType::INT32, {});
+  const std::vector<std::vector<int32_t>> bad = {{0, 5}, {-1, 0}, {3}, {1, 1}};
+  for (const auto& ranks : bad) {
+    start();
+    add.splits = ranks;
+    submit_all(add);
+    const std::string e = error();
+    EXPECT_NE(e.find("Attempted to add a process set with rank"), std::string::npos) << e;
+  }
+  start();
+  add.splits = {0, 2};
+  submit_all(add);
+  ResponseList out = build();
+  ASSERT_EQ(out.responses.size(), 1u);
+  EXPECT_EQ(out.responses[0].kind, Response::OP);
+  EXPECT_EQ(out.responses[0].set_ranks, (std::vector<int32_t>{0, 2}));
+}
+
+// Ready tensors whose sizes sum past int64 (each one counts): the sum decides when to stop holding
+// them for fusion, and must not wrap around to "nothing to flush yet".
+TEST_F(Negotiation, ReadyTensorsSummingPastInt64AreFlushed) {
+  params_.cycle_time_s = 1000;  // only the fusion threshold flushes
+  start();
+  const int64_t half = int64_t(1) << 62;  // bytes of uint8: two sum to 2^63
+  submit_all(allreduce("a", {half}, DataType::UINT8));
+  submit_all(allreduce("b", {half}, DataType::UINT8));
+  EXPECT_EQ(build().responses.size(), 2u);
+}
+
 // ---- the stall inspector (Horovod's stall_inspector.cc; messages checked against its text) ----
 
 class StallInspector : public Negotiation {

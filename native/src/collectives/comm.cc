@@ -307,6 +307,7 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what, const Work& work) {
     if (now >= next_check) {
       next_check = now + std::chrono::duration_cast<Clock::duration>(
                              std::chrono::duration<double>(kCheckSeconds));
+      transport_.heartbeat();
       for (size_t ai : active) {
         Lane& lane = lanes[ai];
         const double idle = std::chrono::duration<double>(now - lane.last).count();

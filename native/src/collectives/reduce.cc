@@ -31,7 +31,10 @@ using fbits::float_to_half;
 using fbits::half_to_float;
 using fbits::mask;
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+// Not under ThreadSanitizer: the clones' resolvers are instrumented too, and an executable runs
+// them before the sanitizer's runtime has started (a crash at load).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
+    !defined(__SANITIZE_THREAD__)
 #define BHVD_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define BHVD_CLONES

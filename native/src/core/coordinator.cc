@@ -1,6 +1,7 @@
 #include "core/coordinator.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -21,6 +22,17 @@ std::string num_str(double v) {
   std::ostringstream os;
   os << v;
   return os.str();
+}
+
+// Whether a shape can be a tensor's: no negative dimension, and its size in bytes counts in int64
+// (build() and fusion multiply it out). Only a broken or hostile peer sends another.
+bool tensor_shape(const std::vector<int64_t>& shape, DataType dtype) {
+  int64_t bytes = std::max<int64_t>(1, static_cast<int64_t>(dtype_size(dtype)));
+  for (int64_t d : shape) {
+    if (d < 0 || (d > 0 && bytes > std::numeric_limits<int64_t>::max() / d)) return false;
+    bytes *= d;
+  }
+  return true;
 }
 
 // The timeline of a coordinator given none: never active.
@@ -71,6 +83,10 @@ void Coordinator::add(const RequestList& list, int from_rank) {
   if (list.shutdown) shutdown_requested_ = true;
   cache_.ack(from_rank, list.acked_seq);
   for (const auto& r : list.requests) {
+    if (!tensor_shape(r.shape, r.dtype))
+      throw TransportError("rank " + std::to_string(from_rank) + " sent a request for '" +
+                           r.name.substr(0, 200) + "' whose shape no tensor has (a negative " +
+                           "dimension, or 2^63 bytes or more)");
     Request copy = r;
     copy.rank = from_rank;
     add_request(std::move(copy));
@@ -303,6 +319,17 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
     }
   } else if (t == kOpAddProcessSet) {
     std::vector<int32_t> ranks = a.splits;
+    // Every rank's table indexes by these (as for the sets given at init, runtime.cc).
+    std::vector<int32_t> sorted = ranks;
+    std::sort(sorted.begin(), sorted.end());
+    for (size_t i = 0; i < sorted.size(); ++i) {
+      if (sorted[i] < 0 || sorted[i] >= world_size_)
+        return fail("Attempted to add a process set with rank " + std::to_string(sorted[i]) +
+                    ", which is not in [0, " + std::to_string(world_size_) + ")");
+      if (i > 0 && sorted[i] == sorted[i - 1])
+        return fail("Attempted to add a process set with rank " + std::to_string(sorted[i]) +
+                    " twice");
+    }
     for (const auto& kv : sets_) {
       if (kv.second == ranks) {
         std::ostringstream os;
@@ -408,9 +435,13 @@ ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_a
     oldest = std::min(oldest, p.ready_time);
     size_t first = 0;
     while (first < p.have.size() && !p.have[first]) ++first;
-    if (first < p.have.size())
-      ready_bytes +=
+    if (first < p.have.size()) {
+      // Only whether the sum reaches the threshold matters: counting up to it, no sum of (peer
+      // sent) sizes overflows.
+      const int64_t bytes =
           num_elements(p.reqs[first].shape) * static_cast<int64_t>(dtype_size(p.reqs[first].dtype));
+      ready_bytes += std::min(bytes, params_.fusion_threshold - ready_bytes);
+    }
   }
   if (!ready_.empty() && !flush) {
     auto due = oldest + std::chrono::duration_cast<Clock::duration>(

@@ -46,6 +46,8 @@ void Runtime::loop_once_coordinator(bool* active) {
   std::string msg;
   for (int w = 1; w < cfg_.size; ++w) {
     while (ctrl_->poll(w, &msg)) {
+      heard_[w] = Clock::now();
+      if (msg.empty()) continue;  // a keepalive (Runtime::check_peers)
       coordinator_->add(decode_request_list(msg), w);
       *active = true;
     }
@@ -70,6 +72,8 @@ void Runtime::loop_once_worker(bool* active) {
   }
   std::string msg;
   while (ctrl_->poll(0, &msg)) {
+    heard_[0] = Clock::now();
+    if (msg.empty()) continue;  // a keepalive (Runtime::check_peers)
     apply(decode_response_list(msg));
     *active = true;
     std::lock_guard<std::mutex> lock(mu_);

@@ -111,6 +111,13 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
   oversubscribed_ =
       cfg_.local_size > static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   ctrl_ = std::make_unique<ControlChannel>(*transport_, cfg_.timeout_s);
+  heard_.assign(cfg_.size, Clock::now());
+  last_keepalive_ = Clock::time_point{};
+  transport_->set_heartbeat([this] {
+    // Only the loop's own thread owns the control channel (the async averaging thread also runs
+    // collectives).
+    if (std::this_thread::get_id() == loop_thread_id_) send_keepalives(Clock::now());
+  });
   coordinator_.reset();
   if (cfg_.rank == 0) {
     coordinator_ = std::make_unique<Coordinator>(cfg_.size, sets_, config.coordinator, &timeline_);
@@ -343,8 +350,11 @@ Status Runtime::wait(int64_t handle, int64_t timeout_ms) {
     for (const auto& name : h->names) {
       auto e = table_.find(name);
       if (e == table_.end()) continue;
-      e->second.request.urgent = true;  // still queued: it goes out urgent
-      if (std::find(queue_.begin(), queue_.end(), name) == queue_.end())
+      // A sent request is no longer ours to write: the background thread reads it, unlocked,
+      // while it executes (ThreadSanitizer found the race).
+      if (std::find(queue_.begin(), queue_.end(), name) != queue_.end())
+        e->second.request.urgent = true;  // still queued: it goes out urgent
+      else
         urgent_queue_.push_back(name);  // already sent: tell the coordinator
     }
     if (transport_) transport_->notify();
@@ -415,6 +425,7 @@ const char* Runtime::transport_kind(int peer) {
 // ---- background thread --------------------------------------------------------------------
 
 void Runtime::loop() {
+  loop_thread_id_ = std::this_thread::get_id();
   Clock::time_point idle_since = Clock::now();
   Clock::time_point last_liveness = Clock::now();
   Clock::time_point shutdown_deadline = Clock::time_point::max();
@@ -464,12 +475,9 @@ void Runtime::loop() {
       }
       if (timeout.count() > 0) transport_->wait(timeout);
       if (Clock::now() - last_liveness > std::chrono::milliseconds(200)) {
+        const auto previous = last_liveness;
         last_liveness = Clock::now();
-        if (coordinator_) {
-          for (int r = 1; r < cfg_.size; ++r) transport_->ctrl(r).check_alive();
-        } else if (cfg_.size > 1) {
-          transport_->ctrl(0).check_alive();
-        }
+        check_peers(last_liveness, last_liveness - previous);
       }
     }
   } catch (const std::exception& e) {
@@ -493,6 +501,47 @@ void Runtime::loop() {
   }
   std::lock_guard<std::mutex> lock(mu_);
   stopped_ = true;
+}
+
+// A dead peer closes its connections (check_alive); a stopped (SIGSTOP) or hung one only falls
+// silent, and a silent peer that owes this rank a negotiation message would be waited for forever.
+// So every rank sends an empty frame (a keepalive) to those it negotiates with, the coordinator
+// to every worker and a worker to the coordinator, at least every second, and a peer silent for
+// longer than HOROVOD_GLOO_TIMEOUT_SECONDS fails the job naming it, as a silent peer inside a
+// collective does. Silence counts only while this thread listens: after a gap (a long
+// collective, a descheduled process), every peer gets a fresh window. Keepalives go out from
+// inside collectives too (Transport::heartbeat), so that a rank busy in a long collective of a
+// process set is not taken for a silent one by the ranks outside the set.
+void Runtime::check_peers(Clock::time_point now, Clock::duration since_last) {
+  if (cfg_.size <= 1) return;
+  const bool fresh = since_last > std::chrono::seconds(1);
+  auto check = [&](int peer) {
+    transport_->ctrl(peer).check_alive();
+    if (fresh) heard_[peer] = now;
+    const double silent = std::chrono::duration<double>(now - heard_[peer]).count();
+    if (cfg_.timeout_s > 0 && silent > cfg_.timeout_s)
+      throw TransportError("rank " + std::to_string(peer) + " sent nothing for " +
+                           format_seconds(silent) +
+                           " s (HOROVOD_GLOO_TIMEOUT_SECONDS): it is stopped, hung or unreachable");
+  };
+  if (coordinator_) {
+    for (int r = 1; r < cfg_.size; ++r) check(r);
+  } else {
+    check(0);
+  }
+  send_keepalives(now);
+}
+
+void Runtime::send_keepalives(Clock::time_point now) {
+  if (cfg_.size <= 1) return;
+  const double interval = std::min(1.0, cfg_.timeout_s / 4);
+  if (std::chrono::duration<double>(now - last_keepalive_).count() < interval) return;
+  last_keepalive_ = now;
+  if (coordinator_) {
+    for (int r = 1; r < cfg_.size; ++r) ctrl_->send(r, std::string());
+  } else {
+    ctrl_->send(0, std::string());
+  }
 }
 
 void Runtime::complete_locked(Handle& h, std::vector<std::function<void()>>* callbacks) {

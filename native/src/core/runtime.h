@@ -100,6 +100,10 @@ class Runtime {
   // Negotiation (core/negotiation.cc).
   void loop_once_coordinator(bool* active);
   void loop_once_worker(bool* active);
+  // Liveness of the ranks this one negotiates with (runtime.cc).
+  void check_peers(Clock::time_point now, Clock::duration since_last);
+  // An empty frame to each of those ranks, at most every min(1 s, timeout / 4).
+  void send_keepalives(Clock::time_point now);
   void drain_local(RequestList* out, bool* any);
   void apply(const ResponseList& list);
   // Execution of one response (core/dispatch.cc).
@@ -151,6 +155,9 @@ class Runtime {
   uint64_t acked_seq_ = 0;
   bool sent_shutdown_ = false;
   std::unique_ptr<ControlChannel> ctrl_;
+  std::vector<Clock::time_point> heard_;  // per rank: when a frame from it last arrived
+  Clock::time_point last_keepalive_{};
+  std::atomic<std::thread::id> loop_thread_id_{};  // the background thread's (set as loop() starts)
   FusionBuffer fusion_{stats_.fusion_buffer_bytes};
   std::atomic<int> waiters_{0};             // frontend threads blocked in wait()
   std::atomic<int> callbacks_pending_{0};   // on_done callbacks not yet run (a caller waits)

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -91,9 +92,17 @@ class Transport {
   // Block until a pair may have made progress, notify() was called, or timeout passed.
   virtual void wait(std::chrono::microseconds timeout) = 0;
   double timeout_seconds() const { return timeout_s_; }
+  // Called every few milliseconds while a collective waits (Comm::run), on the thread running
+  // it: the runtime keeps the ranks it negotiates with hearing from it during a long collective
+  // they are not part of (Runtime::send_keepalives).
+  void set_heartbeat(std::function<void()> f) { heartbeat_ = std::move(f); }
+  void heartbeat() {
+    if (heartbeat_) heartbeat_();
+  }
 
  protected:
   double timeout_s_ = 30;
+  std::function<void()> heartbeat_;
 };
 
 // Builds the transport: publishes this rank's address in the store, learns the others', maps
