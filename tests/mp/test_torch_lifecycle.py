@@ -11,6 +11,7 @@ import re
 import time
 from typing import Callable
 
+import pytest
 import torch
 
 import bagua_hvd.torch as hvd
@@ -98,7 +99,15 @@ def test_init_shutdown_cycles_leak_nothing():
     hvd.init()
 
 
+def _skip_under_a_sanitizer() -> None:
+    if any(rt in os.environ.get("LD_PRELOAD", "") for rt in ("libasan", "libtsan")):
+        # .ci/sanitize: the sanitizer's allocator holds freed memory back (ASan's quarantine,
+        # 256 MiB): RSS grows without a leak there. Measured in the plain runs of this file.
+        pytest.skip("RSS is no leak measure under a sanitizer's allocator")
+
+
 def test_allreduce_rss_stable():
+    _skip_under_a_sanitizer()
     x = torch.ones(1024, dtype=torch.float32)  # 4 KiB
     y = torch.ones(1024, dtype=torch.float32)
     n = float(hvd.size())
@@ -126,6 +135,7 @@ def test_allreduce_rss_stable():
 
 
 def test_allgather_alltoall_rss_stable():
+    _skip_under_a_sanitizer()
     x = torch.ones(256, 4)
     splits = [256 // hvd.size()] * hvd.size()
     splits[0] += 256 - sum(splits)
