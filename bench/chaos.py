@@ -191,19 +191,23 @@ def plans(args: argparse.Namespace) -> list[Plan]:
     return out
 
 
+def stat_fields(pid: int | str) -> list[bytes] | None:
+    """/proc/PID/stat after the command name: [state, ppid, ..., starttime at 19], or None when
+    the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+
+
 def proc_table() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, start time in ticks) of every process (a pid with its start time
     names one process even if the pid is reused)."""
     table = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rpartition(b")")[2].split()
-        except OSError:
-            continue
-        table[int(entry)] = (int(fields[1]), fields[19].decode())
+        if entry.isdigit() and (fields := stat_fields(entry)) is not None:
+            table[int(entry)] = (int(fields[1]), fields[19].decode())
     return table
 
 
@@ -223,12 +227,8 @@ def descendants(root: int, table: dict[int, tuple[int, str]]) -> dict[int, str]:
 
 def still_there(pid: int, start: str) -> bool:
     """True while the process (pid, start) exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()
-    except OSError:
-        return False
-    return fields[19].decode() == start and fields[0] not in (b"Z", b"X")
+    fields = stat_fields(pid)
+    return fields is not None and fields[19].decode() == start and fields[0] not in (b"Z", b"X")
 
 
 def segments() -> set[str]:

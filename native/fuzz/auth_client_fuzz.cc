@@ -87,13 +87,5 @@ void scripted(const std::string& rest, uint8_t flags) {
 }  // namespace bagua_hvd
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  using namespace bagua_hvd;
-  if (size < 1 || size > fuzz::kMaxInput) return 0;
-  const std::string rest(reinterpret_cast<const char*>(data) + 1, size - 1);
-  if (data[0] & 1) {
-    scripted(rest, data[0]);
-  } else {
-    raw(rest);
-  }
-  return 0;
+  return bagua_hvd::fuzz::two_modes(data, size, bagua_hvd::scripted, bagua_hvd::raw);
 }

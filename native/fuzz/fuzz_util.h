@@ -29,6 +29,21 @@ inline void check(bool ok, const char* why) {
   if (!ok) fail(why);
 }
 
+// The handshake targets' two modes: the first byte's low bit picks `scripted` (the harness plays
+// the other end, right or wrong by the first byte) or `raw` (the rest is the other end's whole
+// byte stream).
+template <typename Scripted, typename Raw>
+int two_modes(const uint8_t* data, size_t size, Scripted scripted, Raw raw) {
+  if (size < 1 || size > kMaxInput) return 0;
+  const std::string rest(reinterpret_cast<const char*>(data) + 1, size - 1);
+  if (data[0] & 1) {
+    scripted(rest, data[0]);
+  } else {
+    raw(rest);
+  }
+  return 0;
+}
+
 // A connected AF_UNIX stream pair: `ours` for the code under test (non-blocking, as its sockets
 // are), `theirs` for the harness playing the other end.
 struct SocketPair {

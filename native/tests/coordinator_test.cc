@@ -343,15 +343,22 @@ TEST_F(Negotiation, ARequestWhoseShapeNoTensorHasIsRefused) {
 // A new process set with a rank outside the job, or a rank twice, is an error for every rank: the
 // coordinator indexed its tables by those ranks once the set was registered (hvd.add_process_set
 // does not check them; native/fuzz/regressions/coordinator/process-set-rank-out-of-range).
+// Horovod's texts and order (process_set.cc: duplicates first, in sorted order, then the range).
 TEST_F(Negotiation, AProcessSetWithARankOutsideTheJobIsRefused) {
   Request add = req("__process_set_change.0", kOpAddProcessSet, DataType::INT32, {});
-  const std::vector<std::vector<int32_t>> bad = {{0, 5}, {-1, 0}, {3}, {1, 1}};
-  for (const auto& ranks : bad) {
+  const std::vector<std::pair<std::vector<int32_t>, std::string>> bad = {
+      {{0, 5}, "Tried to register process set with invalid rank: 5"},
+      {{-1, 0}, "Tried to register process set with invalid rank: -1"},
+      {{3}, "Tried to register process set with invalid rank: 3"},
+      {{1, 1}, "Tried to register process set with duplicate rank: 1"},
+      {{7, 7, 2}, "Tried to register process set with duplicate rank: 7"},
+  };
+  for (const auto& [ranks, text] : bad) {
     start();
     add.splits = ranks;
     submit_all(add);
     const std::string e = error();
-    EXPECT_NE(e.find("Attempted to add a process set with rank"), std::string::npos) << e;
+    EXPECT_NE(e.find(text), std::string::npos) << e;
   }
   start();
   add.splits = {0, 2};

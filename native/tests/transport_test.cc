@@ -153,6 +153,29 @@ void check_allreduce(int n, Kind kind, Algo algo, size_t count, DataType dtype, 
   });
 }
 
+// A rank waiting inside a collective keeps calling its transport's heartbeat: the runtime sends
+// its keepalives from there (Runtime::send_keepalives), so that ranks outside a long collective
+// of a process set do not take its members for stopped ones.
+TEST(InProcessComm, AWaitInsideACollectiveCallsTheHeartbeat) {
+  for (Kind kind : {Kind::SHM, Kind::TCP}) {
+    run_ranks(2, kind, [](Comm& comm) {
+      int beats = 0;
+      comm.transport().set_heartbeat([&] { ++beats; });
+      char byte = 0;
+      if (comm.rank() == 0) {
+        comm.recv(1, &byte, 1, "heartbeat test");  // 300 ms of waiting: ~30 checks of 10 ms
+        EXPECT_EQ(byte, 7);
+        EXPECT_GE(beats, 3);
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        byte = 7;
+        comm.send(0, &byte, 1, "heartbeat test");
+      }
+      comm.transport().set_heartbeat(nullptr);
+    });
+  }
+}
+
 TEST(InProcessAllreduce, DirectOverTcp) {
   check_allreduce<float>(3, Kind::TCP, Algo::DIRECT, 1000, DataType::FLOAT32, ReduceOp::SUM);
 }

@@ -188,8 +188,12 @@ def test_init_rejects_duplicate_sets(restore_default):
     ):
         hvd.init(process_sets=[a, b])
     assert not hvd.is_initialized()
-    with pytest.raises(ValueError, match="Horovod initialization failed"):
+    # Horovod's texts (process_set.cc, RegisterProcessSet).
+    with pytest.raises(ValueError, match="Tried to register process set with invalid rank: 10000"):
         hvd.init(process_sets=[hvd.ProcessSet([0, 10_000])])
+    assert not hvd.is_initialized()
+    with pytest.raises(ValueError, match="Tried to register process set with duplicate rank: 0"):
+        hvd.init(process_sets=[hvd.ProcessSet([0, 0])])
     assert not hvd.is_initialized()
 
 
@@ -209,6 +213,12 @@ def test_dynamic_process_sets(restore_default):
     # a set with the global set's ranks is a duplicate of the global set
     with pytest.raises(ValueError, match="Attempted to add a duplicate process set: "):
         hvd.add_process_set(list(range(n)))
+    # Ranks outside the job or given twice: Horovod's texts (process_set.cc), on every rank, and
+    # the job goes on.
+    for bad, text in (([0, n], f"invalid rank: {n}"), ([0, 0], "duplicate rank: 0")):
+        with pytest.raises(ValueError, match=f"Tried to register process set with {text}"):
+            hvd.add_process_set(bad)
+    _global_still_works()
     specs = [s for s in _set_specs(n) if s != list(range(n))]
     if not specs:
         return  # size 1: the only possible set is the global one

@@ -210,8 +210,15 @@ int bhvd_process_set_rank(int32_t id) {
 int bhvd_add_process_set(const int32_t* ranks, int32_t n, int32_t* id_out) {
   return guarded([&]() -> int {
     std::vector<int32_t> v(ranks, ranks + n);
+    // Bad ranks are this caller's error (ValueError), found here on every rank; the coordinator
+    // checks again what the ranks sent.
+    Runtime& rt = Runtime::get();
+    if (rt.initialized()) {
+      if (std::string e = bagua_hvd::process_set_ranks_error(v, rt.config().size); !e.empty())
+        return report(Status::InvalidArgument(e));
+    }
     std::sort(v.begin(), v.end());
-    return report(Runtime::get().run_internal(bagua_hvd::kOpAddProcessSet, v, id_out));
+    return report(rt.run_internal(bagua_hvd::kOpAddProcessSet, v, id_out));
   });
 }
 

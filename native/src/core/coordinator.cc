@@ -35,6 +35,20 @@ bool tensor_shape(const std::vector<int64_t>& shape, DataType dtype) {
   return true;
 }
 
+}  // namespace
+
+std::string process_set_ranks_error(std::vector<int32_t> ranks, int world_size) {
+  std::sort(ranks.begin(), ranks.end());
+  if (auto dup = std::adjacent_find(ranks.begin(), ranks.end()); dup != ranks.end())
+    return "Tried to register process set with duplicate rank: " + std::to_string(*dup);
+  for (int32_t r : ranks)
+    if (r < 0 || r >= world_size)
+      return "Tried to register process set with invalid rank: " + std::to_string(r);
+  return "";
+}
+
+namespace {
+
 // The timeline of a coordinator given none: never active.
 Timeline& no_timeline() {
   static Timeline off(2);  // never started: its destructor has nothing to stop
@@ -319,17 +333,7 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
     }
   } else if (t == kOpAddProcessSet) {
     std::vector<int32_t> ranks = a.splits;
-    // Every rank's table indexes by these (as for the sets given at init, runtime.cc).
-    std::vector<int32_t> sorted = ranks;
-    std::sort(sorted.begin(), sorted.end());
-    for (size_t i = 0; i < sorted.size(); ++i) {
-      if (sorted[i] < 0 || sorted[i] >= world_size_)
-        return fail("Attempted to add a process set with rank " + std::to_string(sorted[i]) +
-                    ", which is not in [0, " + std::to_string(world_size_) + ")");
-      if (i > 0 && sorted[i] == sorted[i - 1])
-        return fail("Attempted to add a process set with rank " + std::to_string(sorted[i]) +
-                    " twice");
-    }
+    if (std::string e = process_set_ranks_error(ranks, world_size_); !e.empty()) return fail(e);
     for (const auto& kv : sets_) {
       if (kv.second == ranks) {
         std::ostringstream os;

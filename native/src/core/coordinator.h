@@ -28,6 +28,11 @@ struct CoordinatorParams {
   double stall_shutdown_s = 0;    // 0: never shut the job down for a stalled tensor
 };
 
+// Horovod's checks of a process set's global ranks (ProcessSetTable::RegisterProcessSet): "" when
+// they are valid, else its message ("Tried to register process set with duplicate rank: 1"). For
+// the sets given at init and those added later alike: every rank's tables are indexed by them.
+std::string process_set_ranks_error(std::vector<int32_t> ranks, int world_size);
+
 class Coordinator {
  public:
   // sets: process set id -> sorted global ranks (the runtime's table, updated by it as

@@ -71,15 +71,11 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
   sets[0] = all;
   int32_t id = 1;
   for (auto ranks : static_sets) {
-    std::sort(ranks.begin(), ranks.end());
-    for (auto r : ranks) {
-      if (r < 0 || r >= cfg_.size) {
-        transport_.reset();
-        return Status::InvalidArgument("Horovod initialization failed: process set rank " +
-                                       std::to_string(r) + " is not in [0, " +
-                                       std::to_string(cfg_.size) + ")");
-      }
+    if (std::string e = process_set_ranks_error(ranks, cfg_.size); !e.empty()) {
+      transport_.reset();
+      return Status::InvalidArgument("Horovod initialization failed: " + e);
     }
+    std::sort(ranks.begin(), ranks.end());
     sets[id++] = ranks;
   }
   {
