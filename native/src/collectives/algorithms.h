@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <vector>
 
 #include "collectives/comm.h"
@@ -36,6 +37,14 @@ unsigned char* scratch_slot(int slot, size_t bytes);
 // float32 copies of block [i0, i0 + m) of each input (widened exactly).
 constexpr size_t kFloatBlock = 8192;
 
+// The schedule of the pipelined collectives: `blocks` blocks each pass through `steps` steps, and
+// in run t block b performs step t - b, so one Comm::run carries up to `steps` blocks at
+// different stages. emit(b, s, xs) appends block b's transfers for its step s; blocks are emitted
+// in ascending order, so both ends of every stream see them in the same order. A step may only
+// use what the block's earlier steps produced (they completed in earlier runs).
+using PipelineStep = std::function<void(size_t block, int step, std::vector<Comm::Xfer>& xs)>;
+void run_pipeline(Comm& comm, size_t blocks, int steps, const PipelineStep& emit, const char* what);
+
 // Ring over the set ranks in which every segment r (seg_off[r], seg_len[r] bytes of buf, whole
 // elements) is moved in chunks of ~chunk_bytes, with all pipeline stages of different chunks in
 // flight in one Comm::run:
@@ -47,6 +56,17 @@ void ring_pipeline(Comm& comm, unsigned char* buf, const std::vector<size_t>& se
                    const std::vector<size_t>& seg_len, DataType dtype, ReduceOp op,
                    bool reduce_scatter, bool allgather, unsigned char* rs_out, size_t chunk_bytes,
                    const char* what);
+
+// Allreduce over hosts that each hold the same number n of comm's ranks (host: this rank's host's
+// members, ascending; cross: the members with this rank's index on every host, one per host,
+// ascending; both subsets of comm). The buffer is cut into n shards, shard i into m = cross.size()
+// parts. Each block (a chunk of every part) is reduce-scattered around the host's ring (rank i
+// ends with shard i), reduce-scattered and allgathered around the cross ring (shard i's parts),
+// then allgathered around the host's ring, all in one pipeline: while one block crosses the
+// network, others move through shared memory. Across the network each rank sends
+// 2(m-1)/m of its shard. Every rank ends with identical bits.
+void allreduce_hierarchical(Comm& comm, Comm& host, Comm& cross, void* buf, size_t count,
+                            DataType dtype, ReduceOp op, size_t chunk_bytes);
 
 void allreduce_direct(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
 void allreduce_ring(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op,

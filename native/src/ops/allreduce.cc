@@ -42,19 +42,8 @@ void execute_allreduce(ExecContext& ctx) {
   if (r.prescale != 1.0) eng.scale(buf, total, r.dtype, r.prescale);
   if (Hierarchy* h = ctx.hierarchy; h && h->cross) {
     // The network carries one allreduce's worth per host, not per rank, spread over the host's
-    // ranks: reduce-scatter within the host (shared memory), each rank's shard allreduced
-    // with the same shard of the other hosts, allgather within the host.
-    const int n = h->intra->size(), k = h->intra->rank();
-    std::vector<size_t> shard(n), bytes(n);
-    size_t off = 0;
-    for (int i = 0; i < n; ++i) {
-      shard[i] = total / n + (static_cast<size_t>(i) < total % n ? 1 : 0);
-      bytes[i] = shard[i] * esize;
-      if (i < k) off += bytes[i];
-    }
-    eng.reducescatterv(*h->intra, buf, buf + off, shard, r.dtype, r.reduce_op);
-    eng.allreduce(*h->cross, buf + off, shard[k], r.dtype, r.reduce_op);
-    eng.allgatherv(*h->intra, buf + off, buf, bytes);
+    // ranks (collectives/allreduce_hierarchical.cc).
+    eng.allreduce_hierarchical(ctx.comm, *h->intra, *h->cross, buf, total, r.dtype, r.reduce_op);
   } else if (h) {
     // Hosts with different numbers of ranks: within the host, among the hosts' leaders, back.
     eng.allreduce(*h->intra, buf, total, r.dtype, r.reduce_op);

@@ -1,6 +1,7 @@
 // The CPU data engine: host memory, the collectives of collectives/ over the transport's pairs.
 #include <cstring>
 
+#include "collectives/algorithms.h"
 #include "ops/data_engine.h"
 
 namespace bagua_hvd {
@@ -32,6 +33,10 @@ class CpuEngine final : public DataEngine {
   void reducescatterv(Comm& comm, void* buf, void* out, const std::vector<size_t>& counts,
                       DataType dtype, ReduceOp op) override {
     bagua_hvd::reducescatterv(comm, buf, out, counts, dtype, op);
+  }
+  void allreduce_hierarchical(Comm& comm, Comm& host, Comm& cross, void* buf, size_t count,
+                              DataType dtype, ReduceOp op) override {
+    bagua_hvd::allreduce_hierarchical(comm, host, cross, buf, count, dtype, op, kChunkBytes);
   }
   void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype, bool average,
                               void* ef_worker, void* ef_server) override {

@@ -36,6 +36,10 @@ class DataEngine {
                          void* out, const std::vector<size_t>& recv_bytes) = 0;
   virtual void reducescatterv(Comm& comm, void* buf, void* out, const std::vector<size_t>& counts,
                               DataType dtype, ReduceOp op) = 0;
+  // Allreduce over hosts with the same number of comm's ranks each (collectives/hierarchy.h):
+  // host is this rank's host's members, cross the members with its index on every host.
+  virtual void allreduce_hierarchical(Comm& comm, Comm& host, Comm& cross, void* buf, size_t count,
+                                      DataType dtype, ReduceOp op) = 0;
 
   // BAGUA's primitives (docs/algorithms.md).
   virtual void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype,

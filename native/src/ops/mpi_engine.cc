@@ -108,6 +108,26 @@ class MpiEngine final : public DataEngine {
     if (!scratch_.empty()) cpu().copy(out, scratch_.data(), scratch_.size());
   }
 
+  // MPI's own collectives one after the other: reduce-scatter within the host, each rank's shard
+  // allreduced with the same shard of the other hosts, allgather within the host.
+  void allreduce_hierarchical(Comm& comm, Comm& host, Comm& cross, void* buf, size_t count,
+                              DataType dtype, ReduceOp op) override {
+    (void)comm;
+    const int n = host.size(), k = host.rank();
+    const size_t esize = dtype_size(dtype);
+    std::vector<size_t> shard(n), bytes(n);
+    size_t off = 0;
+    for (int i = 0; i < n; ++i) {
+      shard[i] = count / n + (static_cast<size_t>(i) < count % n ? 1 : 0);
+      bytes[i] = shard[i] * esize;
+      if (i < k) off += bytes[i];
+    }
+    auto* p = static_cast<unsigned char*>(buf);
+    reducescatterv(host, p, p + off, shard, dtype, op);
+    allreduce(cross, p + off, shard[k], dtype, op);
+    allgatherv(host, p + off, p, bytes);
+  }
+
   // BAGUA's primitives run over the core's transports (docs/algorithms.md).
   void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype, bool average,
                               void* ef_worker, void* ef_server) override {
