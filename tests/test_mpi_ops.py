@@ -18,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "mpi_engine.py"
+HIERARCHICAL_WORKER = ROOT / "tests" / "workers" / "hierarchical_allreduce.py"
 MPICH_WHEEL = "mpich==5.0.2"
 
 pytest.importorskip("mpi4py")
@@ -137,6 +138,22 @@ def test_bagua_run_mpi_passes_the_choice_on():
     text = _run([*launch, sys.executable, "-c", script], _env())
     for r in range(2):
         assert f"[1,{r}]<stdout>: mpi {r} True" in text, text
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="a host name per rank needs a UTS namespace (root)")  # fmt: skip
+def test_hierarchical_allreduce_through_mpi_on_two_hosts():
+    # Each rank runs in a UTS namespace named node0 or node1 (two ranks each), so the job spans
+    # two hosts and --hierarchical-allreduce runs through the MPI engine: reduce-scatter within
+    # the host, allreduce between the hosts, allgather within the host, three MPI calls for the
+    # big allreduce (a flat one is one call), which the core's transports carry none of.
+    rename = 'hostname "node$((OMPI_COMM_WORLD_RANK / 2))" && exec "$@"'
+    argv = [_open_mpi(), "-np", "4", "--oversubscribe", "--tag-output", "unshare", "--uts",
+            "sh", "-c", rename, "sh", sys.executable, str(HIERARCHICAL_WORKER)]  # fmt: skip
+    text = _run(argv, _env(HOROVOD_HIERARCHICAL_ALLREDUCE="1"))
+    for r in range(4):
+        assert f"[1,{r}]<stdout>: rank {r} of 4 on {r // 2}/2 mpi calls 3" in text, text
+        assert f"[1,{r}]<stdout>: rank {r} remote bytes 0 OK" in text, text
 
 
 INIT = (
