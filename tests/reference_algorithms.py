@@ -269,10 +269,10 @@ def quantize(x: np.ndarray, n_chunks: int, dtype: str = "float32") -> np.ndarray
 
 # ---- buckets -------------------------------------------------------------------------------------
 def bucket_bytes_from_env(environ: Optional[Dict[str, str]] = None) -> int:
-    """``BAGUA_HVD_BUCKET_MB`` (default 25) in bytes: int(MiB * 2**20), as optimizer.py does."""
+    """``BAGUA_HVD_BUCKET_MB`` (default 10) in bytes: int(MiB * 2**20), as optimizer.py does."""
     env = os.environ if environ is None else environ
     value = env.get("BAGUA_HVD_BUCKET_MB", "")
-    mb = float(value) if value else 25.0
+    mb = float(value) if value else 10.0
     if mb < 0:
         raise ValueError(f"BAGUA_HVD_BUCKET_MB must be >= 0, got {value!r}")
     return int(mb * (1 << 20))

@@ -129,9 +129,15 @@ CASES = [
 
 # (command line, words of the error; exit status 2)
 ERRORS = [
-    ("-np 2 --min-np 1", "--min-np: elastic training is not supported yet"),
-    ("-np 2 --min-num-proc 1", "--min-np: elastic training is not supported yet"),
-    ("-np 2 --host-discovery-script ./hosts.sh", "elastic training is not supported yet"),
+    # Horovod's check: -H defaults to localhost:<np>, and an elastic job needs two hosts.
+    ("-np 2 --min-np 1", "Cannot run in fault tolerance mode with fewer than 2 hosts."),
+    ("-np 2 --min-num-proc 1 -H h1:2", "Cannot run in fault tolerance mode with fewer than 2"),
+    ("-np 2 --min-np 3 -H a:2,b:2", "--min-np 3 is more than -np 2"),
+    ("-np 4 --max-np 2 --host-discovery-script ./hosts.sh", "--max-np 2 is less than -np 4"),
+    ("-np 2 --host-discovery-script ./hosts.sh --blacklist-cooldown-range 5 2",
+     "--blacklist-cooldown-range"),
+    ("-np 2 --host-discovery-script ./hosts.sh --mpi", "--mpi cannot be combined with an elastic"),
+    ("-np 2 --host-discovery-script ./hosts.sh --reset-limit -1", "--reset-limit must be >= 0"),
     ("-np 2 --jsrun", "--jsrun: bagua_hvd cannot start ranks with LSF's jsrun"),
     ("-np 2 --autotune-gaussian-process-noise 1.5", "must be in [0, 1]"),
     ("-np 2 --fusion-threshold-mb -1", "must be >= 0"),

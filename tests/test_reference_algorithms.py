@@ -210,7 +210,7 @@ def test_bucket_layout() -> None:
     assert ra.bucket_layout_for(mixed, 64) == [[4], [3, 1], [2], [0]]
     assert ra.bucket_layout_for(params, 100, order=[0, 1, 2, 3, 4]) == [[0, 1], [2], [3, 4]]
     assert ra.bucket_bytes_from_env({"BAGUA_HVD_BUCKET_MB": "0.001"}) == 1048
-    assert ra.bucket_bytes_from_env({}) == 25 * 2**20
+    assert ra.bucket_bytes_from_env({}) == 10 * 2**20
     with pytest.raises(ValueError):
         ra.bucket_bytes_from_env({"BAGUA_HVD_BUCKET_MB": "-1"})
 

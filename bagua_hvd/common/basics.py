@@ -13,7 +13,7 @@ import threading
 import warnings
 from typing import Any, Callable, Sequence, Union
 
-from bagua_hvd.common import _native, bootstrap, config, ops
+from bagua_hvd.common import _native, bootstrap, config, elastic, ops
 from bagua_hvd.common import process_sets as _ps
 from bagua_hvd.common.exceptions import NOT_INITIALIZED_ERROR
 from bagua_hvd.common.process_sets import ProcessSet
@@ -43,6 +43,18 @@ def before_shutdown(fn: Callable[[], None]) -> None:
     """Runs ``fn()`` at every shutdown while the job is still up (registered once per ``fn``)."""
     if fn not in _before_shutdown:
         _before_shutdown.append(fn)
+
+
+# Called after every init() that formed a job: what planned for the previous job (a
+# DistributedOptimizer's bucket layout, agreed with its peers) plans again with the new one (an
+# elastic reset brings new peers that have not planned yet).
+_after_init: list = []
+
+
+def after_init(fn: Callable[[], None]) -> None:
+    """Runs ``fn()`` after every init() that formed a job (registered once per ``fn``)."""
+    if fn not in _after_init:
+        _after_init.append(fn)
 
 
 def _env_true(name: str) -> bool:
@@ -132,6 +144,7 @@ class HorovodBasics:
         lib = self.lib
         if lib.bhvd_is_initialized():
             return
+        elastic.before_init()  # an elastic reset: this worker's place in the next generation
         bootstrap.prepare()  # started by mpirun/srun rather than bagua-run: join through MPI
         dynamic = _env_true("HOROVOD_DYNAMIC_PROCESS_SETS")
         ffi = _native.ffi
@@ -148,8 +161,11 @@ class HorovodBasics:
             if detail:
                 print(f"bagua_hvd: init failed: {detail}", file=sys.stderr, flush=True)
             raise ValueError(INIT_FAILED_ERROR + (f"\n{detail}" if detail else ""))
+        elastic.after_init()
         try:
             _ps._after_init(process_sets, dynamic)
+            for fn in list(_after_init):
+                fn()
             if comm is not None and sorted(int(r) for r in comm) != list(range(self.size())):
                 raise ValueError(
                     f"init(comm={list(comm)}): bagua_hvd runs every launched rank; a job on "

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 ALGORITHM_ENV = "BAGUA_HVD_ALGORITHM"
 BUCKET_MB_ENV = "BAGUA_HVD_BUCKET_MB"
-DEFAULT_BUCKET_MB = 25.0
+DEFAULT_BUCKET_MB = 10.0  # BAGUA's default bucket size (BAGUA_DEFAULT_BUCKET_SIZE)
 OP_TIMEOUT_ENV = "BAGUA_HVD_OP_TIMEOUT_SECONDS"
 WAIT_WARNING_ENV = "BAGUA_HVD_WAIT_WARNING_SECONDS"
 GLOO_TIMEOUT_ENV = "HOROVOD_GLOO_TIMEOUT_SECONDS"
@@ -65,7 +65,7 @@ def algorithm_name() -> Optional[str]:
 
 
 def bucket_bytes() -> int:
-    """The bucket cap in bytes from ``BAGUA_HVD_BUCKET_MB`` (default 25 MiB; 0: one bucket per
+    """The bucket cap in bytes from ``BAGUA_HVD_BUCKET_MB`` (default 10 MiB; 0: one bucket per
     tensor)."""
     value = _text(BUCKET_MB_ENV)
     try:
@@ -90,6 +90,54 @@ def set_dynamic_process_sets() -> None:
 def elastic() -> bool:
     """``HOROVOD_ELASTIC=1``: the job runs under an elastic driver."""
     return _text("HOROVOD_ELASTIC") == "1"
+
+
+# The elastic driver's contract with its workers, beside Horovod's variables
+# (bagua_hvd.runner.elastic.driver sets them; bagua_hvd.common.elastic reads them here).
+ELASTIC_GENERATION_ENV = "BAGUA_HVD_ELASTIC_GENERATION"
+ELASTIC_UPDATE_ENV = "BAGUA_HVD_ELASTIC_UPDATE"
+ELASTIC_WAIT_ENV = "BAGUA_HVD_ELASTIC_WAIT_SECONDS"
+
+
+class ElasticWorker(NamedTuple):
+    """Where this worker stands in an elastic job (see :func:`elastic_worker`)."""
+
+    hostname: str
+    local_rank: int
+    generation: int  # the driver's rendezvous generation the current ranks belong to
+    first_update: int  # the first host-update notification this process has not seen
+    wait_s: float  # the longest wait for the driver's answer at a reset
+    store_addr: str
+    store_port: int
+    secret: str
+
+
+def elastic_worker() -> ElasticWorker:
+    """The elastic contract as the launcher (or the last reset) left it in the environment;
+    ValueError naming the variable when it is incomplete."""
+
+    def integer(name: str, default: Optional[int] = None) -> int:
+        value = _text(name)
+        if not value and default is not None:
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(
+                f"HOROVOD_ELASTIC=1, but {name}={value!r} is not an integer: start elastic "
+                "jobs with bagua-run --min-np/--host-discovery-script"
+            ) from None
+
+    return ElasticWorker(
+        hostname=_text("HOROVOD_HOSTNAME") or "localhost",
+        local_rank=integer("HOROVOD_LOCAL_RANK", 0),
+        generation=integer(ELASTIC_GENERATION_ENV),
+        first_update=integer(ELASTIC_UPDATE_ENV, 1),
+        wait_s=seconds(ELASTIC_WAIT_ENV, 660.0),
+        store_addr=_text("HOROVOD_GLOO_RENDEZVOUS_ADDR"),
+        store_port=integer("HOROVOD_GLOO_RENDEZVOUS_PORT"),
+        secret=shared_secret(),
+    )
 
 
 def library_override() -> Optional[Path]:

@@ -4,7 +4,7 @@
 Same optimizer as :mod:`bagua_hvd.tensorflow.keras` (``bagua_hvd/_keras/optimizer.py``), with
 Horovod's ``horovod.keras`` signatures: ``DistributedOptimizer`` has no backward_passes_per_step
 and no process_set; ``PartialDistributedOptimizer`` exists only here; ``allreduce`` averages by
-default (``average=True``). ``elastic`` is not provided.
+default (``average=True``). ``hvd.elastic``: Horovod's ``horovod.keras.elastic``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import keras
 
 import bagua_hvd._keras as _impl
 from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics)
-from bagua_hvd.keras import callbacks  # noqa: F401  (hvd.callbacks)
+from bagua_hvd.keras import callbacks, elastic  # noqa: F401  (hvd.callbacks, hvd.elastic)
 from bagua_hvd.tensorflow import (  # noqa: F401
     Adasum,
     Average,

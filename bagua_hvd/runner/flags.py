@@ -283,7 +283,7 @@ def make_parser() -> argparse.ArgumentParser:
         dest="min_num_proc",
         type=int,
         metavar="N",
-        help="makes the job elastic, which bagua_hvd does not support yet: an error",
+        help="minimum number of processes of an elastic job (default: -np); makes the job elastic",
     )
     elastic.add_argument(
         "--max-np",
@@ -291,20 +291,27 @@ def make_parser() -> argparse.ArgumentParser:
         dest="max_num_proc",
         type=int,
         metavar="N",
-        help="elastic jobs only: no effect here",
+        help="maximum number of processes of an elastic job (default: every available slot)",
     )
     elastic.add_argument(
         "--slots-per-host",
         dest="slots",
         type=int,
         metavar="N",
-        help="elastic jobs only: no effect here",
+        help="slots of a host the discovery script names without ':N'",
     )
     elastic.add_argument(
-        "--elastic-timeout", type=int, metavar="S", help="elastic jobs only: no effect here"
+        "--elastic-timeout",
+        type=int,
+        metavar="S",
+        help="seconds an elastic job waits for --min-np slots (default: "
+        "HOROVOD_ELASTIC_TIMEOUT, else 600)",
     )
     elastic.add_argument(
-        "--reset-limit", type=int, metavar="N", help="elastic jobs only: no effect here"
+        "--reset-limit",
+        type=int,
+        metavar="N",
+        help="the most times an elastic job may re-form (default: no limit)",
     )
     elastic.add_argument(
         "--blacklist-cooldown-range",
@@ -312,7 +319,8 @@ def make_parser() -> argparse.ArgumentParser:
         type=int,
         nargs=2,
         metavar=("MIN", "MAX"),
-        help="elastic jobs only: no effect here",
+        help="a failed host may come back after a cooldown of MIN..MAX seconds, growing "
+        "with each failure (default: blacklisted for good)",
     )
 
     timeline = parser.add_argument_group("timeline arguments")
@@ -470,7 +478,8 @@ def make_parser() -> argparse.ArgumentParser:
     hosts.add_argument(
         "--host-discovery-script",
         metavar="SCRIPT",
-        help="makes the job elastic, which bagua_hvd does not support yet: an error",
+        help="prints the available hosts, one 'HOST[:SLOTS]' per line; polled every second; "
+        "makes the job elastic",
     )
 
     controller_group = parser.add_argument_group("controller arguments")
@@ -703,7 +712,7 @@ def tuning_env(args: argparse.Namespace) -> Dict[str, str]:
 
 
 _NO_AUTOTUNER = "bagua_hvd has no autotuner: the fusion threshold and cycle time stay as set"
-_ELASTIC_ONLY = "they only configure elastic jobs, which bagua_hvd does not run yet"
+_ELASTIC_ONLY = "they only configure elastic jobs: add --min-np or --host-discovery-script"
 # (flag, its destination, whether the value asks for something, why it has no effect here)
 _NO_EFFECT: Tuple[Tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("--hierarchical-allgather", "hierarchical_allgather", bool,
@@ -738,7 +747,10 @@ def no_effect_warning(args: argparse.Namespace) -> Optional[str]:
     """The one warning line naming every flag (or --config-file setting) given that bagua_hvd
     accepts but cannot honour, and why; None when there is none."""
     reasons: Dict[str, List[str]] = {}
+    elastic = args.min_num_proc is not None or args.host_discovery_script is not None
     for flag, dest, asks, why in _NO_EFFECT:
+        if why is _ELASTIC_ONLY and elastic:
+            continue
         if asks(getattr(args, dest)):
             reasons.setdefault(why, []).append(flag)
     if not args.mpi:

@@ -236,7 +236,7 @@ class _Rank:
     status_fd: int  # the guard's report on starting the command (closed once read)
 
 
-class _SignalTrap:
+class SignalTrap:
     """Records SIGINT/SIGTERM/SIGHUP while a job runs (main thread only); restores on exit."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -245,7 +245,7 @@ class _SignalTrap:
         self.received: List[int] = []
         self._previous: Dict[int, object] = {}
 
-    def __enter__(self) -> _SignalTrap:
+    def __enter__(self) -> SignalTrap:
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -283,7 +283,7 @@ def run_job(
     # inherited), so it reaches end of file exactly when this process exits, or below.
     watch_r, watch_w = os.pipe()
     try:
-        with _SignalTrap() as trap:
+        with SignalTrap() as trap:
             try:
                 for slot in slots:
                     ranks.append(
@@ -408,7 +408,7 @@ def _stop(ranks: Sequence[_Rank]) -> None:
 def _supervise(
     ranks: Sequence[_Rank],
     events: queue.Queue,
-    trap: _SignalTrap,
+    trap: SignalTrap,
     verbose: bool,
     on_exit: Optional[Callable[[int, int], None]] = None,
 ) -> JobResult:

@@ -95,21 +95,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             "LSF allocation's hosts (bagua-run does not read them): give the hosts with "
             "-H/--hostfile, or use --mpi"
         )
-    elastic = [
-        flag
-        for flag, value in (
-            ("--min-np", args.min_num_proc),
-            ("--host-discovery-script", args.host_discovery_script),
-        )
-        if value is not None
-    ]
-    if elastic:
-        parser.error(
-            f"{' and '.join(elastic)}: elastic training is not supported yet by bagua_hvd. "
-            f"With {'it' if len(elastic) == 1 else 'them'} horovodrun runs an elastic job (ranks join and leave while it runs, "
-            "the script uses hvd.elastic); a fixed-size job in its place would not be the "
-            "job asked for. Run a fixed job with -np (and -H/--hostfile) instead"
-        )
+    args.elastic = args.min_num_proc is not None or args.host_discovery_script is not None
+    if args.elastic:
+        _check_elastic_args(parser, args)
+        return args
     if args.mpi and args.num_nodes > 1:
         parser.error("--mpi starts every node's ranks from here: drop --num-nodes")
     if args.num_proc is None:
@@ -149,6 +138,89 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     except (HostError, ValueError) as e:
         parser.error(str(e))
     return args
+
+
+def _check_elastic_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """horovodrun's elastic flags, checked here where Horovod fails late or not at all."""
+    from bagua_hvd.runner.elastic.hosts import check_cooldown_range
+
+    if args.num_proc is None:
+        parser.error("the following arguments are required: -np/--num-proc")
+    if not args.command:
+        parser.error("no command given: expected e.g. `bagua-run -np 2 --min-np 1 python train.py`")
+    for flag, value in (("--mpi", args.mpi), ("--num-nodes", args.num_nodes > 1)):
+        if value:
+            parser.error(
+                f"{flag} cannot be combined with an elastic job (--min-np or "
+                "--host-discovery-script): the elastic driver starts and replaces every "
+                "worker itself, over ssh"
+            )
+    if args.min_num_proc is None:
+        args.min_num_proc = args.num_proc
+    for flag, value in (("-np", args.num_proc), ("--min-np", args.min_num_proc),
+                        ("--max-np", args.max_num_proc), ("--slots-per-host", args.slots)):  # fmt: skip
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if args.min_num_proc > args.num_proc:
+        parser.error(f"--min-np {args.min_num_proc} is more than -np {args.num_proc}")
+    if args.max_num_proc is not None and args.max_num_proc < args.num_proc:
+        parser.error(f"--max-np {args.max_num_proc} is less than -np {args.num_proc}")
+    if args.reset_limit is not None and args.reset_limit < 0:
+        parser.error(f"--reset-limit must be >= 0, got {args.reset_limit}")
+    if args.elastic_timeout is not None and args.elastic_timeout < 0:
+        parser.error(f"--elastic-timeout must be >= 0 seconds, got {args.elastic_timeout}")
+    try:
+        if args.cooldown_range is not None:
+            check_cooldown_range(tuple(args.cooldown_range))
+        args.host_entries = None
+        if args.host_discovery_script is None:
+            if args.hostfile is not None:
+                args.host_entries = parse_hostfile(args.hostfile)
+            elif args.hosts is not None:
+                args.host_entries = parse_hosts(args.hosts)
+            else:
+                args.host_entries = [("localhost", args.num_proc)]
+            if len(args.host_entries) < 2:
+                raise ValueError("Cannot run in fault tolerance mode with fewer than 2 hosts.")
+    except (HostError, ValueError) as e:
+        parser.error(str(e))
+    if args.start_timeout is None:
+        args.start_timeout = _default_start_timeout()
+
+
+def run_elastic(args: argparse.Namespace) -> int:
+    """Runs an elastic job (bagua_hvd.runner.elastic.driver); returns the exit status."""
+    from bagua_hvd.runner.elastic.discovery import FixedHosts, HostDiscoveryScript
+    from bagua_hvd.runner.elastic.driver import ElasticDriver, ElasticSettings
+
+    if args.host_discovery_script is not None:
+        discovery = HostDiscoveryScript(args.host_discovery_script, args.slots)
+    else:
+        discovery = FixedHosts(dict(args.host_entries))
+    extra_env = tuning_env(args)
+    settings = ElasticSettings(
+        num_proc=args.num_proc,
+        min_num_proc=args.min_num_proc,
+        max_num_proc=args.max_num_proc,
+        elastic_timeout=args.elastic_timeout,
+        reset_limit=args.reset_limit,
+        cooldown_range=tuple(args.cooldown_range) if args.cooldown_range else None,
+        ssh_port=args.ssh_port,
+        ssh_identity=args.ssh_identity_file,
+        start_timeout=args.start_timeout,
+        output_dir=args.output_filename,
+        verbose=args.verbose,
+        nic=extra_env.get("HOROVOD_GLOO_IFACE"),
+    )
+    try:
+        result = ElasticDriver(args.command, settings, discovery, extra_env).run()
+    except (LaunchError, HostError, RuntimeError, ValueError) as e:
+        print(f"bagua-run: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code if isinstance(e, LaunchError) else 1
+    if result.message:
+        print(result.message, end="" if result.message.endswith("\n") else "\n",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return result.exit_code
 
 
 def parse_rendezvous_addr(text: str) -> Tuple[str, int]:
@@ -389,6 +461,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
     OUTPUT.timestamp = args.prefix_output_with_timestamp
+    if args.elastic:
+        return run_elastic(args)
     common = dict(
         start_timeout=args.start_timeout,
         extra_env=tuning_env(args),

@@ -47,7 +47,7 @@ from bagua_hvd.runner.job import (
     OUTPUT,
     JobResult,
     LaunchError,
-    _SignalTrap,
+    SignalTrap,
     pad_rank,
     shell_exit_code,
 )
@@ -168,7 +168,7 @@ def check_hosts(
 
 
 @dataclasses.dataclass
-class _Agent:
+class Agent:
     host: str
     slots: List[Slot]
     proc: subprocess.Popen
@@ -183,7 +183,7 @@ class _Agent:
             pass
 
 
-class _Copies:
+class OutputCopies:
     """--output-filename on the launcher's machine: each rank's raw lines in
     ``DIR/rank.<padded>/stdout|stderr``, as horovodrun writes them."""
 
@@ -214,7 +214,7 @@ class _Copies:
                 f.close()
 
 
-def _pump(agent: _Agent, pipe: IO[bytes], kind: str, copies: _Copies, events: queue.Queue):
+def _pump(agent: Agent, pipe: IO[bytes], kind: str, copies: OutputCopies, events: queue.Queue):
     try:
         for line in iter(pipe.readline, b""):
             if not line.endswith(b"\n"):
@@ -235,14 +235,14 @@ def _pump(agent: _Agent, pipe: IO[bytes], kind: str, copies: _Copies, events: qu
         pipe.close()
 
 
-def _start_agent(
+def start_agent(
     host: str,
     slots: List[Slot],
     spec: dict,
     argv: List[str],
-    copies: _Copies,
+    copies: OutputCopies,
     events: queue.Queue,
-) -> _Agent:
+) -> Agent:
     try:
         proc = subprocess.Popen(
             argv,
@@ -253,7 +253,7 @@ def _start_agent(
         )
     except OSError as e:
         raise LaunchError(f"cannot start {argv[0]!r} for host {host}: {e.strerror or e}") from e
-    agent = _Agent(host=host, slots=slots, proc=proc, threads=[])
+    agent = Agent(host=host, slots=slots, proc=proc, threads=[])
     for kind, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
         t = threading.Thread(
             target=_pump,
@@ -297,11 +297,11 @@ def run_hosts(
         "verbose": verbose,
     }
     size = sum(len(slots) for _, slots in placement)
-    copies = _Copies(output_dir, size)
+    copies = OutputCopies(output_dir, size)
     events: queue.Queue = queue.Queue()
-    agents: List[_Agent] = []
+    agents: List[Agent] = []
     try:
-        with _SignalTrap() as trap:
+        with SignalTrap() as trap:
             try:
                 for host, slots in placement:
                     if is_local_host(host):
@@ -317,16 +317,16 @@ def run_hosts(
                             flush=True,
                         )
                     job = dict(spec, slots=[dataclasses.asdict(s) for s in slots])
-                    agents.append(_start_agent(host, slots, job, argv, copies, events))
+                    agents.append(start_agent(host, slots, job, argv, copies, events))
                 return _supervise(agents, events, trap, verbose)
             except BaseException:
-                _end(agents, time.monotonic())
+                end_agents(agents, time.monotonic())
                 raise
     finally:
         copies.close()
 
 
-def _end(agents: Sequence[_Agent], since: float) -> None:
+def end_agents(agents: Sequence[Agent], since: float) -> None:
     """Closes the agents' stdin; ends the ssh of those still there after AGENT_GRACE_S."""
     for a in agents:
         a.close_stdin()
@@ -347,7 +347,7 @@ def _end(agents: Sequence[_Agent], since: float) -> None:
 
 
 def _supervise(
-    agents: List[_Agent], events: queue.Queue, trap: _SignalTrap, verbose: bool
+    agents: List[Agent], events: queue.Queue, trap: SignalTrap, verbose: bool
 ) -> JobResult:
     running = set(range(len(agents)))
     index = {id(a): i for i, a in enumerate(agents)}

@@ -324,6 +324,8 @@ class StoreServer:
         port: port to listen on; 0 picks a free one (see :attr:`port`).
         max_frame_bytes: largest accepted request (key + value + 5 bytes).
         handshake_timeout: seconds a new connection has to authenticate (the whole handshake).
+        on_set: called with (key, value) after a client's SET is stored, on that client's
+            thread (the elastic driver hears its workers this way); it must return quickly.
 
     At most ``MAX_PENDING_HANDSHAKES`` connections handshake at once: a newcomer beyond that
     evicts the oldest one still handshaking (its client retries, see :class:`StoreClient`), so
@@ -339,8 +341,10 @@ class StoreServer:
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         handshake_timeout: float = 10.0,
+        on_set: Optional[Callable[[bytes, bytes], None]] = None,
     ) -> None:
         self._secret = _check_secret(secret)
+        self._on_set = on_set
         self._host = host
         self._requested_port = int(port)
         self._max_frame = int(max_frame_bytes)
@@ -602,7 +606,10 @@ class StoreServer:
             (klen,) = struct.unpack_from("<I", req, 1)
             if not 0 < klen <= MAX_KEY_BYTES or len(req) < 5 + klen:
                 return b"E" + f"bad key length {klen} in SET request".encode()
-            self.set(req[5 : 5 + klen], req[5 + klen :])
+            key, value = req[5 : 5 + klen], req[5 + klen :]
+            self.set(key, value)
+            if self._on_set is not None:
+                self._on_set(key, value)
             return b"K"
         if op == b"G":
             if len(req) < 9:

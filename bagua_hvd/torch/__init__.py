@@ -3,7 +3,7 @@
 Exports the names of ``horovod.torch``: collectives, process sets, basics, Compression,
 DistributedOptimizer (with BAGUA's algorithms, ``bagua_hvd.torch.algorithms``), the helpers
 (broadcast_parameters, broadcast_optimizer_state, broadcast_object, allgather_object) and
-SyncBatchNorm. The elastic package comes later.
+SyncBatchNorm, and the elastic package (``hvd.elastic``: TorchState, ElasticSampler, run).
 """
 
 from bagua_hvd.common import frontend as _frontend
@@ -11,7 +11,7 @@ from bagua_hvd.common.exceptions import HorovodInternalError
 from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics)
 from bagua_hvd.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
 from bagua_hvd.common.util import check_extension
-from bagua_hvd.torch import compression, mpi_ops
+from bagua_hvd.torch import compression, elastic, mpi_ops  # noqa: F401  (hvd.elastic)
 from bagua_hvd.torch.compression import Compression
 from bagua_hvd.torch.functions import (
     allgather_object,

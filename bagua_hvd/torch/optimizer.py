@@ -4,7 +4,7 @@ Semantics are Horovod's (names, defaults, messages, hooks, ``synchronize``/``ski
 ``backward_passes_per_step``, ``groups``, sparse gradients). What differs is how gradients travel:
 
 * **Buckets.** Gradients are fused into buckets of at most ``BAGUA_HVD_BUCKET_MB`` MiB (default
-  25, like torch DDP's ``bucket_cap_mb``; fractions allowed; a bigger parameter gets a bucket of
+  10, BAGUA's default bucket size; fractions allowed; a bigger parameter gets a bucket of
   its own), one dtype and device per bucket, filled in the order gradients become ready:
   reverse registration order as the first guess, then the order observed during the first
   step (rank 0's, so that every rank builds the same buckets). One allreduce per bucket starts
@@ -41,6 +41,7 @@ import torch
 from bagua_hvd.common import algorithms as _alg_common
 from bagua_hvd.common import config, engine
 from bagua_hvd.common import ops as _ops
+from bagua_hvd.common.basics import after_init as basics_after_init
 from bagua_hvd.common.primitives import Request
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.common.util import check_predivide_and_groups, split_list
@@ -276,6 +277,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
                 self._algo_impl = _alg.implementation(algorithm, self, self._parameter_names)
             self._register_hooks()
+            _LIVE.add(self)
+
+    def _plan_again(self) -> None:
+        """A new job was formed (an elastic reset): agree on the bucket layout again at the next
+        step, as the workers that just joined do at their first."""
+        if self._hooks_registered:
+            self._layout_final = False
+            self._observed = []
 
     # ---- Horovod's public surface --------------------------------------------------------------
     def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
@@ -884,6 +893,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 _DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]
 
 
+# Optimizers with hooks; each plans its layout again after an init that formed a new job.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _plan_all_again() -> None:
+    for opt in list(_LIVE):
+        opt._plan_again()
+
+
+basics_after_init(_plan_all_again)
+
+
 def _positions(order_idx: List[int], n: int) -> List[int]:
     pos = [0] * n
     for k, i in enumerate(order_idx):
@@ -995,7 +1016,7 @@ def DistributedOptimizer(
             takes ``BAGUA_HVD_ALGORITHM`` (``bagua-run --algorithm``) if set, else Horovod's
             gradient allreduce configured by the arguments above.
 
-    Environment: ``BAGUA_HVD_BUCKET_MB`` (default 25, like DDP's ``bucket_cap_mb``) caps the
+    Environment: ``BAGUA_HVD_BUCKET_MB`` (default 10, BAGUA's bucket size) caps the
     size of a bucket of gradients sent as one allreduce; 0 sends one allreduce per parameter.
 
     Returns an instance of a class derived from ``optimizer``'s class, with the same name.

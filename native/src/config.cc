@@ -87,6 +87,9 @@ std::string hex_decode(const std::string& hex) {
 Status load_config(int epoch, Config* out) {
   Config c;
   BootstrapConfig& b = c.bootstrap;
+  // An elastic job's workers meet under the driver's generation, however many jobs each process
+  // formed before (bagua_hvd/common/elastic.py).
+  if (const char* g = raw("BAGUA_HVD_ELASTIC_GENERATION")) epoch = std::atoi(g);
   b.epoch = epoch;
   b.timeout_s = env_double("GLOO_TIMEOUT_SECONDS", 30);
   if (const char* t = raw("BAGUA_HVD_TIMEOUT_SECONDS")) b.timeout_s = std::atof(t);

@@ -4,7 +4,8 @@
 ``DistributedOptimizer`` works with Keras 3's ``model.fit`` (whose train step calls
 ``optimizer.apply_gradients``/``apply``: Horovod's hooks do not exist there, its issue #4290), with a
 custom ``train_step`` and with a plain ``GradientTape`` loop that calls ``apply_gradients``; see
-``bagua_hvd/_keras/optimizer.py``. ``elastic`` is not provided.
+``bagua_hvd/_keras/optimizer.py``. ``hvd.elastic``: Horovod's
+``horovod.tensorflow.keras.elastic``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from bagua_hvd.tensorflow import (  # noqa: F401
     remove_process_set,
     shutdown,
 )
-from bagua_hvd.tensorflow.keras import callbacks  # noqa: F401  (hvd.callbacks)
+from bagua_hvd.tensorflow.keras import callbacks, elastic  # noqa: F401  (hvd.callbacks/elastic)
 
 
 def DistributedOptimizer(

@@ -1,0 +1,213 @@
+"""Horovod's elastic scenarios through the real launcher: ``bagua-run --min-np/--max-np
+--host-discovery-script`` (or ``-H``) over two "hosts" of this machine (``localhost`` and
+``127.0.0.1``: distinct names, so the ranks of one talk TCP to the other's), running
+tests/workers/elastic_torch_main.py.
+
+Each test checks, per logged epoch, what Horovod's semantics give (worked out by hand from
+Horovod's driver: the oldest hosts keep the lowest ranks, a failure blacklists its host, a
+failed step rolls back to the last commit): size, start rank and host of rank 0, the number of
+rendezvous, and the commits (10 batch commits and 1 epoch commit per epoch: 10 + 11 * epoch
+when the line is written, however many resets happened).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MAIN = ROOT / "tests" / "workers" / "elastic_torch_main.py"
+JOB_TIMEOUT = 240
+
+FAILURE = "Horovod detected that one or more processes exited with non-zero status"
+
+
+def _discovery_script(tmp: Path, logfile: Path, schedule: list) -> Path:
+    """Horovod's test template: the hosts depend on how many epochs rank 0 has logged."""
+    lines = [
+        "#!/bin/bash",
+        f'epoch=$(cat "{logfile}" 2>/dev/null | wc -l)',
+    ]
+    default = None
+    branches = []
+    for epoch, hosts in schedule:
+        text = "\n".join(f"    echo {h}" for h in hosts) or "    true"
+        if epoch is None:
+            default = text
+        else:
+            branches.append((epoch, text))
+    for i, (epoch, text) in enumerate(branches):
+        lines.append(f'{"if" if i == 0 else "elif"} [ "$epoch" == "{epoch}" ]; then')
+        lines.append(text)
+    if branches:
+        lines.append("else")
+    lines.append(default or "    true")
+    if branches:
+        lines.append("fi")
+    script = tmp / "discover.sh"
+    script.write_text("\n".join(lines) + "\n")
+    script.chmod(0o755)
+    return script
+
+
+def _run(
+    tmp: Path,
+    *,
+    np: int = 2,
+    min_np: int = 2,
+    max_np: int | None = 4,
+    schedule: list | None = None,
+    hosts: str | None = None,
+    exit_schedule: dict | None = None,
+    exit_mode: str = "exception",
+    epochs: int = 3,
+    epoch_wait: float = 0.0,
+    extra: tuple = (),
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    logfile = tmp / "log.jsonl"
+    cmd = [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", str(np), "--min-np",
+           str(min_np)]  # fmt: skip
+    if hosts is not None:
+        cmd += ["-H", hosts]
+    else:
+        cmd += ["--host-discovery-script", str(_discovery_script(tmp, logfile, schedule))]
+    if max_np is not None:
+        cmd += ["--max-np", str(max_np)]
+    cmd += list(extra)
+    cmd += [sys.executable, str(MAIN), "--logfile", str(logfile), "--epochs", str(epochs),
+            "--epoch-wait", str(epoch_wait), "--exit-mode", exit_mode]  # fmt: skip
+    if schedule is not None:
+        cmd += ["--discovery-schedule", json.dumps(schedule)]
+    if exit_schedule:
+        cmd += ["--exit-schedule", json.dumps({str(k): v for k, v in exit_schedule.items()})]
+    env = dict(os.environ, HOROVOD_GLOO_TIMEOUT_SECONDS="20", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT, cwd=str(tmp), env=env
+    )
+    lines = []
+    if logfile.exists():
+        lines = [json.loads(x) for x in logfile.read_text().splitlines() if x.strip()]
+    return proc, lines
+
+
+def _explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\nstderr:\n{proc.stderr[-6000:]}\nstdout:\n{proc.stdout[-3000:]}"
+
+
+def _check(line: dict, epoch: int, **expected) -> None:
+    assert line["epoch"] == epoch, line
+    assert line["batch"] == 10, line
+    assert line["commits"] == 10 + 11 * epoch, line
+    for key, value in expected.items():
+        assert line[key] == value, (key, line)
+
+
+@pytest.mark.parametrize("slots", [2, 1])
+def test_hosts_added_and_removed(tmp_path, slots):
+    schedule = [
+        (0, [f"localhost:{slots}"]),
+        (1, [f"localhost:{slots}", f"127.0.0.1:{slots}"]),
+        (None, [f"127.0.0.1:{slots}"]),
+    ]
+    proc, lines = _run(tmp_path, np=slots, min_np=slots, max_np=2 * slots, schedule=schedule)
+    assert proc.returncode == 0, _explain(proc)
+    assert len(lines) == 3, _explain(proc)
+    _check(lines[0], 0, start_rank=0, size=slots, hostname="localhost", rendezvous=1)
+    _check(lines[1], 1, start_rank=0, size=2 * slots, hostname="localhost", rendezvous=2)
+    # localhost removed: 127.0.0.1's workers (started as ranks slots..) go on, without a sync.
+    _check(lines[2], 2, start_rank=slots, size=slots, hostname="127.0.0.1", rendezvous=3)
+
+
+@pytest.mark.parametrize("exit_mode", ["exception", "kill"])
+def test_single_rank_failure(tmp_path, exit_mode):
+    schedule = [(None, ["localhost:2", "127.0.0.1:2"])]
+    proc, lines = _run(tmp_path, schedule=schedule, exit_schedule={(1, 0): [0]},
+                       exit_mode=exit_mode)  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert len(lines) == 3, _explain(proc)
+    _check(lines[0], 0, start_rank=0, size=4, rendezvous=1)
+    # Rank 0 failed: localhost is blacklisted, 127.0.0.1's workers go on as ranks 0 and 1 from
+    # the commit at the end of epoch 0.
+    _check(lines[1], 1, start_rank=2, size=2, hostname="127.0.0.1", rendezvous=2)
+    _check(lines[2], 2, start_rank=2, size=2, hostname="127.0.0.1", rendezvous=2)
+
+
+@pytest.mark.parametrize("exit_mode", ["exception", "kill"])
+def test_fault_tolerance_without_scaling(tmp_path, exit_mode):
+    proc, lines = _run(tmp_path, hosts="localhost:2,127.0.0.1:2", max_np=None,
+                       exit_schedule={(1, 0): [0]}, exit_mode=exit_mode)  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert len(lines) == 3, _explain(proc)
+    _check(lines[0], 0, start_rank=0, size=4, rendezvous=1)
+    _check(lines[1], 1, start_rank=2, size=2, hostname="127.0.0.1", rendezvous=2)
+    _check(lines[2], 2, start_rank=2, size=2, hostname="127.0.0.1", rendezvous=2)
+
+
+def test_all_ranks_failure(tmp_path):
+    schedule = [(None, ["localhost:2", "127.0.0.1:2"])]
+    proc, lines = _run(tmp_path, schedule=schedule, exit_schedule={(1, 0): [0, 1, 2, 3]})
+    assert proc.returncode != 0, _explain(proc)
+    assert FAILURE in proc.stderr, _explain(proc)
+    assert len(lines) == 1, _explain(proc)
+
+
+def test_all_hosts_blacklisted(tmp_path):
+    schedule = [(None, ["localhost:2", "127.0.0.1:2"])]
+    proc, lines = _run(tmp_path, schedule=schedule, exit_schedule={(1, 0): [0, 2]})
+    assert proc.returncode != 0, _explain(proc)
+    assert FAILURE in proc.stderr, _explain(proc)
+    assert len(lines) == 1, _explain(proc)
+
+
+def test_min_hosts_timeout(tmp_path):
+    schedule = [(None, ["localhost:2", "127.0.0.1:2"])]
+    proc, lines = _run(tmp_path, np=4, min_np=4, schedule=schedule,
+                       exit_schedule={(1, 0): [0]}, extra=("--elastic-timeout", "1"))  # fmt: skip
+    assert proc.returncode != 0, _explain(proc)
+    assert (
+        "Timed out waiting for minimum number of slots to become available. Please check that "
+        "you have enough resources to run at least 4 Horovod processes. Timeout after 1 seconds."
+    ) in proc.stderr, _explain(proc)
+    assert len(lines) == 1, _explain(proc)
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_reset_limit(tmp_path, limit):
+    schedule = [
+        (0, ["localhost:2"]),
+        (1, ["localhost:2", "127.0.0.1:2"]),
+        (None, ["127.0.0.1:2"]),
+    ]
+    proc, lines = _run(tmp_path, schedule=schedule, extra=("--reset-limit", str(limit)))
+    if limit == 1:
+        assert proc.returncode != 0, _explain(proc)
+        assert (
+            "Horovod was shutdown because number of resets during elastic job exceeded limit: 1"
+        ) in proc.stderr, _explain(proc)
+        assert len(lines) == 2, _explain(proc)
+    else:
+        assert proc.returncode == 0, _explain(proc)
+        assert [line["size"] for line in lines] == [2, 4, 2], _explain(proc)
+
+
+def test_blacklisted_host_comes_back_after_cooldown(tmp_path):
+    """127.0.0.1's start rank 3 fails in epoch 1: the host is blacklisted for 2 s (Horovod's
+    first period: lower * 2 + U * lower, clamped to [1, 2]), the job goes on at size 2, then the
+    host is added back, with fresh workers."""
+    schedule = [(None, ["localhost:2", "127.0.0.1:2"])]
+    proc, lines = _run(tmp_path, schedule=schedule, exit_schedule={(1, 0): [3]}, epochs=8,
+                       epoch_wait=1.0, extra=("--blacklist-cooldown-range", "1", "2"))  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert len(lines) == 8, _explain(proc)
+    _check(lines[0], 0, start_rank=0, size=4, rendezvous=1)
+    _check(lines[1], 1, start_rank=0, size=2, rendezvous=2)
+    sizes = [line["size"] for line in lines]
+    back = sizes.index(4, 2)  # the first epoch with the host back
+    assert sizes[1:back] == [2] * (back - 1) and sizes[back:] == [4] * (8 - back), sizes
+    for e, line in enumerate(lines[2:], start=2):
+        _check(line, e, start_rank=0, rendezvous=2 if e < back else 3)

@@ -1,0 +1,119 @@
+"""An elastic torch training run as Horovod's elastic integration tests drive it (the same
+arguments and log lines as Horovod's test/integration/data/elastic_torch_main.py, written anew).
+
+Rank 0 appends one JSON line per epoch to --logfile: epoch, batch, commits, hostname,
+start_rank (HOROVOD_RANK at process start), rank, size, rendezvous (entries into the elastic
+function) and the sum of the model's weights. --exit-schedule '{"(1, 0)": [0]}' makes the
+workers whose start rank is listed fail at (epoch, batch): by exception or by SIGKILL
+(--exit-mode). When --discovery-schedule says the hosts change after an epoch, rank 0 waits
+(up to --discovery-wait s) for the driver's notification before committing the epoch, so the
+change takes effect at that commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+
+import bagua_hvd.torch as hvd
+
+p = argparse.ArgumentParser()
+p.add_argument("--logfile", required=True)
+p.add_argument("--discovery-schedule", default="[]")
+p.add_argument("--exit-schedule", default="{}")
+p.add_argument("--exit-mode", choices=("exception", "kill"), default="exception")
+p.add_argument("--epochs", type=int, default=3)
+p.add_argument("--batches-per-epoch", type=int, default=10)
+p.add_argument("--batches-per-commit", type=int, default=1)
+p.add_argument("--epoch-wait", type=float, default=0.0)
+p.add_argument("--discovery-wait", type=float, default=10.0)
+args = p.parse_args()
+
+start_rank = int(os.environ["HOROVOD_RANK"])
+hostname = os.environ["HOROVOD_HOSTNAME"]
+schedule = {e: hosts for e, hosts in json.loads(args.discovery_schedule)}
+exits = {k: v for k, v in json.loads(args.exit_schedule).items()}
+
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+lr = 0.01
+optimizer = torch.optim.SGD(model.parameters(), lr=lr * hvd.size())
+optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+
+def hosts_for(epoch: int):
+    return schedule.get(epoch, schedule.get(None))
+
+
+def check_exit(epoch: int, batch: int) -> None:
+    if start_rank in exits.get(str((epoch, batch)), []):
+        if args.exit_mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(
+            f"check_rank and exit epoch={epoch} batch={batch} start_rank={start_rank} "
+            f"rank={hvd.rank()}"
+        )
+
+
+@hvd.elastic.run
+def train(state):
+    state.rendezvous += 1
+    while state.epoch < args.epochs:
+        while state.batch < args.batches_per_epoch:
+            check_exit(state.epoch, state.batch)
+            # Every rank's sample depends on the global batch number only: the same data at
+            # every size, so the weights can be replayed.
+            g = torch.Generator().manual_seed(1000 * state.epoch + state.batch)
+            x = torch.randn(8, 4, generator=g)
+            y = x.sum(dim=1, keepdim=True)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            state.batch += 1
+            if state.batch % args.batches_per_commit == 0:
+                state.commits += 1
+                state.commit()
+        if hvd.rank() == 0:
+            line = {
+                "epoch": state.epoch,
+                "batch": state.batch,
+                "commits": state.commits,
+                "hostname": hostname,
+                "start_rank": start_rank,
+                "rank": hvd.rank(),
+                "size": hvd.size(),
+                "rendezvous": state.rendezvous,
+                "weights": float(sum(p.detach().double().sum() for p in model.parameters())),
+            }
+            with open(args.logfile, "a") as f:
+                f.write(json.dumps(line) + "\n")
+            if hosts_for(state.epoch + 1) != hosts_for(state.epoch):
+                # Horovod's scripts do this too: wait until the driver has seen the new hosts.
+                state._last_updated_timestamp = 0
+                deadline = time.monotonic() + args.discovery_wait
+                while state._host_messages.empty():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("Timed out waiting for notifications from driver.")
+                    time.sleep(0.05)
+        if args.epoch_wait:
+            time.sleep(args.epoch_wait)
+        state.epoch += 1
+        state.batch = 0
+        state.commits += 1
+        state.commit()
+
+
+def on_reset():
+    for group in optimizer.param_groups:
+        group["lr"] = lr * hvd.size()
+
+
+state = hvd.elastic.TorchState(model, optimizer, batch=0, epoch=0, commits=0, rendezvous=0)
+state.register_reset_callbacks([on_reset])
+train(state)
