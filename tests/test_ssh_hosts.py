@@ -8,6 +8,7 @@ elsewhere.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ import bagua_hvd
 ROOT = Path(__file__).resolve().parent.parent
 SSH_JOB = ROOT / "tests" / "workers" / "ssh_job.py"
 TRANSPORTS = ROOT / "tests" / "workers" / "multinode_allreduce.py"
+ELASTIC_MAIN = ROOT / "tests" / "workers" / "elastic_torch_main.py"
 # Names and subnet of this run (two runs on one machine must not tear down each other's hosts;
 # bench/_netns.py uses bhvdb*).
 PREFIX = f"bs{os.getpid() % 100000}h"
@@ -238,6 +240,27 @@ def _assert_nothing_left(daemons, shm) -> None:
         time.sleep(0.2)
     assert not any(left.values()), f"processes left on the hosts: {left}"
     assert _shm() - shm == set(), f"left in /dev/shm: {_shm() - shm}"
+
+
+def test_elastic_job_over_ssh_goes_on_without_a_failed_host(hosts, tmp_path):
+    """bagua-run --min-np over ssh (docs/elastic.md): start rank 2, on the second host, is
+    killed at the start of epoch 1; that host is blacklisted (its other worker stopped) and the
+    first host's two workers finish the training at size 2. Nothing is left on either host."""
+    _, _, daemons = hosts
+    shm = _shm()
+    log = tmp_path / "log.jsonl"
+    proc = _bagua_run(hosts, "-np", "4", "--min-np", "2", "-H", f"{HOSTS[0]}:2,{HOSTS[1]}:2",
+                      sys.executable, str(ELASTIC_MAIN), "--logfile", str(log),
+                      "--exit-schedule", '{"(1, 0)": [2]}', "--exit-mode", "kill",
+                      timeout=180)  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [(x["epoch"], x["size"], x["start_rank"], x["rendezvous"]) for x in lines] == [
+        (0, 4, 0, 1), (1, 2, 0, 2), (2, 2, 0, 2),
+    ], text  # fmt: skip
+    assert f"host {HOSTS[1]} blacklisted" in proc.stderr, text
+    _assert_nothing_left(daemons, shm)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

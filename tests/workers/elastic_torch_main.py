@@ -3,7 +3,7 @@ arguments and log lines as Horovod's test/integration/data/elastic_torch_main.py
 
 Rank 0 appends one JSON line per epoch to --logfile: epoch, batch, commits, hostname,
 start_rank (HOROVOD_RANK at process start), rank, size, rendezvous (entries into the elastic
-function) and the sum of the model's weights. --exit-schedule '{"(1, 0)": [0]}' makes the
+function), the size each of the epoch's batches ran at, and the model's parameters. --exit-schedule '{"(1, 0)": [0]}' makes the
 workers whose start rank is listed fail at (epoch, batch): by exception or by SIGKILL
 (--exit-mode). When --discovery-schedule says the hosts change after an epoch, rank 0 waits
 (up to --discovery-wait s) for the driver's notification before committing the epoch, so the
@@ -67,14 +67,17 @@ def train(state):
     while state.epoch < args.epochs:
         while state.batch < args.batches_per_epoch:
             check_exit(state.epoch, state.batch)
-            # Every rank's sample depends on the global batch number only: the same data at
-            # every size, so the weights can be replayed.
-            g = torch.Generator().manual_seed(1000 * state.epoch + state.batch)
+            # Each rank's sample depends on its current rank and the global batch number only,
+            # so that the test can replay the training from the sizes the batches ran at.
+            g = torch.Generator().manual_seed(
+                100000 * hvd.rank() + 1000 * state.epoch + state.batch
+            )
             x = torch.randn(8, 4, generator=g)
             y = x.sum(dim=1, keepdim=True)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
+            state.sizes = state.sizes + (hvd.size(),)  # a tuple: commit() keeps a copy
             state.batch += 1
             if state.batch % args.batches_per_commit == 0:
                 state.commits += 1
@@ -89,7 +92,11 @@ def train(state):
                 "rank": hvd.rank(),
                 "size": hvd.size(),
                 "rendezvous": state.rendezvous,
-                "weights": float(sum(p.detach().double().sum() for p in model.parameters())),
+                "sizes": list(state.sizes),
+                # What the process holds: resets must not leak threads or descriptors.
+                "threads": len(os.listdir("/proc/self/task")),
+                "fds": len(os.listdir("/proc/self/fd")),
+                "params": [float(v) for p in model.parameters() for v in p.detach().flatten()],
             }
             with open(args.logfile, "a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -105,6 +112,7 @@ def train(state):
             time.sleep(args.epoch_wait)
         state.epoch += 1
         state.batch = 0
+        state.sizes = ()
         state.commits += 1
         state.commit()
 
@@ -114,6 +122,8 @@ def on_reset():
         group["lr"] = lr * hvd.size()
 
 
-state = hvd.elastic.TorchState(model, optimizer, batch=0, epoch=0, commits=0, rendezvous=0)
+state = hvd.elastic.TorchState(
+    model, optimizer, batch=0, epoch=0, commits=0, rendezvous=0, sizes=()
+)
 state.register_reset_callbacks([on_reset])
 train(state)
