@@ -287,3 +287,32 @@ def test_elastic_sampler_visits_every_sample_once_across_a_resize(tmp_path):
         assert sorted(indices) == list(range(200)), (epoch, sorted(indices))
     # Batches each worker committed: 3 at size 4, then 14 + 20 for the survivors (localhost's).
     assert per_worker == {0: 3 + 14 + 20, 1: 3 + 14 + 20, 2: 3, 3: 3}, per_worker
+
+
+def test_algorithms_that_keep_state_refuse_an_elastic_job():
+    """BAGUA's stateful algorithms are not re-planned after a reset yet: in an elastic job
+    DistributedOptimizer says so at once (torch and TensorFlow); GradientAllReduce runs."""
+    code = """
+import torch, bagua_hvd.torch as hvd
+from bagua_hvd.torch import algorithms as alg
+hvd.init()
+m = torch.nn.Linear(2, 1)
+for a in (alg.ByteGrad(), alg.Decentralized(), alg.LowPrecisionDecentralized(),
+          alg.AsyncModelAverage()):
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), algorithm=a)
+    except NotImplementedError as e:
+        assert "in an elastic job (HOROVOD_ELASTIC=1)" in str(e), e
+        print("refused", type(a).__name__)
+hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                         algorithm=alg.GradientAllReduce())
+print("ok")
+"""
+    env = dict(os.environ, HOROVOD_ELASTIC="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    refused = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("refused")]
+    assert refused == ["ByteGrad", "Decentralized", "LowPrecisionDecentralized",
+                       "AsyncModelAverage"], proc.stdout  # fmt: skip
+    assert proc.stdout.strip().endswith("ok"), proc.stdout

@@ -70,6 +70,13 @@ def check_algorithm(algorithm: Any, frontend: str) -> None:
             f"algorithm must be an object from bagua_hvd.{frontend}.algorithms, got "
             f"{type(algorithm).__name__}"
         )
+    if config.elastic() and not algorithm.elastic:
+        raise NotImplementedError(
+            f"algorithm={type(algorithm).__name__} in an elastic job (HOROVOD_ELASTIC=1): this "
+            "algorithm keeps state across steps (residuals, neighbours' replicas, stages or a "
+            "background averager) that bagua_hvd does not re-plan after a reset yet; use "
+            "Horovod's allreduce (algorithm=None) or GradientAllReduce in elastic jobs"
+        )
 
 
 class Algorithm:
@@ -95,6 +102,9 @@ class Algorithm:
     #: the ``step`` of :meth:`compresses_gradients` and :meth:`sends_momentum` counts the
     #: updates of the algorithm's optimizer (QAdam's stages), not the distributed steps
     staged_by_optimizer: bool = False
+    #: runs in an elastic job: after a reset its state (residuals, replicas of neighbours,
+    #: stages, a background averager) needs no re-planning for the new world
+    elastic: bool = False
 
     #: gradients are averaged by the frontend's gradient path at this step
     def communicates_gradients(self, step: int) -> bool:
@@ -164,6 +174,8 @@ class GradientAllReduce(Algorithm):
     """Gradients averaged (``average=True``) or summed by allreduce while backward runs:
     Horovod's behaviour. ``hierarchical`` is accepted for BAGUA compatibility; on one host it
     is the flat allreduce."""
+
+    elastic = True  # stateless between steps
 
     def __init__(self, hierarchical: bool = False, average: bool = True) -> None:
         self.hierarchical = hierarchical
