@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,20 +101,33 @@ def _explain(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\nstderr:\n{proc.stderr[-6000:]}\nstdout:\n{proc.stdout[-3000:]}"
 
 
-def _replay(lines: list[dict]) -> None:
+def _torch_sample(rank: int, epoch: int, batch: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100000 * rank + 1000 * epoch + batch)
+    return torch.randn(8, 4, generator=g).double()
+
+
+def _numpy_sample(rank: int, epoch: int, batch: int) -> torch.Tensor:
+    rng = np.random.default_rng(100000 * rank + 1000 * epoch + batch)
+    return torch.from_numpy(rng.standard_normal((8, 4)).astype(np.float32)).double()
+
+
+def _replay(lines: list[dict], sample=_torch_sample, init: list | None = None) -> None:
     """Trains the script's model in this process, batch by batch at the sizes rank 0 logged
     (SGD at lr 0.01 x size on the mean gradient of ranks 0..size-1's samples), and checks the
     job's parameters after every epoch: a failed step must have been rolled back to the last
     commit and replayed, not applied twice or lost."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1).double()
+    if init is not None:
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor(init[:4]).view(1, 4))
+            model.bias.copy_(torch.tensor(init[4:]))
     for epoch, line in enumerate(lines):
         assert len(line["sizes"]) == 10, line
         for batch, size in enumerate(line["sizes"]):
             grads = []
             for rank in range(size):
-                g = torch.Generator().manual_seed(100000 * rank + 1000 * epoch + batch)
-                x = torch.randn(8, 4, generator=g).double()
+                x = sample(rank, epoch, batch)
                 model.zero_grad()
                 torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).backward()
                 grads.append([p.grad.clone() for p in model.parameters()])
@@ -316,3 +330,27 @@ print("ok")
     assert refused == ["ByteGrad", "Decentralized", "LowPrecisionDecentralized",
                        "AsyncModelAverage"], proc.stdout  # fmt: skip
     assert proc.stdout.strip().endswith("ok"), proc.stdout
+
+
+def test_keras_training_with_a_failure_matches_its_replay(tmp_path):
+    """Keras 3 through model.fit and Horovod's elastic callbacks (KerasState, commit every
+    batch): of two workers on two hosts, start rank 1 is killed at the start of epoch 1; the
+    other finishes alone, and the weights after every epoch are those of the training replayed
+    from the logged sizes."""
+    logfile = tmp_path / "log.jsonl"
+    keras_main = ROOT / "tests" / "workers" / "elastic_keras_main.py"
+    cmd = [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "2", "--min-np", "1",
+           "-H", "localhost:1,127.0.0.1:1", sys.executable, str(keras_main),
+           "--logfile", str(logfile), "--exit", "1,0,1"]  # fmt: skip
+    env = dict(os.environ, HOROVOD_GLOO_TIMEOUT_SECONDS="20", PYTHONPATH=str(ROOT),
+               TF_CPP_MIN_LOG_LEVEL="2")  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT, cwd=str(tmp_path), env=env
+    )
+    assert proc.returncode == 0, _explain(proc)
+    rows = [json.loads(x) for x in logfile.read_text().splitlines()]
+    init, lines = rows[0]["init"], rows[1:]
+    assert [(x["epoch"], x["size"], x["start_rank"], x["rendezvous"]) for x in lines] == [
+        (0, 2, 0, 1), (1, 1, 0, 2), (2, 1, 0, 2),
+    ], _explain(proc)  # fmt: skip
+    _replay(lines, sample=_numpy_sample, init=init)
