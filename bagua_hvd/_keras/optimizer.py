@@ -81,6 +81,13 @@ def _check_not_xla() -> None:
 def _resolve_algorithm(algorithm: Any) -> Any:
     if algorithm is None:
         algorithm = config.algorithm_name()
+    if algorithm is not None and config.elastic():
+        # Checked when the optimizer is built (not at its first update, as the rest): an
+        # elastic job must not start with an algorithm that cannot follow a reset.
+        from bagua_hvd.common import algorithms as _common
+
+        named = isinstance(algorithm, str)
+        _common.check_algorithm(_common.from_name(algorithm) if named else algorithm, "tensorflow")
     return algorithm
 
 

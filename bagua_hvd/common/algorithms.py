@@ -70,12 +70,13 @@ def check_algorithm(algorithm: Any, frontend: str) -> None:
             f"algorithm must be an object from bagua_hvd.{frontend}.algorithms, got "
             f"{type(algorithm).__name__}"
         )
-    if config.elastic() and not algorithm.elastic:
+    if config.elastic() and not algorithm.elastic and frontend != "torch":
         raise NotImplementedError(
             f"algorithm={type(algorithm).__name__} in an elastic job (HOROVOD_ELASTIC=1): this "
             "algorithm keeps state across steps (residuals, neighbours' replicas, stages or a "
-            "background averager) that bagua_hvd does not re-plan after a reset yet; use "
-            "Horovod's allreduce (algorithm=None) or GradientAllReduce in elastic jobs"
+            f"background averager) that bagua_hvd's {frontend} frontend does not re-plan after "
+            "a reset yet (the torch frontend does); use Horovod's allreduce (algorithm=None) or "
+            "GradientAllReduce in elastic jobs"
         )
 
 
@@ -102,8 +103,9 @@ class Algorithm:
     #: the ``step`` of :meth:`compresses_gradients` and :meth:`sends_momentum` counts the
     #: updates of the algorithm's optimizer (QAdam's stages), not the distributed steps
     staged_by_optimizer: bool = False
-    #: runs in an elastic job: after a reset its state (residuals, replicas of neighbours,
-    #: stages, a background averager) needs no re-planning for the new world
+    #: runs in an elastic job on every frontend: after a reset its state (residuals, replicas
+    #: of neighbours, stages, a background averager) needs no re-planning for the new world
+    #: (the torch frontend re-plans every algorithm: DistributedOptimizer._plan_again)
     elastic: bool = False
 
     #: gradients are averaged by the frontend's gradient path at this step

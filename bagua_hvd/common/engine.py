@@ -194,6 +194,10 @@ class GradientPath:
         self.process_set = process_set
         self._plan: Optional[StepPlan] = None
 
+    def replan(self) -> None:
+        """A new job was formed (an elastic reset): the next step asks the declaration anew."""
+        self._plan = None
+
     def stage_step(self, step: int, optimizer_steps: Callable[[], int]) -> int:
         """The ``step`` the declaration's stage methods take: the distributed steps completed,
         or, for an algorithm staged by its optimizer (QAdam), ``optimizer_steps()``."""
@@ -304,6 +308,11 @@ class _WeightAveraging:
     def process_set_id(self) -> int:
         return _ops.process_set_id(self.process_set)
 
+    def replan(self) -> None:
+        """A new job was formed (an elastic reset): drops what belonged to the old one (its
+        requests died with it: they are forgotten, not released, as the new core numbers its
+        handles from 1 again)."""
+
     def during_backward(self, step: int, weights: Callable[[], List[Any]]) -> None:
         """A gradient of this step is ready (the weights cannot change until the update)."""
 
@@ -360,6 +369,10 @@ class PeerAverage(_WeightAveraging):
     def started(self) -> bool:
         return self.requests is not None
 
+    def replan(self) -> None:
+        _forget(self.requests or [])
+        self.requests = None
+
     def finish(self) -> List[Any]:
         """Waits for the averages; returns the buffers holding them."""
         requests, self.requests = self.requests or [], None
@@ -376,6 +389,13 @@ class PeerAverage(_WeightAveraging):
         if self.requests is None:
             self.start(step, weights())
         return self.finish()
+
+
+def _forget(requests: Sequence[Request]) -> None:
+    """Requests of a job that is gone: never waited for or released again."""
+    for r in requests:
+        r.done = True
+        r.keep = r.hold = None
 
 
 # The exchanges of low-precision decentralized steps still running in the background, of every
@@ -451,6 +471,16 @@ class LowPrecisionRing(_WeightAveraging):
         # A rank that ends first must not stop the job while a slower one's last exchange
         # still needs it: hvd.shutdown() (and exit) waits for the exchanges first.
         _basics.before_shutdown(_sweep_before_shutdown)
+
+    def replan(self) -> None:
+        # New neighbours: the replicas are initialised again before the next update, on every
+        # rank (a new worker's are None too).
+        _forget(self.pending)
+        for owner, requests, _ in _in_flight:
+            if owner() is self:
+                _forget(requests)
+        _in_flight[:] = [e for e in _in_flight if e[0]() is not self]
+        self.replicas, self.pending, self.diffs, self._split = None, [], [], None
 
     def before_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
         # Before the first update: replicas from the weights as they are on every rank. One
@@ -626,6 +656,14 @@ class AsyncAveraging(_WeightAveraging):
     def rounds(self) -> int:
         return self.averager.rounds() if self.averager is not None else 0
 
+    def replan(self) -> None:
+        # The core stopped the averager with the old job: a new one starts at the next step
+        # past the warm-up, under the next generation's names.
+        if self.averager is not None:
+            _live_averagers.pop(id(self), None)
+            self.averager = None
+            self.generation += 1
+
     @property
     def id(self) -> Optional[int]:
         """The core's id of the running averager (None: none runs)."""
@@ -682,6 +720,13 @@ class Implementation:
         self.alg = alg
         self.gradients = GradientPath(alg, adapter, process_set)
         self.averaging = weight_averaging(alg, adapter, names, process_set, size)
+
+    def replan(self) -> None:
+        """A new job was formed (an elastic reset): the gradient path and the weight averaging
+        drop what belonged to the old one (the frontend agrees on the step count anew)."""
+        self.gradients.replan()
+        if self.averaging is not None:
+            self.averaging.replan()
 
     @property
     def replicas(self) -> Optional[List[List[Any]]]:

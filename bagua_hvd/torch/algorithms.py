@@ -292,6 +292,10 @@ class AlgorithmImpl(engine.Implementation):
         self._plan = path.plan(path.stage_step(self.step, self._optimizer_steps))
         return self._plan
 
+    def replan(self) -> None:
+        super().replan()
+        self._plan = None
+
     def _optimizer_steps(self) -> int:
         return self.opt_ref().step_id  # QAdam: the DistributedOptimizer's own updates
 

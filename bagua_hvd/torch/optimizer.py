@@ -266,6 +266,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._observed: Optional[List[torch.Tensor]] = None  # ready order during step 1
         self._layout_final = False
         self._hooks_registered = False
+        # In an elastic job an algorithm's step counts must be rank 0's on every rank (a worker
+        # that joins starts from 0): agreed at the first gradient hook, then after each reset.
+        self._agree_steps = config.elastic()
         self._bucket_cap = _alg_common.bucket_bytes()
         # Steps whose update ran bucket by bucket, and the update calls they made (tests).
         self._bucketwise_steps = self._bucketwise_updates = 0
@@ -280,11 +283,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             _LIVE.add(self)
 
     def _plan_again(self) -> None:
-        """A new job was formed (an elastic reset): agree on the bucket layout again at the next
-        step, as the workers that just joined do at their first."""
+        """A new job was formed (an elastic reset): agree on the bucket layout (and an
+        algorithm's step counts) again at the next step, as the workers that just joined do at
+        their first; an algorithm drops what belonged to the old job (residuals, neighbours'
+        replicas, its background averager)."""
         if self._hooks_registered:
             self._layout_final = False
             self._observed = []
+            if self._algo_impl is not None:
+                self._algo_impl.replan()
+                self._agree_steps = True
+                for b in self._buckets:
+                    b.residuals = None
+
+    def _agree_on_steps(self) -> None:
+        """Every rank takes rank 0's step counts (the algorithm's distributed steps and, for
+        QAdam, its optimizer's updates): the stages and rounds they select must match."""
+        self._agree_steps = False
+        impl = self._algo_impl
+        if impl is None:
+            return
+        qadam = hasattr(self, "step_id")
+        mine = [impl.step, self.step_id if qadam else 0]
+        counts = torch.tensor(mine if self.process_set.rank() == 0 else [0, 0], dtype=torch.int64)
+        counts = mpi_ops.allreduce(
+            counts, name="DistributedOptimizer.steps", op=mpi_ops.Max, process_set=self.process_set
+        ).tolist()
+        impl.step = counts[0]
+        if qadam:
+            self.step_id = counts[1]
 
     # ---- Horovod's public surface --------------------------------------------------------------
     def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
@@ -556,6 +583,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         """The gradient of ``p`` has been accumulated (one backward pass)."""
+        if self._agree_steps:
+            self._agree_on_steps()
         impl = self._algo_impl
         if impl is not None and not impl.communicates_gradients():
             impl.on_gradient(p)

@@ -13,6 +13,7 @@ change takes effect at that commit.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -82,6 +83,16 @@ def train(state):
             if state.batch % args.batches_per_commit == 0:
                 state.commits += 1
                 state.commit()
+        impl = optimizer._algo_impl
+        if impl is not None and impl.averaging is not None and hasattr(impl.averaging, "pending"):
+            # Low-precision decentralized: each rank's replicas (self, left, right) after the
+            # epoch's exchanges, for the test to check them against its ring neighbours'.
+            impl.flush()
+            digests = [[hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16] for t in reps]
+                       for reps in impl.replicas or []]  # fmt: skip
+            with open(f"{args.logfile}.replicas.{hvd.rank()}", "a") as f:
+                f.write(json.dumps({"epoch": state.epoch, "size": hvd.size(),
+                                    "replicas": digests}) + "\n")  # fmt: skip
         if hvd.rank() == 0:
             line = {
                 "epoch": state.epoch,
