@@ -205,6 +205,19 @@ def test_fault_tolerance_without_scaling(tmp_path, exit_mode):
     _check(lines[2], 2, start_rank=2, size=2, hostname="127.0.0.1", rendezvous=2)
 
 
+def test_all_ranks_of_a_host_failing(tmp_path):
+    """Both workers of 127.0.0.1 (start ranks 2 and 3) fail at the start of epoch 1: that host
+    is blacklisted and localhost's two workers finish the training from the last commit."""
+    schedule = [(None, ["localhost:2", "127.0.0.1:2"])]
+    proc, lines = _run(tmp_path, schedule=schedule, exit_schedule={(1, 0): [2, 3]})
+    assert proc.returncode == 0, _explain(proc)
+    assert len(lines) == 3, _explain(proc)
+    _check(lines[0], 0, start_rank=0, size=4, rendezvous=1)
+    _check(lines[1], 1, start_rank=0, size=2, hostname="localhost", rendezvous=2)
+    _check(lines[2], 2, start_rank=0, size=2, hostname="localhost", rendezvous=2)
+    _replay(lines)
+
+
 def test_all_ranks_failure(tmp_path):
     schedule = [(None, ["localhost:2", "127.0.0.1:2"])]
     proc, lines = _run(tmp_path, schedule=schedule, exit_schedule={(1, 0): [0, 1, 2, 3]})
