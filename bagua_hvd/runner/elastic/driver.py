@@ -334,19 +334,19 @@ class ElasticDriver:
         """Horovod's barrier action, in its order; returns the result when the job ends."""
         states = {k: r for k, (r, _) in self.records.items()}
         if any(r is Record.SUCCESS for r in states.values()):
-            return self._finish_success()
+            return self._finish()
         failures = [k for k, r in states.items() if r is Record.FAILURE]
         if len(failures) == len(states):
-            return self._finish_failure()
+            return self._finish()
         for host in sorted({h for h, _ in failures}):
             self._blacklist(host)
         with self.lock:
             blacklisted = {h for h, _ in states if self.hosts.is_blacklisted(h)}
         if blacklisted >= {h for h, _ in states}:
-            return self._finish_failure()
+            return self._finish()
         limit = self.settings.reset_limit
         if limit is not None and self.reset_count >= limit:
-            return self._finish_failure(RESET_LIMIT_EXCEEDED_MESSAGE.format(limit))
+            return self._finish(RESET_LIMIT_EXCEEDED_MESSAGE.format(limit))
         self.reset_count += 1
         self.resuming_since = time.monotonic()
         return self._try_resume()
@@ -355,7 +355,7 @@ class ElasticDriver:
         available, _ = self._available()
         if available < self.settings.min_num_proc:
             if time.monotonic() - self.resuming_since >= self.settings.timeout_s():
-                return self._finish_failure(
+                return self._finish(
                     SLOTS_TIMEOUT_MESSAGE.format(
                         self.settings.min_num_proc, _seconds(self.settings.timeout_s())
                     )
@@ -364,7 +364,7 @@ class ElasticDriver:
         assignment = self._assign(self.settings.min_num_proc)
         survivors = [k for k in assignment if k in self.workers]
         if not survivors:
-            return self._finish_failure(NO_HOSTS_REMAINING_MESSAGE)
+            return self._finish(NO_HOSTS_REMAINING_MESSAGE)
         self.resuming_since = None
         self._new_generation(assignment)
         return None
@@ -512,12 +512,10 @@ class ElasticDriver:
         if self.resuming_since is not None and code != 0:
             self._blacklist(worker.key[0])
 
-    def _finish_success(self) -> ElasticResult:
-        return self._finish_failure(None)
-
-    def _finish_failure(self, message: Optional[str] = None) -> ElasticResult:
-        """Ends the job: stops what still runs; the result names the first worker of the
-        last generation that exited non-zero (or ``message``)."""
+    def _finish(self, message: Optional[str] = None) -> ElasticResult:
+        """Ends the job: stops what still runs. Success when every worker of the last
+        generation exited 0; else the result names the first of them that exited non-zero, or
+        says ``message``."""
         self._stop_all()
         exits = [
             (t, key, self._results.get(key, 1))
