@@ -102,6 +102,9 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from chaos import descendants, proc_table, still_there  # noqa: E402  (the process-table helpers)
+
 WORKER_FLAG = "--_worker"
 PEER_FLAG = "--_peer-worker"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -485,38 +488,6 @@ def write_hosts(path: str, hosts: tuple[str, ...]) -> float:
     return time.time()
 
 
-def tree_of(root: int) -> dict[int, str]:
-    """The processes under root (root included): pid -> start time in ticks."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    fields = f.read().rpartition(b")")[2].split()
-            except OSError:
-                continue
-            table[int(entry)] = (int(fields[1]), fields[19].decode())
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in table and pid not in out:
-            out[pid] = table[pid][1]
-            todo.extend(children.get(pid, []))
-    return out
-
-
-def alive(pid: int, start: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()
-    except OSError:
-        return False
-    return fields[19].decode() == start and fields[0] not in (b"Z", b"X")
-
-
 @dataclasses.dataclass
 class Run:
     case: str
@@ -571,7 +542,7 @@ def run_one(case: Case, args: argparse.Namespace, rng: random.Random) -> tuple[R
         while True:
             now = time.monotonic()
             if now >= next_scan and proc.poll() is None:
-                tree.update(tree_of(proc.pid))
+                tree.update(descendants(proc.pid, proc_table()))
                 next_scan = now + 0.5
             while not lines.empty():
                 output.append(lines.get())
@@ -601,7 +572,7 @@ def run_one(case: Case, args: argparse.Namespace, rng: random.Random) -> tuple[R
                     stopped = True
         code = proc.poll()
         if code is None:
-            tree.update(tree_of(proc.pid))
+            tree.update(descendants(proc.pid, proc_table()))
             proc.terminate()  # the launcher stops its workers on SIGTERM
             try:
                 code = proc.wait(timeout=20)
@@ -616,7 +587,7 @@ def run_one(case: Case, args: argparse.Namespace, rng: random.Random) -> tuple[R
             problems.append(f"launcher exit {code}")
         settle = time.monotonic() + 3.0
         while True:
-            left = [p for p, s in tree.items() if p != proc.pid and alive(p, s)]
+            left = [p for p, s in tree.items() if p != proc.pid and still_there(p, s)]
             if not left or time.monotonic() >= settle:
                 break
             time.sleep(0.1)

@@ -33,6 +33,9 @@ p.add_argument("--batches-per-epoch", type=int, default=10)
 p.add_argument("--batches-per-commit", type=int, default=1)
 p.add_argument("--epoch-wait", type=float, default=0.0)
 p.add_argument("--discovery-wait", type=float, default=10.0)
+# "E,N": at the end of epoch E, rank 0 waits (up to --discovery-wait s) for a host update
+# unless the job already has N ranks: a host coming back takes effect by then, whatever the load.
+p.add_argument("--expect-size", default="")
 args = p.parse_args()
 
 start_rank = int(os.environ["HOROVOD_RANK"])
@@ -111,7 +114,11 @@ def train(state):
             }
             with open(args.logfile, "a") as f:
                 f.write(json.dumps(line) + "\n")
-            if hosts_for(state.epoch + 1) != hosts_for(state.epoch):
+            expect = (
+                tuple(int(v) for v in args.expect_size.split(",")) if args.expect_size else None
+            )
+            awaited = expect is not None and expect[0] == state.epoch and hvd.size() < expect[1]
+            if awaited or hosts_for(state.epoch + 1) != hosts_for(state.epoch):
                 # Horovod's scripts do this too: wait until the driver has seen the new hosts.
                 state._last_updated_timestamp = 0
                 deadline = time.monotonic() + args.discovery_wait
