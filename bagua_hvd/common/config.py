@@ -147,8 +147,15 @@ def library_override() -> Optional[Path]:
 
 
 def cuda_device_pointers() -> bool:
-    """``BAGUA_HVD_CUDA_DEVICE_POINTERS=1``: hand CUDA tensors' device pointers to the core."""
-    return _text("BAGUA_HVD_CUDA_DEVICE_POINTERS") == "1"
+    """``BAGUA_HVD_CUDA_DEVICE_POINTERS`` (default 1): hand CUDA tensors' device pointers to a
+    core built with CUDA; 0 copies them to host memory in the frontend instead."""
+    return _text("BAGUA_HVD_CUDA_DEVICE_POINTERS") != "0"
+
+
+def nccl_library() -> str:
+    """``BAGUA_HVD_NCCL_LIBRARY``: the libnccl.so to load (only it); empty: search (the one the
+    process has loaded, the nvidia-nccl wheel, the loader's path)."""
+    return _text("BAGUA_HVD_NCCL_LIBRARY")
 
 
 def tf_kernels_enabled() -> bool:

@@ -526,7 +526,8 @@ class LowPrecisionRing(_WeightAveraging):
             return None
         a = self.adapter
         flats = weights()
-        if self.split():
+        # CUDA buckets take the blocking step (its local half has no device kernel here yet).
+        if self.split() and (not flats or a.buffer(flats[0]).device < 0):
             if not self.diffs:
                 self.diffs = [
                     a.empty_bytes(_prim.compressed_size(b.dtype, b.numel))

@@ -189,6 +189,7 @@ def enqueue(
     urgent: bool = False,
     params: Any = None,
     status_error: Callable[[int, str], Exception] = exception_for_status,
+    stream: int = 0,
 ) -> Tuple[int, Any]:
     """Queues one request (grouped when ``len(inputs) > 1``) and returns ``(handle, keepalive)``.
 
@@ -197,6 +198,8 @@ def enqueue(
     caller keeps the tensors' memory alive until :func:`release`. ``params``: the cdata pointer
     to the parameter struct of BAGUA's primitive ``op_type`` (c_api.h, built by
     :mod:`bagua_hvd.common.primitives`; the core copies it during the call), None for the others.
+    ``stream``: with ``device >= 0``, the address of the CUDA stream that produces the inputs
+    (0: the legacy default stream).
     A failed core status raises ``status_error(status, message)`` (by default
     :func:`exception_for_status`: ValueError, NotImplementedError or HorovodInternalError); the
     checks made here before the core raise ValueError.
@@ -238,6 +241,7 @@ def enqueue(
                 prescale_factor,
                 postscale_factor,
                 urgent,
+                stream,
             )
             req.params = n.null if params is None else params
             req.num_tensors = 1
@@ -290,6 +294,7 @@ def enqueue(
         prescale_factor,
         postscale_factor,
         urgent,
+        stream,
     )
     req.num_tensors = num
     if params is not None:
@@ -335,6 +340,7 @@ def _set_scalars(
     prescale: float,
     postscale: float,
     urgent: bool,
+    stream: int,
 ) -> None:
     """The request's fields shared by the single-tensor fast path and the general path."""
     if root_rank:
@@ -349,6 +355,8 @@ def _set_scalars(
     req.prescale_factor = prescale
     req.postscale_factor = postscale
     req.urgent = 1 if urgent else 0
+    n = native()
+    req.stream = n.cast(n.voidp, stream) if stream else n.null
 
 
 def _init_scratch() -> _Scratch:
@@ -386,6 +394,15 @@ def wait(handle: int, what: str = "operation") -> None:
         status = _wait_long(n, handle, what)
     if status != OK:
         raise _handle_exception(n, handle, status, what)
+
+
+def stream_wait(handle: int, stream: int) -> None:
+    """After :func:`wait`: the CUDA ``stream`` (its address; 0: the legacy default stream)
+    waits on the device for the results of ``handle``'s operation on CUDA tensors."""
+    n = _n if _n is not None else native()
+    status = n.lib.bhvd_handle_stream_wait(handle, n.cast(n.voidp, stream) if stream else n.null)
+    if status != OK:
+        raise exception_for_status(status, _native.last_error())
 
 
 def wait_status(handle: int, what: str = "operation") -> int:

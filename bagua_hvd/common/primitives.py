@@ -10,9 +10,11 @@ that releases the core's averager) and the sizes the algorithms allocate by.
 Each primitive is its own op type of the core with its own parameter struct (c_api.h:
 ``bhvd_compressed_allreduce_params``, ``bhvd_peer_average_params``, ``bhvd_lp_*_params``), built
 here and nowhere else. A buffer is described by a :class:`Buffer`: address, dtype code, element
-count, device and stream (device -1 and stream 0 for host memory, the only memory the
-primitives accept today). The caller keeps the memory alive until the request it was given to
-completes; the :class:`Request` objects returned here hold what the core's C structs need.
+count, device and stream (device -1 and stream 0 for host memory). CUDA buffers go to a core
+built with CUDA, which runs the primitives on the device engine's stream after ``stream``'s
+work (docs/gpu.md); :meth:`Request.wait` then makes ``stream`` wait for the results. The
+caller keeps the memory alive until the request it was given to completes; the
+:class:`Request` objects returned here hold what the core's C structs need.
 
 Failures are reported through an :class:`Errors` object, so that each frontend raises its own
 exception classes (Python's for torch, ``tf.errors`` for TensorFlow) from the same code.
@@ -45,8 +47,12 @@ __all__ = [
 ]
 
 _GPU_MESSAGE = (
-    "BAGUA's algorithms run on CPU tensors in this build of bagua_hvd; GPU buckets are not "
-    "supported yet"
+    "BAGUA's algorithms run on CPU tensors in this build of bagua_hvd (built without nvcc): "
+    "GPU buckets need a build with CUDA"
+)
+_ASYNC_GPU_MESSAGE = (
+    "asynchronous model averaging of CUDA weights is not supported yet: its background rounds "
+    "read the weights from the host; keep the model on the CPU or choose another algorithm"
 )
 
 
@@ -100,15 +106,18 @@ _abandoned: List[Request] = []
 class Request:
     """One submitted primitive: its core handle, its name and what must outlive it."""
 
-    __slots__ = ("handle", "name", "keep", "hold", "errors", "done")
+    __slots__ = ("handle", "name", "keep", "hold", "errors", "done", "stream")
 
-    def __init__(self, handle: int, name: str, keep: Any, errors: Errors) -> None:
+    def __init__(
+        self, handle: int, name: str, keep: Any, errors: Errors, stream: Optional[int] = None
+    ) -> None:
         self.handle = handle
         self.name = name
         self.keep = keep  # the C structs of the request
         self.hold: Any = None  # the caller's buffers, when the caller wants them kept here
         self.errors = errors
         self.done = False  # waited for and released
+        self.stream = stream  # CUDA buffers: the caller's stream, which waits for the results
 
     def wait(self) -> None:
         """Blocks until the request completes, releases it, and raises its failure."""
@@ -126,6 +135,8 @@ class Request:
             message = _ops.failure_message(self.handle, self.errors.failed(self.name, status))
             self.release()
             raise self.errors.status(status, message)
+        if self.stream is not None:
+            _ops.stream_wait(self.handle, self.stream)
         self.release()
 
     def settle(self, timeout_s: Optional[float] = None) -> bool:
@@ -167,10 +178,24 @@ def wait_all(requests: Sequence[Request]) -> None:
         raise error
 
 
-def _host(*buffers: Buffer) -> None:
+def _placed(*buffers: Buffer) -> None:
+    """Host buffers, or CUDA buffers of one device for a core that runs them; else raises."""
+    devices = {b.device for b in buffers}
+    if devices == {-1}:
+        return
+    if not _ops.device_pointers_supported():
+        raise NotImplementedError(_GPU_MESSAGE)
+    if len(devices) > 1:
+        raise ValueError(
+            "the buffers of one primitive (bucket, residuals, replicas) must be on one device; "
+            f"got devices {sorted(devices)} (-1: host memory)"
+        )
+
+
+def _host(*buffers: Buffer, message: str = _GPU_MESSAGE) -> None:
     for b in buffers:
         if b.device >= 0:
-            raise NotImplementedError(_GPU_MESSAGE)
+            raise NotImplementedError(message)
 
 
 def _submit(
@@ -194,11 +219,13 @@ def _submit(
             urgent=True,
             params=params,
             status_error=errors.enqueue_status,
+            device=buf.device,
+            stream=buf.stream,
             **kwargs,
         )
     except ValueError as e:  # the checks made before the core
         raise errors.enqueue(e) from None
-    return Request(handle, name, keep, errors)
+    return Request(handle, name, keep, errors, buf.stream if buf.device >= 0 else None)
 
 
 def _params(c_type: str, op_type: int, keep: List[Any]) -> Any:
@@ -240,7 +267,7 @@ def allreduce(
     ``compressed``, with ``residuals`` = (residual of the first quantization, of the second;
     see :func:`compression_group_size`) for error feedback; within each host first when
     ``hierarchical``. Uncompressed: Horovod's allreduce, or the hierarchical allreduce op."""
-    _host(buf, *residuals)
+    _placed(buf, *residuals)
     keep: List[Any] = []
     params = None
     if compressed:
@@ -282,7 +309,7 @@ def peer_average(
     errors: Errors = PYTHON_ERRORS,
 ) -> Request:
     """Decentralized SGD's average of ``buf`` with the peers of round ``step`` into ``out``."""
-    _host(buf, out)
+    _placed(buf, out)
     keep: List[Any] = []
     params = _params("bhvd_peer_average_params", _ops.OP_PEER_AVERAGE, keep)
     params.peer_mode = _ops.PEER_MODES[peer_selection_mode]
@@ -315,7 +342,7 @@ def lp_init(
 ) -> Request:
     """Low-precision decentralized: ``replicas`` (self, left, right) = this rank's and its ring
     neighbours' ``buf``."""
-    _host(buf, *replicas)
+    _placed(buf, *replicas)
     keep: List[Any] = []
     op_type = _ops.OP_LP_DECENTRALIZED_INIT
     params = _lp_replicas("bhvd_lp_init_params", op_type, replicas, hierarchical, keep)
@@ -332,7 +359,7 @@ def lp_step(
 ) -> Request:
     """Low-precision decentralized: the whole hierarchical step of ``buf`` in the core (the
     flat step is split: :func:`lp_local_half`, :func:`lp_exchange_half`)."""
-    _host(buf, *replicas)
+    _placed(buf, *replicas)
     keep: List[Any] = []
     op_type = _ops.OP_LP_DECENTRALIZED_STEP
     params = _lp_replicas("bhvd_lp_step_params", op_type, replicas, True, keep)
@@ -351,7 +378,17 @@ def lp_local_half(
     """The local half of the split low-precision step, on this thread: ``diff`` (uint8,
     :func:`compressed_size` bytes) = MinMaxUInt8(x + left/3 + right/3 - 5/3 own); own +=
     decompress(diff); x = own."""
-    _host(x, own, left, right, diff)
+    _host(
+        x,
+        own,
+        left,
+        right,
+        diff,
+        message=(
+            "the split low-precision step runs its local half on the host: CUDA buckets take "
+            "lp_step (the engine chooses it for them)"
+        ),
+    )
     n = _ops.native()
     cast, voidp = n.cast, n.voidp
     status = n.lib.bhvd_lp_decentralized_local(
@@ -378,7 +415,7 @@ def lp_exchange_half(
 ) -> Request:
     """The exchange half of the split step: ``diff`` to both neighbours, theirs decompressed
     into the ``left`` and ``right`` replicas."""
-    _host(diff, left, right)
+    _placed(diff, left, right)
     keep: List[Any] = []
     op_type = _ops.OP_LP_DECENTRALIZED_EXCHANGE
     params = _params("bhvd_lp_exchange_params", op_type, keep)
@@ -412,7 +449,7 @@ class AsyncAverager:
         interval_ms: int,
         errors: Errors = PYTHON_ERRORS,
     ) -> None:
-        _host(*weights)
+        _host(*weights, message=_ASYNC_GPU_MESSAGE)
         n = _ops.native()
         ffi = n.ffi
         self.errors = errors

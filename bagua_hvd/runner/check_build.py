@@ -30,10 +30,9 @@ def _nccl_version(code: int) -> str:
 def _core_info() -> Tuple[Optional[str], bool, int]:
     """(error or None, cuda built, NCCL version code) from the core library."""
     try:
-        from bagua_hvd.common._native import lib
+        from bagua_hvd.common.frontend import basics
 
-        core = lib()
-        return None, bool(core.bhvd_cuda_built()), int(core.bhvd_nccl_built())
+        return None, basics.cuda_built(), basics.nccl_built()
     except Exception as e:  # missing library, missing header, cffi/dlopen failure
         return f"{type(e).__name__}: {e}", False, 0
 

@@ -1561,3 +1561,25 @@ BHVD_CPU_KERNEL("BaguaHvdLpReplicas", BaguaHvdLpReplicasOp);
 BHVD_CPU_KERNEL("BaguaHvdAsyncStep", BaguaHvdAsyncStepOp);
 BHVD_CPU_KERNEL("BaguaHvdAsyncControl", BaguaHvdAsyncControlOp);
 #undef BHVD_CPU_KERNEL
+
+// GPU builds of TensorFlow: the same kernels for GPU placement, every argument in host memory, so
+// TensorFlow stages GPU tensors through the host around them (docs/tensorflow.md) and a graph
+// pinned to a GPU needs no soft placement. The algorithms' variable kernels stay on the CPU: they
+// read the variables' buffers from the host.
+#define BHVD_GPU_HOST_KERNEL(name, cls, ...) \
+  REGISTER_KERNEL_BUILDER(Name(name).Device(::tensorflow::DEVICE_GPU) __VA_ARGS__, cls)
+BHVD_GPU_HOST_KERNEL("BaguaHvdCollective", BaguaHvdCollectiveOp,
+                     .HostMemory("tensors").HostMemory("outputs"));
+BHVD_GPU_HOST_KERNEL("BaguaHvdReducescatter", BaguaHvdCollectiveOp,
+                     .HostMemory("tensors").HostMemory("outputs"));
+BHVD_GPU_HOST_KERNEL("BaguaHvdAllgather", BaguaHvdCollectiveOp,
+                     .HostMemory("tensors").HostMemory("outputs"));
+BHVD_GPU_HOST_KERNEL("BaguaHvdAlltoall", BaguaHvdCollectiveOp,
+                     .HostMemory("tensor").HostMemory("splits").HostMemory("output")
+                         .HostMemory("received_splits"));
+BHVD_GPU_HOST_KERNEL("BaguaHvdRaise", BaguaHvdRaiseOp, .HostMemory("code").HostMemory("message"));
+BHVD_GPU_HOST_KERNEL("BaguaHvdCounter", BaguaHvdCounterOp,
+                     .HostMemory("value").HostMemory("before"));
+BHVD_GPU_HOST_KERNEL("BaguaHvdBuckets", BaguaHvdBucketsOp,
+                     .HostMemory("tensors").HostMemory("round").HostMemory("outputs"));
+#undef BHVD_GPU_HOST_KERNEL

@@ -213,8 +213,11 @@ class TorchTensors(engine.TensorAdapter):
 
     def buffer(self, t: torch.Tensor) -> Buffer:
         # tuple.__new__: a Buffer without NamedTuple's Python-level constructor (hot path)
-        device = -1 if t.is_cpu else t.device.index
-        return _new_buffer(Buffer, (t.data_ptr(), core_dtype(t), t.numel(), device, 0))
+        if t.is_cpu:
+            return _new_buffer(Buffer, (t.data_ptr(), core_dtype(t), t.numel(), -1, 0))
+        # CUDA: the core's stream waits for torch's current stream, which produced the data.
+        stream = torch.cuda.current_stream(t.device).cuda_stream
+        return _new_buffer(Buffer, (t.data_ptr(), core_dtype(t), t.numel(), t.device.index, stream))
 
     def numel(self, t: torch.Tensor) -> int:
         return t.numel()

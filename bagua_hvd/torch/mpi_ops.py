@@ -108,9 +108,9 @@ from bagua_hvd.common.frontend import (  # noqa: F401  (Horovod's mpi_ops export
 )
 from bagua_hvd.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
 
-# handle -> (finish(handle) -> result, keepalive, label). The keepalive holds every tensor and C
-# struct the core may touch until the handle is released.
-_handle_map: Dict[int, Tuple[Callable[[int], Any], Any, str]] = {}
+# handle -> (finish(handle) -> result, keepalive, label, CUDA device or -1). The keepalive holds
+# every tensor and C struct the core may touch until the handle is released.
+_handle_map: Dict[int, Tuple[Callable[[int], Any], Any, str, int]] = {}
 _lifecycle_lock = threading.Lock()
 
 
@@ -187,27 +187,29 @@ def _check_bool_reduce(op: int, prescale: float, postscale: float) -> None:
         )
 
 
-# ---- devices -----------------------------------------------------------------------------------
-# Whether CUDA tensors reach the core as device pointers. The core does not run collectives on
-# GPU memory yet (it rejects device >= 0 even when built with nvcc), so CUDA tensors are staged
-# through host memory unless BAGUA_HVD_CUDA_DEVICE_POINTERS=1 and the core accepts device
-# pointers (compiled CUDA kernels alone, e.g. the compressors, are not enough).
+# ---- devices ----------------------------------------------------------------------------------
+# Whether CUDA tensors reach the core as device pointers: in a build with CUDA (nvcc at build
+# time), unless BAGUA_HVD_CUDA_DEVICE_POINTERS=0. The core then runs them through NCCL (or its
+# pinned host staging), ordered with torch's streams by events: nothing waits on the host here.
+# Otherwise CUDA tensors are copied to host memory and back by this frontend.
 _core_cuda = False
 
 
 def _refresh_core_facts() -> None:
     global _core_cuda
-    wanted = config.cuda_device_pointers()
-    _core_cuda = wanted and _ops.device_pointers_supported()
+    _core_cuda = config.cuda_device_pointers() and _ops.device_pointers_supported()
 
 
 def _device_of(tensor: torch.Tensor) -> int:
     """The request's device: -1 for CPU and for host-staged CUDA tensors."""
     if tensor.device.type == "cpu" or not _core_cuda:
         return -1
-    # The core reads the memory on its own thread: wait for the kernels that produce it.
-    torch.cuda.current_stream(tensor.device).synchronize()
     return tensor.device.index
+
+
+def _stream_of(device: int) -> int:
+    """The stream that produces a device tensor now (torch's current stream), or 0."""
+    return torch.cuda.current_stream(device).cuda_stream if device >= 0 else 0
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
@@ -224,8 +226,10 @@ def _desc(t: torch.Tensor, code: int) -> Tuple[int, int, Tuple[int, ...]]:
 _ps_id = _ops.process_set_id
 
 
-def _register(handle: int, finish: Callable[[int], Any], keep: Any, label: str) -> int:
-    _handle_map[handle] = (finish, keep, label)
+def _register(
+    handle: int, finish: Callable[[int], Any], keep: Any, label: str, device: int = -1
+) -> int:
+    _handle_map[handle] = (finish, keep, label, device)
     return handle
 
 
@@ -507,6 +511,7 @@ def _grouped_allreduce_async(
         process_set_id=_ps_id(process_set),
         reduce_op=op,
         device=device,
+        stream=_stream_of(device),
         prescale_factor=prescale_factor,
         postscale_factor=postscale_factor,
         urgent=urgent,
@@ -518,7 +523,9 @@ def _grouped_allreduce_async(
                 o.copy_(staged)
         return outputs[0] if single else tuple(outputs)
 
-    return _register(handle, finish, (keep, tensors, outputs, ins, outs), full_name or prefix)
+    return _register(
+        handle, finish, (keep, tensors, outputs, ins, outs), full_name or prefix, device
+    )
 
 
 def grouped_allreduce_async(
@@ -715,6 +722,7 @@ def _gather_like_async(
         name=full_name,
         process_set_id=ps_id,
         device=device,
+        stream=_stream_of(device),
         splits=splits,
         urgent=urgent,
     )
@@ -737,7 +745,7 @@ def _gather_like_async(
             return outs[0], rsplits
         return outs[0] if single else tuple(outs)
 
-    return _register(handle, finish, (keep, tensors, ins), full_name or prefix)
+    return _register(handle, finish, (keep, tensors, ins), full_name or prefix, device)
 
 
 def allgather_async(
@@ -897,6 +905,7 @@ def _broadcast_async(
         process_set_id=_ps_id(process_set),
         root_rank=int(root_rank),
         device=device,
+        stream=_stream_of(device),
         urgent=urgent,
     )
     if dst is output:
@@ -907,7 +916,9 @@ def _broadcast_async(
             output.copy_(dst)
             return output
 
-    return _register(handle, finish, (keep, tensor, output, src, dst), full_name or "broadcast")
+    return _register(
+        handle, finish, (keep, tensor, output, src, dst), full_name or "broadcast", device
+    )
 
 
 def broadcast_async(
@@ -1102,6 +1113,7 @@ def _reducescatter_async(
         process_set_id=ps_id,
         reduce_op=op,
         device=device,
+        stream=_stream_of(device),
         prescale_factor=prescale_factor,
         postscale_factor=postscale_factor,
         urgent=urgent,
@@ -1111,7 +1123,7 @@ def _reducescatter_async(
         results = [o if o.device == t.device else o.to(t.device) for o, t in zip(outs, tensors)]
         return results[0] if single else tuple(results)
 
-    return _register(handle, finish, (keep, tensors, ins, outs), full_name or prefix)
+    return _register(handle, finish, (keep, tensors, ins, outs), full_name or prefix, device)
 
 
 def reducescatter_async(
@@ -1330,6 +1342,9 @@ def synchronize(handle: int) -> Any:
         raise
     _handle_map.pop(handle, None)
     try:
+        if entry[3] >= 0:
+            # The results are written on the core's stream: torch's current stream waits there.
+            _ops.stream_wait(handle, _stream_of(entry[3]))
         return entry[0](handle)
     finally:
         _ops.release(handle)

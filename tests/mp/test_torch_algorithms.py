@@ -315,12 +315,14 @@ def test_low_precision_exchange_is_left_in_flight_by_step(monkeypatch):
         algorithm=A.LowPrecisionDecentralized(),
     )
     impl = opt._algo_impl
-    waited = []  # every request waited for (wait() or settle()), by identity
+    # Every request waited for (wait() or settle()), held here: by identity, and alive so that
+    # its id cannot be reused by a later request.
+    waited = []
     for method in ("wait", "settle"):
         orig = getattr(Request, method)
 
         def spy(self, *args, _orig=orig, **kwargs):
-            waited.append(id(self))
+            waited.append(self)
             return _orig(self, *args, **kwargs)
 
         monkeypatch.setattr(Request, method, spy)
@@ -332,7 +334,7 @@ def test_low_precision_exchange_is_left_in_flight_by_step(monkeypatch):
         if hvd.size() > 1:
             pending = impl.averaging.pending
             assert len(pending) == len(impl.weights().flats) > 1
-            assert not any(id(r) in waited for r in pending), f"step {step} waited for them"
+            assert not any(r is w for r in pending for w in waited), f"step {step} waited for them"
     impl.flush()
     assert not impl.averaging.pending
 

@@ -147,6 +147,9 @@ typedef struct bhvd_request {
   const void* params; /* the parameter struct of op_type (named at enum bhvd_op_type),
                          whose first field repeats op_type; NULL for op types without
                          one. Copied by bhvd_enqueue like the rest of the request. */
+  void* stream;       /* device >= 0: the caller's cudaStream_t that produces the inputs (NULL:
+                         the legacy default stream); the core's stream waits for what it has
+                         queued so far. Ignored for host tensors. */
 } bhvd_request;
 
 /* Parameters of BAGUA's primitives, one struct per op type. Each starts with the op type it
@@ -231,11 +234,22 @@ int bhvd_cross_size(void);
 int bhvd_is_homogeneous(void);
 
 /* ---- build and runtime facts ---------------------------------------------------------------- */
-/* 1 when CUDA kernels were compiled in. Collectives on device pointers are accepted only when
- * bhvd_device_pointers_supported() is 1. */
+/* 1 when this build runs collectives on CUDA memory (compiled with nvcc): requests with
+ * device >= 0 are accepted, and run through NCCL or, where NCCL cannot serve, through pinned
+ * host memory (docs/gpu.md). bhvd_device_pointers_supported() is the same fact. */
 int bhvd_cuda_built(void);
 int bhvd_device_pointers_supported(void);
-int bhvd_nccl_built(void); /* NCCL_VERSION_CODE or 0 */
+/* NCCL_VERSION_CODE of the NCCL bhvd_nccl_load() loaded, in a build with CUDA; else 0. */
+int bhvd_nccl_built(void);
+/* Loads NCCL once per process (later calls return the first outcome): `library` when not NULL
+ * or empty (it alone), else a libnccl the process has loaded already, else `fallback` when not
+ * NULL or empty, else libnccl.so.2 from the loader's search path. Returns NCCL_VERSION_CODE, or
+ * 0 with the reason in bhvd_last_error(). Needs no GPU. */
+int bhvd_nccl_load(const char* library, const char* fallback);
+/* After bhvd_wait succeeded on a handle of CUDA tensors: `stream` (a cudaStream_t; NULL: the
+ * legacy default stream) waits on the device until the operation's results are written. The
+ * host does not wait. Nothing to do for host tensors. */
+int bhvd_handle_stream_wait(int64_t handle, void* stream);
 /* 1 when the collectives run through the process's MPI library (HOROVOD_CPU_OPERATIONS=mpi in
  * a job MPI started), 0 otherwise (also before init). */
 int bhvd_mpi_enabled(void);
@@ -282,7 +296,8 @@ const char* bhvd_handle_error(int64_t handle);
 /* For outputs the core allocated (allgather, alltoall): the shape of output `index`. */
 int bhvd_output_ndim(int64_t handle, int32_t index);
 int bhvd_output_shape(int64_t handle, int32_t index, int64_t* shape_out);
-/* Copies output `index` into dst, which holds at least the output's bytes. */
+/* Copies output `index` into dst, which holds at least the output's bytes (device memory for
+ * a request with device >= 0). */
 int bhvd_output_copy(int64_t handle, int32_t index, void* dst);
 /* Alltoall: the splits this rank received, one per process-set rank. */
 int bhvd_received_splits(int64_t handle, int32_t* splits_out, int32_t capacity);

@@ -15,6 +15,8 @@
 #include "core/async_average.h"
 #include "core/c_api_guard.h"
 #include "core/runtime.h"
+#include "device/nccl_library.h"
+#include "ops/device_engine.h"
 #include "transport/hmac.h"
 
 using bagua_hvd::Runtime;
@@ -141,19 +143,28 @@ int bhvd_is_homogeneous(void) {
 }
 
 int bhvd_cuda_built(void) {
-  return guarded_value<int>(0, [&]() -> int {
-#ifdef BHVD_CUDA_BUILT
-    return 1;
-#else
-    return 0;
-#endif
-  });
+  return guarded_value<int>(0, [&]() -> int { return bagua_hvd::device_engines_built() ? 1 : 0; });
 }
 int bhvd_nccl_built(void) {
-  return guarded_value<int>(0, [&]() -> int { return 0; });
+  return guarded_value<int>(0, [&]() -> int {
+    const bagua_hvd::NcclLibrary* nccl = bagua_hvd::loaded_nccl();
+    return bagua_hvd::device_engines_built() && nccl ? nccl->version : 0;
+  });
+}
+int bhvd_nccl_load(const char* library, const char* fallback) {
+  return guarded_value<int>(0, [&]() -> int {
+    std::string why;
+    const bagua_hvd::NcclLibrary* nccl =
+        bagua_hvd::load_nccl(library ? library : "", fallback ? fallback : "", &why);
+    if (!nccl) {
+      report(Status::Error(bagua_hvd::StatusType::UNKNOWN_ERROR, why));
+      return 0;
+    }
+    return nccl->version;
+  });
 }
 int bhvd_device_pointers_supported(void) {
-  return guarded_value<int>(0, [&]() -> int { return 0; });
+  return guarded_value<int>(0, [&]() -> int { return bagua_hvd::device_engines_built() ? 1 : 0; });
 }
 int bhvd_mpi_enabled(void) {
   return guarded_value<int>(
@@ -253,6 +264,19 @@ int bhvd_wait(int64_t handle, int64_t timeout_ms) {
   return guarded([&]() -> int { return report(Runtime::get().wait(handle, timeout_ms)); });
 }
 
+int bhvd_handle_stream_wait(int64_t handle, void* stream) {
+  return guarded([&]() -> int {
+    auto h = Runtime::get().find(handle);
+    if (!h) return report(Status::InvalidArgument("unknown handle"));
+    if (h->device < 0 || !h->done_event) return BHVD_OK;
+    std::string why;
+    bagua_hvd::DeviceEngine* engine = bagua_hvd::device_engine(h->device, &why);
+    if (!engine) return report(Status::InvalidArgument(why));
+    engine->stream_wait(stream, h->done_event);
+    return BHVD_OK;
+  });
+}
+
 int bhvd_on_done(int64_t handle, bhvd_done_fn fn, void* arg) {
   return guarded([&]() -> int {
     if (!fn) return report(Status::InvalidArgument("NULL callback"));
@@ -295,7 +319,15 @@ int bhvd_output_copy(int64_t handle, int32_t index, void* dst) {
     if (!h || index < 0 || index >= static_cast<int32_t>(h->outputs.size()))
       return report(Status::InvalidArgument("unknown handle or output index"));
     const auto& o = h->outputs[index];
-    if (!o.empty()) std::memcpy(dst, o.data(), o.size());
+    if (o.empty()) return BHVD_OK;
+    if (h->device >= 0) {
+      std::string why;
+      bagua_hvd::DeviceEngine* engine = bagua_hvd::device_engine(h->device, &why);
+      if (!engine) return report(Status::InvalidArgument(why));
+      engine->copy_from_host(dst, o.data(), o.size());
+    } else {
+      std::memcpy(dst, o.data(), o.size());
+    }
     return BHVD_OK;
   });
 }
@@ -337,6 +369,8 @@ int64_t bhvd_stat(const char* key) {
     if (k == "bytes_sent") return bagua_hvd::Comm::bytes_sent();
     if (k == "bytes_sent_remote") return bagua_hvd::Comm::bytes_sent_remote();
     if (k == "mpi_calls") return bagua_hvd::mpi_engine_calls();
+    if (k == "nccl_calls") return bagua_hvd::device_stats().nccl_calls;
+    if (k == "device_staged_calls") return bagua_hvd::device_stats().staged_calls;
     return -1;
   });
 }

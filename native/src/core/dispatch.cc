@@ -2,8 +2,10 @@
 // ops (join, barrier, process-set changes) here, tensor ops through their executor (ops/) with
 // the set's Comm, its host hierarchy, the data engine and the fusion buffer.
 #include <algorithm>
+#include <stdexcept>
 
 #include "core/runtime.h"
+#include "ops/device_engine.h"
 #include "ops/op.h"
 
 namespace bagua_hvd {
@@ -81,14 +83,32 @@ void Runtime::execute(const Response& r, uint64_t tl_group) {
     return;
   }
   const auto started = Clock::now();
-  const bool hierarchical = runs_hierarchical(r.type, r.params) ||
-                            (r.type == BHVD_OP_ALLREDUCE && hierarchical_allreduce_);
-  Hierarchy* hierarchy =
-      hierarchical ? hierarchies_.get(r.process_set_id, *transport_, *comm, cfg_.rank) : nullptr;
-  // Host tensors only for now (enqueue refuses device >= 0): a device engine is chosen here.
-  DataEngine& engine = mpi_engine_ ? *mpi_engine_ : cpu_engine();
-  ExecContext ctx{r, *comm, entries, engine, fusion_, hierarchy, mu_, &timeline_, tl_group};
-  exec(ctx);
+  DeviceEngine* device = r.device >= 0 ? device_for(entries) : nullptr;
+  if (device) {
+    // Device tensors: NCCL finds its own topology (no host hierarchy); the engine's stream
+    // waits for the callers' streams, and the handles get the event after the op.
+    std::vector<DeviceEvent> inputs;
+    for (Entry* e : entries)
+      if (e && e->ready) {
+        device->wait(e->ready);
+        inputs.push_back(e->ready);
+      }
+    ExecContext ctx{r, *comm, entries, *device, device->fusion(), nullptr, mu_, &timeline_,
+                    tl_group};
+    exec(ctx);
+    DeviceEvent done = device->done(std::move(inputs));
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Entry* e : entries)
+      if (e) e->handle->done_event = done;
+  } else {
+    const bool hierarchical = runs_hierarchical(r.type, r.params) ||
+                              (r.type == BHVD_OP_ALLREDUCE && hierarchical_allreduce_);
+    Hierarchy* hierarchy =
+        hierarchical ? hierarchies_.get(r.process_set_id, *transport_, *comm, cfg_.rank) : nullptr;
+    DataEngine& engine = mpi_engine_ ? *mpi_engine_ : cpu_engine();
+    ExecContext ctx{r, *comm, entries, engine, fusion_, hierarchy, mu_, &timeline_, tl_group};
+    exec(ctx);
+  }
   stats_.exec_ns +=
       std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - started).count();
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -97,6 +117,20 @@ void Runtime::execute(const Response& r, uint64_t tl_group) {
     }
     finish(keys[i], Status::OK());
   }
+}
+
+DeviceEngine* Runtime::device_for(const std::vector<Entry*>& entries) {
+  // This rank's device: its own request's (device ordinals differ between ranks). A rank that
+  // joined has no entry: its contribution (zeros) comes from the device it last used.
+  int device = -1;
+  for (Entry* e : entries)
+    if (e) device = e->request.device;
+  if (device < 0) device = last_device_ >= 0 ? last_device_ : 0;
+  last_device_ = device;
+  std::string why;
+  DeviceEngine* engine = device_engine(device, &why);
+  if (!engine) throw std::runtime_error("CUDA device " + std::to_string(device) + ": " + why);
+  return engine;
 }
 
 int Runtime::group_size(int32_t set_id, bool hierarchical) {

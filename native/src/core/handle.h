@@ -28,6 +28,10 @@ struct Handle {
   std::vector<std::vector<int64_t>> output_shapes;
   std::vector<int32_t> received_splits;
   int32_t result = -1;  // join: last joined rank; add process set: new id
+  // CUDA tensors: this rank's device, and the event after the operation on the device engine's
+  // stream (the caller's stream waits on it: bhvd_handle_stream_wait).
+  int32_t device = -1;
+  std::shared_ptr<void> done_event;
   std::condition_variable cv;
   // Set by on_done(): run once, outside the runtime's lock, when the handle completes.
   std::function<void(const Status&)> on_done;
@@ -55,6 +59,9 @@ struct Entry {
   const void* input = nullptr;
   void* output = nullptr;
   StateBuffers state;
+  // CUDA tensors: the event recorded on the caller's stream at enqueue (the inputs are ready
+  // once it has completed).
+  std::shared_ptr<void> ready;
 };
 
 }  // namespace bagua_hvd

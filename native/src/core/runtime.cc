@@ -9,6 +9,7 @@
 #include "config.h"
 #include "core/async_average.h"
 #include "core/validate.h"
+#include "ops/device_engine.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -141,6 +142,8 @@ Status Runtime::shutdown() {
   if (thread_.joinable()) thread_.join();
   timeline_.shutdown();  // the file is complete once hvd.shutdown() returns
   mpi_engine_.reset();   // its communicators, once the background thread no longer uses them
+  // NCCL communicators belong to this job: the next init (an elastic reset) makes new ones.
+  release_device_communicators(cfg_.timeout_s);
   fail_all(Status::Aborted(kShutDown));
   averagers.clear();  // their threads' last collectives have failed by now: they end
   {
@@ -253,8 +256,19 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
   if (t == BHVD_OP_BARRIER) ++barrier_counter_[req.process_set_id];
   ++next_handle_;
 
+  // CUDA tensors: what the caller's stream has queued so far produces them; the device
+  // engine's stream waits for this event before reading them.
+  std::shared_ptr<void> ready;
+  if (tensor_op && req.device >= 0) {
+    std::string why;
+    DeviceEngine* engine = device_engine(req.device, &why);
+    if (!engine) return Status::InvalidArgument(title + ": " + why);
+    ready = engine->record(req.stream);
+  }
+
   auto h = std::make_shared<Handle>();
   h->id = id;
+  h->device = tensor_op ? req.device : -1;
   h->remaining = static_cast<int>(reqs.size());
   h->urgent = req.urgent != 0;
   h->outputs.resize(reqs.size());
@@ -267,6 +281,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
       e.input = req.inputs[i].data;
       e.output = req.outputs ? req.outputs[i].data : nullptr;
       e.state = state;  // BAGUA's primitives take one tensor: one entry
+      e.ready = ready;
     }
     const std::string key = tensor_key(reqs[i].process_set_id, reqs[i].name);
     h->names.push_back(key);
@@ -509,6 +524,14 @@ void Runtime::loop() {
 // inside collectives too (Transport::heartbeat), so that a rank busy in a long collective of a
 // process set is not taken for a silent one by the ranks outside the set.
 void Runtime::check_peers(Clock::time_point now, Clock::duration since_last) {
+  // A device operation that makes no progress (an NCCL call some peer never joined) is
+  // aborted: its kernels end, and the job fails with the reason, as a silent peer does.
+  if (cfg_.timeout_s > 0 && device_engines_stalled(cfg_.timeout_s)) {
+    release_device_communicators(0);
+    throw TransportError("an operation on CUDA tensors made no progress for " +
+                         format_seconds(cfg_.timeout_s) +
+                         " s (HOROVOD_GLOO_TIMEOUT_SECONDS): its NCCL communicators were aborted");
+  }
   if (cfg_.size <= 1) return;
   const bool fresh = since_last > std::chrono::seconds(1);
   auto check = [&](int peer) {

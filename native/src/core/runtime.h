@@ -27,6 +27,7 @@
 #include "core/response_cache.h"
 #include "core/timeline.h"
 #include "ops/data_engine.h"
+#include "ops/device_engine.h"
 #include "ops/fusion.h"
 #include "transport/control_channel.h"
 #include "transport/transport.h"
@@ -110,6 +111,8 @@ class Runtime {
   // tl_group: the response's group on the timeline (0: not recorded).
   void execute(const Response& r, uint64_t tl_group);
   int group_size_locked(int32_t set_id, bool hierarchical);
+  // The device engine of a response on CUDA tensors (core/dispatch.cc); throws where none.
+  DeviceEngine* device_for(const std::vector<Entry*>& entries);
   void finish(const std::string& name, const Status& s);
   void fail_all(const Status& s);
   // Marks h done (mu_ held); its on_done callback, if any, moves to *callbacks to run after
@@ -164,6 +167,7 @@ class Runtime {
   bool oversubscribed_ = false;             // more local ranks than cores
   std::chrono::microseconds spin_{1000};    // BAGUA_HVD_SPIN_US: poll this long before sleeping
   bool hierarchical_allreduce_ = false;     // HOROVOD_HIERARCHICAL_ALLREDUCE (config.h)
+  int last_device_ = -1;                    // the CUDA device of the last device response
   std::unique_ptr<DataEngine> mpi_engine_;  // HOROVOD_CPU_OPERATIONS=mpi (ops/mpi_engine.cc)
   MpiFacts mpi_facts_;
   Clock::time_point wake_at_ = Clock::time_point::max();

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "compression/minmax_uint8.h"
+#include "ops/device_engine.h"
 
 namespace bagua_hvd {
 
@@ -266,9 +267,9 @@ Status validate_request(const bhvd_request& req, const std::string& title) {
     return Status::InvalidArgument(title + ": unknown reduce op " + std::to_string(req.reduce_op));
   if (t == BHVD_OP_REDUCESCATTER && req.reduce_op != BHVD_SUM && req.reduce_op != BHVD_AVERAGE)
     return Status::InvalidArgument("Reducescatter currently only supports AVERAGE and SUM.");
-  if (req.device >= 0)
+  if (req.device >= 0 && !device_engines_built())
     return Status::InvalidArgument(
-        title + ": this build of bagua_hvd does not run collectives on GPU tensors yet; move the "
+        title + ": this build of bagua_hvd has no CUDA support (built without nvcc); move the "
                 "tensor to the CPU");
   return Status::OK();
 }

@@ -25,15 +25,19 @@ void fuse_into(Response& head, std::vector<Response>& singles, size_t i, std::ve
                const FusionParams& params);
 
 // Each rank: the buffer fused tensors are packed into. Grows, never shrinks, until release().
+// In host memory; a device engine's (ops/device_engine.h) holds device memory.
 class FusionBuffer {
  public:
   explicit FusionBuffer(std::atomic<int64_t>& bytes_stat) : bytes_stat_(bytes_stat) {}
-  unsigned char* get(size_t bytes);
-  void release();
+  virtual ~FusionBuffer() = default;
+  virtual unsigned char* get(size_t bytes);
+  virtual void release();
+
+ protected:
+  std::atomic<int64_t>& bytes_stat_;  // reported through bhvd_stat("fusion_buffer_bytes")
 
  private:
   std::vector<unsigned char> buf_;
-  std::atomic<int64_t>& bytes_stat_;  // reported through bhvd_stat("fusion_buffer_bytes")
 };
 
 }  // namespace bagua_hvd

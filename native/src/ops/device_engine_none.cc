@@ -1,0 +1,27 @@
+// Builds without nvcc: no device engine (ops/device_engine.h); the frontends
+// stage CUDA tensors through host memory themselves. CUDA builds define these
+// in ops/cuda_engine.cu. The counters exist in every build.
+#include "ops/device_engine.h"
+
+namespace bagua_hvd {
+
+DeviceStats& device_stats() {
+  static DeviceStats stats;
+  return stats;
+}
+
+#ifndef BHVD_CUDA_BUILT
+
+DeviceEngine* device_engine(int device, std::string* why) {
+  if (why) *why = "this build of bagua_hvd has no CUDA support (built without nvcc)";
+  return nullptr;
+}
+
+void release_device_communicators(double) {}
+
+bool device_engines_stalled(double) { return false; }
+
+bool device_engines_built() { return false; }
+#endif
+
+}  // namespace bagua_hvd

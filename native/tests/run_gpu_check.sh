@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU check of issue 13 (docs/gpu.md): one command on a machine with one CUDA GPU, torch
+# with CUDA and nvidia-nccl; its report goes to one file, $OUT/gpu-report.txt (OUT defaults to
+# build/gpu-check). Runs tests/gpu/gpu_check.py at 1 rank (NCCL) and at 2 ranks sharing the GPU
+# (NCCL refuses that: host staging), and the MinMaxUInt8 CUDA kernels' check. Fits in 8 min.
+#
+# Python packages the machine lacks (cffi, pycparser) may come as wheels in .whl/; a core library
+# built elsewhere with CUDA (BAGUA_HVD_WITH_CUDA=1, for this GPU's architecture) in .gpu/, else
+# the core is built here with CMake and nvcc.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+out=${OUT:-build/gpu-check}
+mkdir -p "$out"
+report="$out/gpu-report.txt"
+: >"$report"
+say() { echo "$*" | tee -a "$report"; }
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G '.whl/*.whl' >/dev/null; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/gpu-check-site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gpu-check-site"
+fi
+say "# bagua_hvd GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || cat .gpu/commit 2>/dev/null || echo unknown)"
+say "$(nvidia-smi -L 2>&1 | head -n 2)"
+say "$($py -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())' 2>&1)"
+
+mkdir -p bagua_hvd/_lib
+if [ -f .gpu/libbagua_hvd.so ]; then
+  cp .gpu/libbagua_hvd.so bagua_hvd/_lib/ && cp native/include/bagua_hvd/c_api.h bagua_hvd/_lib/
+  say "core: carried build (.gpu/libbagua_hvd.so)"
+else
+  arch=$($py -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}{n}-real")')
+  start=$(date +%s)
+  if cmake -S . -B build/gpu-core -DCMAKE_BUILD_TYPE=Release -DBAGUA_HVD_WITH_CUDA=1 \
+      -DBAGUA_HVD_CUDA_ARCHS="$arch" -DBAGUA_HVD_LIB_OUTPUT_DIR="$PWD/bagua_hvd/_lib" \
+      >"$out/build.log" 2>&1 && cmake --build build/gpu-core -j "$(nproc)" >>"$out/build.log" 2>&1; then
+    cp native/include/bagua_hvd/c_api.h bagua_hvd/_lib/
+    say "core: built here with nvcc for sm_$arch in $(($(date +%s) - start)) s"
+  else
+    say "FAIL core build (tail of $out/build.log below)"; tail -n 30 "$out/build.log" | tee -a "$report"
+    exit 1
+  fi
+fi
+say "$($py -c 'import bagua_hvd.torch as hvd; print("cuda_built", hvd.cuda_built(), "nccl_built", hvd.nccl_built())' 2>&1)"
+
+fails=0
+step() {  # step NAME TIMEOUT COMMAND...: runs it, keeps CHECK/FIGURE lines, counts failures
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  grep -E '^(CHECK|FIGURE)' "$out/$name.log" | sed "s/^/[$name] /" >>"$report"
+  local failed
+  failed=$(grep -c '^CHECK .* FAIL' "$out/$name.log")
+  if [ "$rc" != 0 ] || [ "$failed" != 0 ]; then
+    fails=$((fails + 1))
+    say "FAIL $name: exit $rc, $failed failed checks, $(($(date +%s) - start)) s (log: $out/$name.log)"
+    grep -E 'Error|error|Traceback' "$out/$name.log" | head -n 8 | sed 's/^/    /' | tee -a "$report"
+  else
+    say "PASS $name: $(grep -c '^CHECK' "$out/$name.log") checks, $(($(date +%s) - start)) s"
+  fi
+}
+launch=("$py" -m bagua_hvd.runner.launch -np 2)
+step collectives-1rank 120 "$py" tests/gpu/gpu_check.py collectives
+step collectives-2ranks 150 "${launch[@]}" "$py" tests/gpu/gpu_check.py collectives
+step optimizer-2ranks 120 "${launch[@]}" "$py" tests/gpu/gpu_check.py optimizer
+step algorithms-2ranks 150 "${launch[@]}" "$py" tests/gpu/gpu_check.py algorithms
+step timing-1rank 120 "$py" tests/gpu/gpu_check.py timing
+step timing-2ranks 150 "${launch[@]}" "$py" tests/gpu/gpu_check.py timing
+step minmax-uint8-kernels 150 native/tests/run_cuda_check.sh --quick
+say "# $fails failed step(s)"
+[ "$fails" = 0 ]
