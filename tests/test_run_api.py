@@ -86,8 +86,10 @@ def test_unpicklable_result_is_a_failure() -> None:
     [
         ({"num_proc": 2, "np": 3}, ValueError, "disagree"),
         ({"np": 0}, ValueError, ">= 1"),
-        ({"np": 2, "min_np": 1}, ValueError, "elastic"),
-        ({"np": 2, "host_discovery_script": "x.sh"}, ValueError, "elastic"),
+        ({"np": 2, "min_np": 1}, ValueError, "fault tolerance mode with fewer than 2 hosts"),
+        ({"np": 2, "min_np": 3, "hosts": "localhost:2,127.0.0.1:2"}, ValueError, "more than -np 2"),
+        ({"np": 2, "min_np": 1, "min_num_proc": 2}, ValueError, "disagree"),
+        ({"np": 2, "max_np": 1, "host_discovery_script": "d.sh"}, ValueError, "less than -np"),
         ({"np": 2, "hostfile": "/nonexistent/hosts.txt"}, HostError, "cannot read"),
         ({"np": 2, "hosts": "localhost:2", "hostfile": "h.txt"}, ValueError, "not both"),
         ({"np": 3, "hosts": "localhost:2"}, HostError, r"more processes \(3\).*slots \(2\)"),
@@ -102,6 +104,42 @@ def test_unpicklable_result_is_a_failure() -> None:
 def test_bad_arguments(kwargs: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         bagua_hvd.run(lambda: None, **kwargs)
+
+
+def test_elastic_job_goes_on_without_a_failed_worker() -> None:
+    """horovod.run's elastic mode (min_np): the worker on the second host dies in its first
+    epoch; the host is blacklisted, rank 0 rolls back to its last commit and finishes alone.
+    Horovod's results: ranks 0 .. min_np - 1 of the job as it ended."""
+
+    def work():
+        import os
+
+        import torch
+
+        import bagua_hvd.torch as hvd
+
+        hvd.init()
+        start_rank = hvd.rank()
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = hvd.elastic.TorchState(model, opt, epoch=0, sizes=[])
+
+        @hvd.elastic.run
+        def train(state):
+            while state.epoch < 4:
+                if state.epoch == 1 and start_rank == 1:
+                    os._exit(3)  # this worker dies; its host is blacklisted
+                total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name=f"epoch.{state.epoch}")
+                state.sizes.append((hvd.size(), int(total.item())))
+                state.epoch += 1
+                state.commit()
+            return state.sizes
+
+        return train(state)
+
+    results = bagua_hvd.run(work, np=2, min_np=1, hosts="localhost:1,127.0.0.1:1")
+    # epoch 0 at two ranks (committed), epoch 1 failed there and ran again alone
+    assert results == [[(2, 2), (1, 1), (1, 1), (1, 1)]]
 
 
 def test_hostfile_and_ssh_options_on_this_machine(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -15,7 +16,7 @@ from bagua_hvd.runner.hosts import (
     parse_hostfile,
     parse_hosts,
 )
-from bagua_hvd.runner.launch import launch, launch_hosts
+from bagua_hvd.runner.launch import check_elastic_settings, elastic_driver, launch, launch_hosts
 
 # The directory holding the bagua_hvd package this process uses; the ranks import the same one.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
@@ -65,6 +66,52 @@ def _host_entries(n: int, hosts: Optional[str], hostfile: Optional[str]) -> List
     if hostfile is not None:
         return parse_hostfile(os.fspath(hostfile))
     return [("localhost", n)]
+
+
+def _either(
+    name: str, value: Optional[int], old_name: str, old_value: Optional[int]
+) -> Optional[int]:
+    """One of two spellings of an argument (horovod.run's min_num_proc / min_np ...)."""
+    if value is not None and old_value is not None and value != old_value:
+        raise ValueError(f"{name}={value} and {old_name}={old_value} disagree; pass one of them")
+    return value if value is not None else old_value
+
+
+def _outcome(store: Any, rank: int) -> Optional[tuple]:
+    """Rank ``rank``'s outcome in the job's store (task.py), or None."""
+    try:
+        return task.read_outcome(store, rank)
+    except Exception as e:
+        raise RuntimeError(
+            f"bagua_hvd.run: the result of rank {rank} cannot be unpickled here: {e}"
+        ) from e
+
+
+def _run_elastic(
+    settings: argparse.Namespace,
+    command: List[str],
+    env: Dict[str, str],
+    seed: Callable[[Any], None],
+    stores: List[Any],
+) -> List[Any]:
+    """An elastic job of the function (bagua-run's elastic driver); Horovod's results: those
+    of ranks 0 .. min_num_proc - 1 of the job as it ended."""
+    result = elastic_driver(settings, command, env, on_store=seed).run()
+    if result.exit_code != 0:
+        detail = ""
+        for rank in range(settings.max_num_proc or settings.num_proc):
+            failure = _outcome(stores[0], rank) if stores else None
+            if failure is not None and failure[0] == "error":
+                detail = f"\nrank {rank} failed:\n{failure[1]}"
+                break
+        raise RuntimeError(f"bagua_hvd.run: the elastic job failed: {result.message}{detail}")
+    results = []
+    for rank in range(settings.min_num_proc):
+        outcome = _outcome(stores[0], rank) if stores else None
+        if outcome is None or outcome[0] != "ok":
+            raise RuntimeError(f"bagua_hvd.run: rank {rank} of the job as it ended left no result")
+        results.append(outcome[1])
+    return results
 
 
 def _nics(
@@ -146,13 +193,28 @@ def run(
             address this machine reaches the other hosts from.
         executable: the interpreter of the ranks (default ``sys.executable``).
 
-    Not supported (ValueError): elastic mode (``min_num_proc``, ``max_num_proc``, ``min_np``,
-    ``max_np``, ``slots``, ``reset_limit``, ``cooldown_range``, ``host_discovery_script``) and
-    MPI (``use_mpi``, ``mpi_args``, ``use_gloo=False``; ``bagua-run --mpi`` runs a command
-    through mpirun).
+        min_num_proc: with it (or ``host_discovery_script``) the job is elastic, as
+            ``bagua-run --min-np`` makes it (docs/elastic.md): ``func`` uses
+            ``hvd.elastic.run``, workers that fail are replaced or dropped down to this many
+            ranks (default ``num_proc``). ``min_np`` is its older name.
+        max_num_proc: elastic: at most this many ranks as hosts appear (default: no limit).
+            ``max_np`` is its older name.
+        slots: elastic, with ``host_discovery_script``: slots of hosts the script lists
+            without a count.
+        reset_limit: elastic: the job fails after this many resets (default: no limit).
+        cooldown_range: elastic: ``(min, max)`` seconds a failing host stays blacklisted,
+            growing between them with each failure (default: for good).
+        host_discovery_script: elastic: an executable that prints the available
+            ``host:slots`` lines; polled every second. Without it, ``hosts``/``hostfile`` (at
+            least two hosts) are the fixed hosts of the elastic job.
+
+    Not supported (ValueError): MPI (``use_mpi``, ``mpi_args``, ``use_gloo=False``;
+    ``bagua-run --mpi`` runs a command through mpirun).
 
     Returns:
         A list with one entry per rank, ``results[r]`` being what ``func`` returned on rank r.
+        Elastic jobs, as Horovod's: the results of ranks ``0 .. min_num_proc - 1`` of the job
+        as it ended.
 
     Raises:
         RuntimeError: a rank failed (its traceback and Horovod's text naming the first rank that
@@ -167,22 +229,8 @@ def run(
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
     n = _resolve_num_proc(num_proc, np)
-    elastic = {
-        "min_num_proc": min_num_proc,
-        "max_num_proc": max_num_proc,
-        "min_np": min_np,
-        "max_np": max_np,
-        "slots": slots,
-        "reset_limit": reset_limit,
-        "cooldown_range": cooldown_range,
-        "host_discovery_script": host_discovery_script,
-    }
-    given = [name for name, value in elastic.items() if value is not None]
-    if given:
-        raise ValueError(
-            f"bagua_hvd.run: elastic mode is not supported yet ({', '.join(given)} "
-            "given); use a fixed num_proc"
-        )
+    min_n = _either("min_num_proc", min_num_proc, "min_np", min_np)
+    max_n = _either("max_num_proc", max_num_proc, "max_np", max_np)
     if use_mpi or mpi_args is not None or use_gloo is False:
         raise ValueError(
             "bagua_hvd.run has no MPI mode (use_mpi, mpi_args or use_gloo=False given): it "
@@ -192,8 +240,27 @@ def run(
     if ssh_port is not None and not (_is_int(ssh_port) and 1 <= ssh_port <= 65535):
         raise ValueError(f"ssh_port must be a port number in 1..65535, got {ssh_port!r}")
     timeout = _start_timeout(start_timeout)
-    entries = _host_entries(n, hosts, hostfile)
-    assign_slots(entries, n)  # HostError (a ValueError) for too few slots or a repeated host
+    # Horovod's rule: a discovery script or a minimum makes the job elastic.
+    elastic = host_discovery_script is not None or min_n is not None
+    if elastic:
+        settings = argparse.Namespace(
+            num_proc=n, min_num_proc=min_n, max_num_proc=max_n, slots=slots,
+            reset_limit=reset_limit, elastic_timeout=None,
+            cooldown_range=None if cooldown_range is None else tuple(cooldown_range),
+            host_discovery_script=None if host_discovery_script is None
+            else os.fspath(host_discovery_script),
+            hosts=hosts, hostfile=None if hostfile is None else os.fspath(hostfile),
+            start_timeout=timeout, ssh_port=ssh_port,
+            ssh_identity_file=None if ssh_identity_file is None else os.fspath(ssh_identity_file),
+            output_filename=None if output_filename is None else os.fspath(output_filename),
+            verbose=bool(verbose),
+        )  # fmt: skip
+        if hosts is not None and hostfile is not None:
+            raise ValueError("bagua_hvd.run: pass hosts or hostfile, not both")
+        check_elastic_settings(settings)  # ValueError / HostError naming the argument
+    else:
+        entries = _host_entries(n, hosts, hostfile)
+        assign_slots(entries, n)  # HostError (a ValueError) for too few slots or a repeated host
 
     import cloudpickle
 
@@ -221,6 +288,8 @@ def run(
         stores.append(server)
 
     command = [executable or sys.executable, "-m", "bagua_hvd.runner.task"]
+    if elastic:
+        return _run_elastic(settings, command, env, seed, stores)
     common: Dict[str, Any] = dict(
         extra_env=env,
         output_dir=None if output_filename is None else os.fspath(output_filename),
@@ -241,12 +310,7 @@ def run(
         )
 
     def outcome(rank: int) -> Optional[tuple]:
-        try:
-            return task.read_outcome(stores[0], rank) if stores else None
-        except Exception as e:
-            raise RuntimeError(
-                f"bagua_hvd.run: the result of rank {rank} cannot be unpickled here: {e}"
-            ) from e
+        return _outcome(stores[0], rank) if stores else None
 
     if result.failed_rank is not None:
         rank = result.failed_rank

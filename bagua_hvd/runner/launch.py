@@ -29,7 +29,7 @@ import os
 import secrets
 import shlex
 import sys
-from typing import TYPE_CHECKING, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from bagua_hvd.runner import slurm
 from bagua_hvd.runner.flags import (
@@ -142,8 +142,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def _check_elastic_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """horovodrun's elastic flags, checked here where Horovod fails late or not at all."""
-    from bagua_hvd.runner.elastic.hosts import check_cooldown_range
-
     if args.num_proc is None:
         parser.error("the following arguments are required: -np/--num-proc")
     if not args.command:
@@ -155,41 +153,72 @@ def _check_elastic_args(parser: argparse.ArgumentParser, args: argparse.Namespac
                 "--host-discovery-script): the elastic driver starts and replaces every "
                 "worker itself, over ssh"
             )
+    try:
+        check_elastic_settings(args)
+    except (HostError, ValueError) as e:
+        parser.error(str(e))
+
+
+def check_elastic_settings(args: argparse.Namespace) -> None:
+    """Checks and completes the settings of an elastic job (bagua-run's flags, or
+    bagua_hvd.run's arguments under the flags' names): min_num_proc defaults to num_proc,
+    host_entries gets the fixed hosts (None with a discovery script), start_timeout its
+    default. Raises ValueError (HostError for the hosts) naming the flag."""
+    from bagua_hvd.runner.elastic.hosts import check_cooldown_range
+
     if args.min_num_proc is None:
         args.min_num_proc = args.num_proc
     for flag, value in (("-np", args.num_proc), ("--min-np", args.min_num_proc),
                         ("--max-np", args.max_num_proc), ("--slots-per-host", args.slots)):  # fmt: skip
         if value is not None and value < 1:
-            parser.error(f"{flag} must be at least 1, got {value}")
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.min_num_proc > args.num_proc:
-        parser.error(f"--min-np {args.min_num_proc} is more than -np {args.num_proc}")
+        raise ValueError(f"--min-np {args.min_num_proc} is more than -np {args.num_proc}")
     if args.max_num_proc is not None and args.max_num_proc < args.num_proc:
-        parser.error(f"--max-np {args.max_num_proc} is less than -np {args.num_proc}")
+        raise ValueError(f"--max-np {args.max_num_proc} is less than -np {args.num_proc}")
     if args.reset_limit is not None and args.reset_limit < 0:
-        parser.error(f"--reset-limit must be >= 0, got {args.reset_limit}")
+        raise ValueError(f"--reset-limit must be >= 0, got {args.reset_limit}")
     if args.elastic_timeout is not None and args.elastic_timeout < 0:
-        parser.error(f"--elastic-timeout must be >= 0 seconds, got {args.elastic_timeout}")
-    try:
-        if args.cooldown_range is not None:
-            check_cooldown_range(tuple(args.cooldown_range))
-        args.host_entries = None
-        if args.host_discovery_script is None:
-            if args.hostfile is not None:
-                args.host_entries = parse_hostfile(args.hostfile)
-            elif args.hosts is not None:
-                args.host_entries = parse_hosts(args.hosts)
-            else:
-                args.host_entries = [("localhost", args.num_proc)]
-            if len(args.host_entries) < 2:
-                raise ValueError("Cannot run in fault tolerance mode with fewer than 2 hosts.")
-    except (HostError, ValueError) as e:
-        parser.error(str(e))
+        raise ValueError(f"--elastic-timeout must be >= 0 seconds, got {args.elastic_timeout}")
+    if args.cooldown_range is not None:
+        check_cooldown_range(tuple(args.cooldown_range))
+    args.host_entries = None
+    if args.host_discovery_script is None:
+        if args.hostfile is not None:
+            args.host_entries = parse_hostfile(args.hostfile)
+        elif args.hosts is not None:
+            args.host_entries = parse_hosts(args.hosts)
+        else:
+            args.host_entries = [("localhost", args.num_proc)]
+        if len(args.host_entries) < 2:
+            raise ValueError("Cannot run in fault tolerance mode with fewer than 2 hosts.")
     if args.start_timeout is None:
         args.start_timeout = _default_start_timeout()
 
 
 def run_elastic(args: argparse.Namespace) -> int:
     """Runs an elastic job (bagua_hvd.runner.elastic.driver); returns the exit status."""
+    extra_env = tuning_env(args)
+    try:
+        result = elastic_driver(args, args.command, extra_env).run()
+    except (LaunchError, HostError, RuntimeError, ValueError) as e:
+        print(f"bagua-run: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code if isinstance(e, LaunchError) else 1
+    if result.message:
+        print(result.message, end="" if result.message.endswith("\n") else "\n",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return result.exit_code
+
+
+def elastic_driver(
+    args: argparse.Namespace,
+    command: Sequence[str],
+    extra_env: Dict[str, str],
+    on_store: Optional[Callable[[Any], None]] = None,
+) -> Any:
+    """The driver of an elastic job of ``command`` with the settings that
+    :func:`check_elastic_settings` completed (``on_store``: called with the job's store before
+    the first worker starts)."""
     from bagua_hvd.runner.elastic.discovery import FixedHosts, HostDiscoveryScript
     from bagua_hvd.runner.elastic.driver import ElasticDriver, ElasticSettings
 
@@ -197,7 +226,6 @@ def run_elastic(args: argparse.Namespace) -> int:
         discovery = HostDiscoveryScript(args.host_discovery_script, args.slots)
     else:
         discovery = FixedHosts(dict(args.host_entries))
-    extra_env = tuning_env(args)
     settings = ElasticSettings(
         num_proc=args.num_proc,
         min_num_proc=args.min_num_proc,
@@ -212,15 +240,7 @@ def run_elastic(args: argparse.Namespace) -> int:
         verbose=args.verbose,
         nic=extra_env.get("HOROVOD_GLOO_IFACE"),
     )
-    try:
-        result = ElasticDriver(args.command, settings, discovery, extra_env).run()
-    except (LaunchError, HostError, RuntimeError, ValueError) as e:
-        print(f"bagua-run: error: {e}", file=sys.stderr, flush=True)
-        return e.exit_code if isinstance(e, LaunchError) else 1
-    if result.message:
-        print(result.message, end="" if result.message.endswith("\n") else "\n",
-              file=sys.stderr, flush=True)  # fmt: skip
-    return result.exit_code
+    return ElasticDriver(command, settings, discovery, extra_env, on_store=on_store)
 
 
 def parse_rendezvous_addr(text: str) -> Tuple[str, int]:

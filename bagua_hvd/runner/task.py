@@ -104,12 +104,18 @@ def read_outcome(store: KeyValue, rank: int) -> Optional[tuple]:
     return cloudpickle.loads(data)
 
 
+def _rank() -> int:
+    # Read when the outcome is put: an elastic job's resets give the worker a new rank (and
+    # HOROVOD_RANK with it), as Horovod's run_task reads it after the function.
+    return int(os.environ.get("HOROVOD_RANK", "0"))
+
+
 def main(argv: list) -> int:
-    """Runs the job's function as this rank (HOROVOD_RANK); returns the exit status."""
+    """Runs the job's function and puts its outcome under this rank (HOROVOD_RANK when the
+    function ends); returns the exit status."""
     if argv:
         print("usage: python -m bagua_hvd.runner.task (started by bagua_hvd.run)", file=sys.stderr)
         return 2
-    rank = int(os.environ.get("HOROVOD_RANK", "0"))
     try:
         import cloudpickle
 
@@ -119,8 +125,9 @@ def main(argv: list) -> int:
         del payload
         value = func(*args, **kwargs)
     except BaseException:  # noqa: B036 - SystemExit/KeyboardInterrupt in func are failures too
-        _report_error(rank, traceback.format_exc())
+        _report_error(_rank(), traceback.format_exc())
         return 1
+    rank = _rank()
     try:
         _put_outcome(rank, ("ok", value))
     except Exception:

@@ -36,7 +36,7 @@ import shlex
 import sys
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from bagua_hvd.common import config
 from bagua_hvd.common import elastic as worker_api
@@ -127,8 +127,10 @@ class ElasticDriver:
         settings: ElasticSettings,
         discovery: HostDiscovery,
         env: Mapping[str, str],
+        on_store: Optional[Callable[[Any], None]] = None,
     ) -> None:
         self.command = list(command)
+        self.on_store = on_store  # called with the store before the first worker starts
         self.settings = settings
         self.hosts = HostManager(discovery, settings.cooldown_range)
         self.env = dict(env)
@@ -209,6 +211,8 @@ class ElasticDriver:
             self.store.start()
         except OSError as e:
             raise LaunchError(f"cannot serve the rendezvous on {self.addr}: {e}") from e
+        if self.on_store is not None:
+            self.on_store(self.store)
         self.job_id = secrets.token_hex(8)
 
     # ---- workers ------------------------------------------------------------------------
