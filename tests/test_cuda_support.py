@@ -222,3 +222,26 @@ def test_tensorflow_kernels_take_gpu_tensors_through_host_memory() -> None:
         assert lines.get(f"BaguaHvd{op} GPU") == "True", text
         assert f"BaguaHvd{op} CPU" in lines, text
     assert "BaguaHvdLpInit GPU" not in lines and "BaguaHvdLpInit CPU" in lines, text
+
+
+def test_grouped_operations_refuse_tensors_of_two_devices() -> None:
+    # The core takes one device per request: a group mixing devices is refused before it
+    # (here a CPU and a "meta" tensor, which no machine needs a GPU for).
+    code = (
+        "import torch, bagua_hvd.torch as hvd; hvd.init()\n"
+        "for name, fn in [('grouped_allreduce', hvd.grouped_allreduce),\n"
+        "                 ('grouped_allgather', hvd.grouped_allgather),\n"
+        "                 ('grouped_reducescatter', hvd.grouped_reducescatter)]:\n"
+        "    try:\n"
+        "        fn([torch.ones(2), torch.ones(2, device='meta')]); print(name + ': accepted')\n"
+        "    except ValueError as e:\n"
+        "        print(name + ': ValueError ' + str(e))\n"
+        "print('after:', hvd.grouped_allreduce([torch.ones(2)], op=hvd.Sum)[0].tolist())\n"
+    )
+    text = run_command([sys.executable, "-c", code], "grouped ops on two devices")
+    for name in ("grouped_allreduce", "grouped_allgather", "grouped_reducescatter"):
+        assert (
+            f"{name}: ValueError the tensors of a grouped operation must be on one device, got cpu, meta"
+            in text
+        ), text
+    assert "after: [1.0, 1.0]" in text, text

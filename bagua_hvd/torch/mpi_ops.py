@@ -207,6 +207,15 @@ def _device_of(tensor: torch.Tensor) -> int:
     return tensor.device.index
 
 
+def _device_of_all(tensors: Sequence[torch.Tensor]) -> int:
+    """The request's device for a grouped op, whose tensors must share one device."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"the tensors of a grouped operation must be on one device, got {names}")
+    return _device_of(tensors[0])
+
+
 def _stream_of(device: int) -> int:
     """The stream that produces a device tensor now (torch's current stream), or 0."""
     return torch.cuda.current_stream(device).cuda_stream if device >= 0 else 0
@@ -496,7 +505,7 @@ def _grouped_allreduce_async(
         if code == _ops.BOOL:
             _check_bool_reduce(op, prescale_factor, postscale_factor)
         codes.append(code)
-    device = _device_of(tensors[0])
+    device = _device_of_all(tensors)
     ins = [_host(t) for t in tensors]
     outs = [
         i if o is t else (_host(o) if o.device.type == "cpu" or _core_cuda else torch.empty_like(i))
@@ -711,7 +720,7 @@ def _gather_like_async(
 ) -> int:
     """Allgather/alltoall: the core allocates the outputs; copy them out when done."""
     codes = [_check(t, _MOVE_DTYPES) for t in tensors]
-    device = _device_of(tensors[0])
+    device = _device_of_all(tensors)
     ins = [_host(t) for t in tensors]
     full_name = _ops.op_name(prefix, name)
     ps_id = _ps_id(process_set)
@@ -1090,7 +1099,7 @@ def _reducescatter_async(
     ps_id = _ps_id(process_set)
     set_size = _ops.process_set_size(ps_id)
     set_rank = _ops.process_set_rank(ps_id)
-    device = _device_of(tensors[0])
+    device = _device_of_all(tensors)
     ins = [_host(t) for t in tensors]
     outs = []
     for t in ins:
