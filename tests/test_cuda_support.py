@@ -188,42 +188,6 @@ def test_bagua_primitives_on_cuda_buffers_say_what_they_need() -> None:
     assert out["host bucket after"] == "[1.0, 1.0]", text
 
 
-TF_KERNELS = """
-from tensorflow.python.framework import kernels as K, op_def_registry
-from bagua_hvd.tensorflow import kernels
-kernels.load()
-for op in ["BaguaHvdCollective", "BaguaHvdReducescatter", "BaguaHvdAllgather", "BaguaHvdAlltoall",
-           "BaguaHvdRaise", "BaguaHvdCounter", "BaguaHvdBuckets", "BaguaHvdLpInit"]:
-    args = sorted(a.name for a in list(op_def_registry.get(op).input_arg) +
-                  list(op_def_registry.get(op).output_arg))
-    for k in K.get_registered_kernels_for_op(op).kernel:
-        print(f"{op} {k.device_type}: {sorted(k.host_memory_arg) == args}")
-"""
-
-
-def test_tensorflow_kernels_take_gpu_tensors_through_host_memory() -> None:
-    # GPU builds of TensorFlow place the collectives on the GPU with every argument in host
-    # memory (TensorFlow copies around them); the variable kernels of the algorithms stay CPU.
-    text = run_command([sys.executable, "-c", TF_KERNELS], "TensorFlow kernel registrations")
-    lines = {
-        line.split(": ")[0]: line.split(": ")[1]
-        for line in text.splitlines()
-        if ": " in line and line.startswith("BaguaHvd")
-    }
-    for op in (
-        "Collective",
-        "Reducescatter",
-        "Allgather",
-        "Alltoall",
-        "Raise",
-        "Counter",
-        "Buckets",
-    ):
-        assert lines.get(f"BaguaHvd{op} GPU") == "True", text
-        assert f"BaguaHvd{op} CPU" in lines, text
-    assert "BaguaHvdLpInit GPU" not in lines and "BaguaHvdLpInit CPU" in lines, text
-
-
 def test_grouped_operations_refuse_tensors_of_two_devices() -> None:
     # The core takes one device per request: a group mixing devices is refused before it
     # (here a CPU and a "meta" tensor, which no machine needs a GPU for).

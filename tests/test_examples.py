@@ -153,10 +153,17 @@ def assert_same_weights(a: dict, b: dict, rtol: float = 1e-5) -> None:
 # ---- digits ----------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple:
+    """digits.py at 2 ranks with Horovod's DistributedOptimizer (allreduce), and its
+    checkpoint."""
+    checkpoint = tmp_path_factory.mktemp("digits") / "digits.pt"
+    return digits(2, "--checkpoint", str(checkpoint)), checkpoint
+
+
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_digits_two_ranks_through_launcher(tmp_path: Path):
-    checkpoint = tmp_path / "digits.pt"
-    proc = digits(2, "--checkpoint", str(checkpoint))
+def test_digits_two_ranks_through_launcher(two_ranks):
+    proc, checkpoint = two_ranks
     assert "2 rank(s)" in proc.stdout, proc.stdout
     assert "max parameter difference between replicas: 0" in proc.stdout, proc.stdout
     accuracy = final_accuracy(proc)
@@ -185,26 +192,24 @@ def test_digits_four_ranks_through_launcher(four_ranks):
     assert final_accuracy(four_ranks) >= 0.95, out
 
 
-@pytest.fixture(scope="module")
-def allreduce_accuracy_4_ranks(four_ranks) -> float:
-    return final_accuracy(four_ranks)
-
-
 @pytest.mark.timeout(2 * TIMEOUT_S + 30)
 @pytest.mark.parametrize(
     "algorithm",
     ["bytegrad", "decentralized", "low_precision_decentralized", "qadam", "async"],
 )
-def test_digits_algorithms_converge_like_allreduce(algorithm, allreduce_accuracy_4_ranks):
-    """Every BAGUA algorithm reaches, in the same 15 epochs at 4 ranks, a test accuracy within
-    1.5 points of allreduce's (Horovod's DistributedOptimizer; async: checked for accuracy only,
-    it is not deterministic)."""
-    proc = digits(4, "--checkpoint", "", "--algorithm", algorithm)
+def test_digits_algorithms_converge_like_allreduce(algorithm, two_ranks):
+    """Every BAGUA algorithm reaches, in the same 15 epochs at 2 ranks, a test accuracy within
+    1.5 points of allreduce's (Horovod's DistributedOptimizer), and at least 0.95. Async is held
+    to the 0.95 alone: its rounds depend on timing (0.9666-0.9805 seen here against allreduce's
+    0.9805). (Their exact math at 2 to 4 ranks: tests/mp/test_torch_algorithms.py against
+    tests/reference_algorithms.py.)"""
+    proc = digits(2, "--checkpoint", "", "--algorithm", algorithm)
     accuracy = final_accuracy(proc)
-    assert accuracy >= allreduce_accuracy_4_ranks - 0.015, (
-        f"{algorithm}: {accuracy:.4f} against allreduce's "
-        f"{allreduce_accuracy_4_ranks:.4f}\n{proc.stdout}"
-    )
+    baseline = final_accuracy(two_ranks[0])
+    if algorithm != "async":
+        assert accuracy >= baseline - 0.015, (
+            f"{algorithm}: {accuracy:.4f} against allreduce's {baseline:.4f}\n{proc.stdout}"
+        )
     assert accuracy >= 0.95, proc.stdout
 
 

@@ -780,3 +780,27 @@ def test_pooled_outputs_stay_valid_while_referenced(mode):
     del kept, later
     again = fn(9.0)  # buffers given back to the pool are reused correctly
     np.testing.assert_array_equal(again.numpy(), np.full(n, 9.0 * total, np.float32))
+
+
+def test_kernels_take_gpu_tensors_through_host_memory():
+    """GPU builds of TensorFlow place the collectives on the GPU with every argument in host
+    memory (TensorFlow copies around them; docs/gpu.md); the algorithms' variable kernels stay
+    on the CPU. The reference: each op's own argument list."""
+    from tensorflow.python.framework import kernels as registered
+    from tensorflow.python.framework import op_def_registry
+
+    from bagua_hvd.tensorflow import kernels
+
+    assert kernels.load() is not None
+    for op in ("Collective", "Reducescatter", "Allgather", "Alltoall", "Raise", "Counter",
+               "Buckets", "LpInit"):  # fmt: skip
+        name = f"BaguaHvd{op}"
+        op_def = op_def_registry.get(name)
+        args = sorted(a.name for a in list(op_def.input_arg) + list(op_def.output_arg))
+        by_device = {k.device_type: sorted(k.host_memory_arg)
+                     for k in registered.get_registered_kernels_for_op(name).kernel}  # fmt: skip
+        assert by_device.get("CPU") == [], (name, by_device)
+        if op == "LpInit":
+            assert "GPU" not in by_device, (name, by_device)
+        else:
+            assert by_device.get("GPU") == args, (name, by_device, args)
