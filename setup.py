@@ -22,6 +22,19 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+def _forget_moved_tree(build_dir: Path) -> None:
+    """Removes a CMake tree configured for another source directory (a copied or moved
+    checkout), which CMake would refuse to reuse."""
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.exists():
+        return
+    for line in cache.read_text(errors="replace").splitlines():
+        if line.startswith("CMAKE_HOME_DIRECTORY:"):
+            if Path(line.split("=", 1)[1]).resolve() != ROOT.resolve():
+                shutil.rmtree(build_dir, ignore_errors=True)
+            return
+
+
 class CMakeBuild(build_ext):
     def get_ext_filename(self, fullname: str) -> str:
         # CMake names the library libbagua_hvd.so (cffi dlopens it), not <name>.cpython-XY-...so.
@@ -37,7 +50,11 @@ class CMakeBuild(build_ext):
         # Editable installs copy the library into the source tree's _lib, which a fresh
         # checkout lacks (it holds only build outputs).
         (ROOT / "bagua_hvd" / "_lib").mkdir(exist_ok=True)
-        build_temp = Path(self.build_temp).resolve() / "cmake"
+        # The CMake tree lives in the checkout's build/, one per Python: a second
+        # `pip install -e .` rebuilds only what changed (pip's own build directory is new every
+        # time), and every way of building (pip, setup.py) shares it.
+        build_temp = ROOT / "build" / f"cmake-{sys.implementation.cache_tag}"
+        _forget_moved_tree(build_temp)
         build_temp.mkdir(parents=True, exist_ok=True)
         cfg = os.environ.get("BAGUA_HVD_BUILD_TYPE", "Release")
         cmake_args = [
