@@ -11,5 +11,6 @@ archs=${BAGUA_HVD_CUDA_ARCHS_NVCC:--gencode arch=compute_80,code=sm_80 -gencode 
 nvcc -std=c++17 -O2 $archs --fmad=false --ftz=false --prec-div=true \
   -Xcompiler=-ffp-contract=off -Inative/include -Inative/src \
   native/tests/minmax_uint8_cuda_check.cu native/src/compression/minmax_uint8_cuda.cu \
-  native/src/compression/minmax_uint8_cpu.cc native/src/common.cc -o "$out/minmax_uint8_cuda_check"
+  native/src/compression/minmax_uint8_cpu.cc native/src/common.cc native/src/config.cc \
+  -o "$out/minmax_uint8_cuda_check"
 "$out/minmax_uint8_cuda_check" "$@"
