@@ -9,10 +9,12 @@ from __future__ import annotations
 import ctypes.util
 import importlib.metadata
 import importlib.util
+import os
 import sys
 from pathlib import Path
+from typing import Optional
 
-from mp_runner import launch, needs_core, run_command
+from mp_runner import REPO, launch, needs_core, run_command
 
 pytestmark = needs_core
 
@@ -44,6 +46,34 @@ def _wheel() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "lib" / "libnccl.so.2"
 
 
+def _built_with_cuda() -> Optional[bool]:
+    """Whether the library under test was built with nvcc, as its CMake tree records it (every
+    setup.py/pip build of this checkout configures build/cmake-<python>): the reference for
+    cuda_built(), independent of the library. None where no such tree built it
+    (BAGUA_HVD_LIBRARY, an installed wheel)."""
+    cache = REPO / "build" / f"cmake-{sys.implementation.cache_tag}" / "CMakeCache.txt"
+    if "BAGUA_HVD_LIBRARY" in os.environ or not cache.exists():
+        return None
+    entries = dict(
+        line.split("=", 1)
+        for line in cache.read_text().splitlines()
+        if "=" in line and ":" in line.split("=", 1)[0]
+    )
+    values = {key.split(":", 1)[0]: value for key, value in entries.items()}
+    compiler = values.get("CMAKE_CUDA_COMPILER", "")
+    return (
+        values.get("BAGUA_HVD_WITH_CUDA") != "0"
+        and bool(compiler)
+        and not compiler.endswith("NOTFOUND")
+    )
+
+
+def _check_cuda_built(reported: str) -> None:
+    expected = _built_with_cuda()
+    if expected is not None:
+        assert reported == str(int(expected)), f"cuda_built() {reported}, the build says {expected}"
+
+
 def _wheel_version_code() -> int:
     # The independent reference: the wheel's own metadata ("2.32.3" -> NCCL_VERSION_CODE 23203).
     major, minor, patch = (
@@ -56,6 +86,7 @@ def test_nccl_loads_from_the_wheel_with_its_version() -> None:
     out = _load("", str(_wheel()))
     assert int(out["version"]) == _wheel_version_code(), out
     assert int(out["again"]) == _wheel_version_code(), out  # loaded once, kept
+    _check_cuda_built(out["cuda_built"])
     # nccl_built(): the loaded version where the core runs CUDA tensors (a build with nvcc), 0
     # in a build without CUDA, as Horovod's nccl_built() is 0 without NCCL operations.
     assert int(out["nccl_built"]) == (_wheel_version_code() if out["cuda_built"] == "1" else 0)
@@ -67,6 +98,7 @@ def test_nccl_is_found_by_hvd_nccl_built_without_configuration() -> None:
         "import bagua_hvd.torch as hvd; print('cuda_built:', int(hvd.cuda_built()));"
         "print('nccl_built:', hvd.nccl_built())")], "nccl_built")  # fmt: skip
     out = dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
+    _check_cuda_built(out["cuda_built"])
     expected = _wheel_version_code() if out["cuda_built"] == "1" else 0
     assert int(out["nccl_built"]) == expected, text
 
@@ -133,6 +165,7 @@ def test_a_cuda_request_without_a_gpu_is_a_clear_error_on_every_rank(tmp_path: P
     lines = [line for line in text.splitlines() if "device request:" in line]
     assert len(lines) == 2, text
     built = "cuda_built: 1" in text
+    _check_cuda_built("1" if built else "0")
     for line in lines:
         # A build with nvcc on a machine without a GPU, or a build without CUDA: each says so.
         reason = "CUDA is not usable" if built else "this build of bagua_hvd has no CUDA support"

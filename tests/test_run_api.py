@@ -89,6 +89,7 @@ def test_unpicklable_result_is_a_failure() -> None:
         ({"np": 2, "min_np": 1}, ValueError, "fault tolerance mode with fewer than 2 hosts"),
         ({"np": 2, "min_np": 3, "hosts": "localhost:2,127.0.0.1:2"}, ValueError, "more than -np 2"),
         ({"np": 2, "min_np": 1, "min_num_proc": 2}, ValueError, "disagree"),
+        ({"np": 2, "min_np": "1"}, ValueError, "min_num_proc must be an int >= 1"),
         ({"np": 2, "max_np": 1, "host_discovery_script": "d.sh"}, ValueError, "less than -np"),
         ({"np": 2, "hostfile": "/nonexistent/hosts.txt"}, HostError, "cannot read"),
         ({"np": 2, "hosts": "localhost:2", "hostfile": "h.txt"}, ValueError, "not both"),

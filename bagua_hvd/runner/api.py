@@ -27,14 +27,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _resolve_num_proc(num_proc: Optional[int], np: Optional[int]) -> int:
-    if num_proc is not None and np is not None and num_proc != np:
-        raise ValueError(f"num_proc={num_proc} and np={np} disagree; pass only one of them")
-    value = num_proc if num_proc is not None else np
-    if value is None:
-        return 1
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"num_proc must be an int >= 1, got {value!r}")
-    return value
+    value = _either("num_proc", num_proc, "np", np)
+    return 1 if value is None else value
 
 
 def _start_timeout(value: Optional[float]) -> float:
@@ -71,10 +65,16 @@ def _host_entries(n: int, hosts: Optional[str], hostfile: Optional[str]) -> List
 def _either(
     name: str, value: Optional[int], old_name: str, old_value: Optional[int]
 ) -> Optional[int]:
-    """One of two spellings of an argument (horovod.run's min_num_proc / min_np ...)."""
+    """One of horovod.run's two spellings of a process count (num_proc / np, min_num_proc /
+    min_np, ...): an int >= 1, or None when neither is given."""
     if value is not None and old_value is not None and value != old_value:
-        raise ValueError(f"{name}={value} and {old_name}={old_value} disagree; pass one of them")
-    return value if value is not None else old_value
+        raise ValueError(
+            f"{name}={value} and {old_name}={old_value} disagree; pass only one of them"
+        )
+    chosen = value if value is not None else old_value
+    if chosen is not None and (not _is_int(chosen) or chosen < 1):
+        raise ValueError(f"{name} must be an int >= 1, got {chosen!r}")
+    return chosen
 
 
 def _outcome(store: Any, rank: int) -> Optional[tuple]:

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <fstream>
 #include <mutex>
 
 namespace bagua_hvd {
@@ -111,6 +112,21 @@ void name_thread(std::thread& t, const char* name) {
   (void)t;
   (void)name;
 #endif
+}
+
+std::vector<std::string> mapped_libraries(const std::string& prefix) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  std::vector<std::string> found;
+  while (std::getline(maps, line)) {
+    const auto slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    std::string path = line.substr(slash);
+    const std::string base = path.substr(path.rfind('/') + 1);
+    if (base.rfind(prefix, 0) != 0 || base.find(".so") == std::string::npos) continue;
+    if (std::find(found.begin(), found.end(), path) == found.end()) found.push_back(path);
+  }
+  return found;
 }
 
 }  // namespace bagua_hvd

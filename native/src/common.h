@@ -145,6 +145,11 @@ inline double seconds_since(Clock::time_point t) {
 // already passed waited 0 s, not -0.0 s).
 std::string format_seconds(double s);
 
+// The distinct files mapped into this process (/proc/self/maps) whose name starts with
+// `prefix` and holds ".so", in mapping order: libraries another component already loaded
+// (mpi4py's MPI, torch's NCCL), found without knowing where they were installed.
+std::vector<std::string> mapped_libraries(const std::string& prefix);
+
 // Names a thread (at most 15 characters; Linux only, a no-op elsewhere) so that top -H, gdb and
 // py-spy tell the core's threads from the frameworks' (gloo and torch name theirs too). Called
 // by the creator right after std::thread's constructor: the name holds once that returns, not

@@ -198,6 +198,17 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
   const std::string title = op_title(t);
   if (Status s = validate_request(req, title); !s.ok()) return s;
   const bool tensor_op = t != BHVD_OP_JOIN && t != BHVD_OP_BARRIER;
+  // CUDA tensors: what the caller's stream has queued so far produces them; the device
+  // engine's stream waits for this event before reading them. Outside mu_: the first request
+  // of a device creates its engine (a CUDA stream, NCCL loaded), which the background thread
+  // must not wait for.
+  std::shared_ptr<void> ready;
+  if (tensor_op && req.device >= 0) {
+    std::string why;
+    DeviceEngine* engine = device_engine(req.device, &why);
+    if (!engine) return Status::InvalidArgument(title + ": " + why);
+    ready = engine->record(req.stream);
+  }
 
   std::unique_lock<std::mutex> lock(mu_);
   if (stopped_) return stop_status_.ok() ? Status::Aborted(kShutDown) : stop_status_;
@@ -255,16 +266,6 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
   }
   if (t == BHVD_OP_BARRIER) ++barrier_counter_[req.process_set_id];
   ++next_handle_;
-
-  // CUDA tensors: what the caller's stream has queued so far produces them; the device
-  // engine's stream waits for this event before reading them.
-  std::shared_ptr<void> ready;
-  if (tensor_op && req.device >= 0) {
-    std::string why;
-    DeviceEngine* engine = device_engine(req.device, &why);
-    if (!engine) return Status::InvalidArgument(title + ": " + why);
-    ready = engine->record(req.stream);
-  }
 
   auto h = std::make_shared<Handle>();
   h->id = id;

@@ -3,7 +3,6 @@
 
 #include <dlfcn.h>
 
-#include <fstream>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -85,21 +84,6 @@ std::string NcclLibrary::error(nccl::Result r, nccl::Comm comm) const {
 
 namespace {
 
-// A libnccl mapped into the process already (torch loads the wheel's with
-// RTLD_GLOBAL, a framework may load its own RTLD_LOCAL): its path, or "".
-std::string mapped_nccl() {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  while (std::getline(maps, line)) {
-    auto slash = line.find('/');
-    if (slash == std::string::npos) continue;
-    std::string path = line.substr(slash);
-    std::string base = path.substr(path.rfind('/') + 1);
-    if (base.rfind("libnccl.so", 0) == 0) return path;
-  }
-  return "";
-}
-
 template <typename F>
 bool bind(void* lib, const char* name, F* out) {
   *out = reinterpret_cast<F>(dlsym(lib, name));
@@ -173,8 +157,9 @@ const NcclLibrary* load_nccl(const std::string& library, const std::string& fall
     if (!library.empty()) {
       candidates = {library};  // the user's choice, and only it
     } else {
-      std::string mapped = mapped_nccl();
-      if (!mapped.empty()) candidates.push_back(mapped);
+      // A libnccl mapped into the process already (torch loads the wheel's with RTLD_GLOBAL;
+      // a framework may load its own RTLD_LOCAL): one NCCL per process.
+      for (const auto& mapped : mapped_libraries("libnccl.so")) candidates.push_back(mapped);
       if (!fallback.empty()) candidates.push_back(fallback);
       candidates.push_back("libnccl.so.2");
     }

@@ -8,7 +8,6 @@
 #include <dlfcn.h>
 
 #include <cstring>
-#include <fstream>
 #include <sstream>
 #include <vector>
 
@@ -25,19 +24,7 @@ struct Found {
 
 // The first mapped object named libmpi*/libmpich* that exports MPI_Allreduce.
 Found find_loaded_mpi() {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  std::vector<std::string> seen;
-  while (std::getline(maps, line)) {
-    auto slash = line.find('/');
-    if (slash == std::string::npos) continue;
-    std::string path = line.substr(slash);
-    std::string base = path.substr(path.rfind('/') + 1);
-    if (base.rfind("libmpi", 0) != 0 || base.find(".so") == std::string::npos) continue;
-    bool dup = false;
-    for (const auto& s : seen) dup = dup || s == path;
-    if (dup) continue;
-    seen.push_back(path);
+  for (const auto& path : mapped_libraries("libmpi")) {
     void* h = dlopen(path.c_str(), RTLD_NOLOAD | RTLD_LAZY | RTLD_LOCAL);
     if (!h) continue;
     if (dlsym(h, "MPI_Allreduce")) return {h, path};
