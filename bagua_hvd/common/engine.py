@@ -649,7 +649,7 @@ class AsyncAveraging(_WeightAveraging):
                 if a.buffer(buf).ptr != a.buffer(f).ptr:  # staged weights: copy them in
                     a.copy_(buf, f)
         before = self.averager.rounds()
-        self.averager.step()
+        self.averager.step(a.buffer(self.buffers[0]).stream if self.buffers else 0)
         if self.averager.rounds() == before:
             return None  # a snapshot (or nothing): the weights are unchanged
         return self.buffers

@@ -504,10 +504,13 @@ def output_shape(handle: int, index: int = 0) -> Tuple[int, ...]:
     return tuple(buf[0:nd])
 
 
-def output_copy(handle: int, index: int, dst: int) -> None:
-    """Copies core-allocated output ``index`` into memory at address ``dst``."""
+def output_copy(handle: int, index: int, dst: int, stream: int = 0) -> None:
+    """Copies core-allocated output ``index`` into memory at address ``dst``; CUDA outputs on
+    ``stream`` (its address; 0: the legacy default stream), after :func:`stream_wait`."""
     n = _n if _n is not None else native()
-    status = n.lib.bhvd_output_copy(handle, index, n.cast(n.voidp, dst))
+    status = n.lib.bhvd_output_copy(
+        handle, index, n.cast(n.voidp, dst), n.cast(n.voidp, stream) if stream else n.null
+    )
     if status != OK:
         raise HorovodInternalError(
             f"copying output {index} of handle {handle}: {_native.last_error()}"

@@ -50,10 +50,6 @@ _GPU_MESSAGE = (
     "BAGUA's algorithms run on CPU tensors in this build of bagua_hvd (built without nvcc): "
     "GPU buckets need a build with CUDA"
 )
-_ASYNC_GPU_MESSAGE = (
-    "asynchronous model averaging of CUDA weights is not supported yet: its background rounds "
-    "read the weights from the host; keep the model on the CPU or choose another algorithm"
-)
 
 
 class Buffer(NamedTuple):
@@ -449,7 +445,8 @@ class AsyncAverager:
         interval_ms: int,
         errors: Errors = PYTHON_ERRORS,
     ) -> None:
-        _host(*weights, message=_ASYNC_GPU_MESSAGE)
+        _placed(*weights)
+        self.device = weights[0].device if weights else -1
         n = _ops.native()
         ffi = n.ffi
         self.errors = errors
@@ -464,16 +461,19 @@ class AsyncAverager:
             tensors[i].shape = shape
         out = ffi.new("int64_t *")
         status = n.lib.bhvd_async_start(
-            name.encode(), tensors, len(weights), process_set_id, int(interval_ms), out
+            name.encode(), tensors, len(weights), self.device, process_set_id, int(interval_ms), out
         )
         if status != _ops.OK:
             raise errors.status(status, _native.last_error() or "async averaging failed")
         self.id: Optional[int] = int(out[0])
         self._keep = (tensors, shapes)
 
-    def step(self) -> None:
-        """A step boundary: merges a finished round into the weights or snapshots them."""
-        status = _ops.native().lib.bhvd_async_step(self.id)
+    def step(self, stream: int = 0) -> None:
+        """A step boundary: merges a finished round into the weights or snapshots them (CUDA
+        weights: queued on ``stream``, the address of the caller's stream; 0: the legacy default
+        stream)."""
+        n = _ops.native()
+        status = n.lib.bhvd_async_step(self.id, n.cast(n.voidp, stream) if stream else n.null)
         if status != _ops.OK:
             raise self.errors.status(status, _native.last_error() or "async averaging failed")
 

@@ -209,7 +209,7 @@ absl::Status CopyCoreOutputs(OpKernelContext* ctx, const InFlight& f) {
     Tensor* out = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(i, shape, &out));
     if (out->NumElements() > 0) {
-      bhvd_output_copy(f.handle, i, const_cast<char*>(out->tensor_data().data()));
+      bhvd_output_copy(f.handle, i, const_cast<char*>(out->tensor_data().data()), nullptr);
     }
   }
   if (f.op_type == BHVD_OP_ALLTOALL) {
@@ -1312,7 +1312,7 @@ class BaguaHvdAsyncStepOp : public OpKernel {
         const std::string name = prefix_ + "." + std::to_string(av->generation);
         int64_t id = 0;
         const int rc = bhvd_async_start(name.c_str(), descs.data(), static_cast<int32_t>(nb),
-                                        buckets_.process_set_id, interval_ms_, &id);
+                                        /*device=*/-1, buckets_.process_set_id, interval_ms_, &id);
         OP_REQUIRES(ctx, rc == BHVD_OK, absl::Status(ToCode(rc), bhvd_last_error()));
         av->id = id;
         av->buffers = std::move(flats);
@@ -1328,7 +1328,7 @@ class BaguaHvdAsyncStepOp : public OpKernel {
         }
       }
       const int64_t before = bhvd_async_rounds(av->id);
-      const int rc = bhvd_async_step(av->id);
+      const int rc = bhvd_async_step(av->id, /*stream=*/nullptr);
       OP_REQUIRES(ctx, rc == BHVD_OK, absl::Status(ToCode(rc), bhvd_last_error()));
       merged = bhvd_async_rounds(av->id) != before;
     }

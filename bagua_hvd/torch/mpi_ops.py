@@ -743,7 +743,7 @@ def _gather_like_async(
             on_device = t.device.type != "cpu" and _core_cuda
             out = torch.empty(shape, dtype=t.dtype, device=t.device if on_device else "cpu")
             if out.numel():
-                _ops.output_copy(h, i, out.data_ptr())
+                _ops.output_copy(h, i, out.data_ptr(), _stream_of(device) if on_device else 0)
             if out.device != t.device:
                 out = out.to(t.device)
             outs.append(out)

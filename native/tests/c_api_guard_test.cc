@@ -48,7 +48,7 @@ TEST(CApiGuard, NotInitializedIsOneMessage) {
   int64_t shape = 1;
   bhvd_tensor t{&w, BHVD_FLOAT32, 1, &shape};
   int64_t id = 0;
-  EXPECT_EQ(bhvd_async_start("avg", &t, 1, 0, 10, &id), BHVD_NOT_INITIALIZED);
+  EXPECT_EQ(bhvd_async_start("avg", &t, 1, -1, 0, 10, &id), BHVD_NOT_INITIALIZED);
   EXPECT_STREQ(bhvd_last_error(), kHorovodNotInitialized);
   int32_t set_id = 0;
   const int32_t ranks[] = {0};

@@ -2,7 +2,9 @@
 # The GPU check of issue 13 (docs/gpu.md): one command on a machine with one CUDA GPU, torch
 # with CUDA and nvidia-nccl; its report goes to one file, $OUT/gpu-report.txt (OUT defaults to
 # build/gpu-check). Runs tests/gpu/gpu_check.py at 1 rank (NCCL) and at 2 ranks sharing the GPU
-# (NCCL refuses that: host staging), and the MinMaxUInt8 CUDA kernels' check. Fits in 8 min.
+# (NCCL refuses that: host staging), and the CUDA kernels' checks (MinMaxUInt8; BAGUA's phased
+# primitives, whose N-rank NCCL form one GPU cannot run, with their exchanges between threads).
+# Fits in 8 min.
 #
 # Python packages the machine lacks (cffi, pycparser) may come as wheels in .whl/; a core library
 # built elsewhere with CUDA (BAGUA_HVD_WITH_CUDA=1, for this GPU's architecture) in .gpu/, else
@@ -68,6 +70,6 @@ step optimizer-2ranks 120 "${launch[@]}" "$py" tests/gpu/gpu_check.py optimizer
 step algorithms-2ranks 150 "${launch[@]}" "$py" tests/gpu/gpu_check.py algorithms
 step timing-1rank 120 "$py" tests/gpu/gpu_check.py timing
 step timing-2ranks 150 "${launch[@]}" "$py" tests/gpu/gpu_check.py timing
-step minmax-uint8-kernels 150 native/tests/run_cuda_check.sh --quick
+step cuda-kernels 300 native/tests/run_cuda_check.sh --quick
 say "# $fails failed step(s)"
 [ "$fails" = 0 ]

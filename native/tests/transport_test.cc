@@ -26,96 +26,12 @@
 #include "collectives/hierarchy.h"
 #include "compression/minmax_uint8.h"
 #include "transport/shm.h"
+#include "in_process_ranks.h"
 
 namespace bagua_hvd {
 namespace {
-
-// The launcher's store, in memory.
-class MemoryStore : public Store {
- public:
-  void set(const std::string& key, const std::string& value) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    kv_[key] = value;
-    cv_.notify_all();
-  }
-  std::string get(const std::string& key, double timeout_s) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                      [&] { return kv_.count(key) > 0; }))
-      throw TransportError("timed out waiting for rendezvous key '" + key + "'");
-    return kv_[key];
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::string, std::string> kv_;
-};
-
-enum class Kind { SHM, TCP };
-
-// Runs body(comm) on n in-process ranks over one kind of transport; fails the test with the
-// first rank's exception, if any.
-// hosts > 1: the ranks are spread over that many host names in consecutive blocks (shared memory
-// within a host, TCP between hosts).
-void run_ranks(int n, Kind kind, const std::function<void(Comm&)>& body, int64_t shm_ring_bytes = 0,
-               int hosts = 1) {
-  static int job = 0;
-  MemoryStore store;
-  const std::string job_id = "unit" + std::to_string(getpid()) + "_" + std::to_string(++job);
-  std::vector<std::string> errors(n);
-  // Every rank keeps its transport until all are done, as ranks of a job do until a negotiated
-  // shutdown: one that closed its connections first would look like a failed peer to a rank
-  // still stalled on another (TcpPair::check_alive sees the orderly close).
-  std::mutex done_mu;
-  std::condition_variable done_cv;
-  int done = 0;
-  auto arrive = [&] {
-    std::unique_lock<std::mutex> lock(done_mu);
-    ++done;
-    done_cv.notify_all();
-    done_cv.wait(lock, [&] { return done == n; });
-  };
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      bool arrived = false;
-      try {
-        BootstrapConfig cfg;
-        cfg.rank = r;
-        cfg.size = n;
-        const int per_host = n / hosts;
-        cfg.local_rank = r % per_host;
-        cfg.local_size = per_host;
-        cfg.hostname = "unit-test-host" + std::to_string(r / per_host);
-        cfg.secret = "unit-test-secret";
-        cfg.job_id = job_id;
-        cfg.epoch = 1;
-        cfg.force_tcp = kind == Kind::TCP;
-        cfg.timeout_s = 60;
-        cfg.iface = "lo";
-        cfg.shm_ring_bytes = shm_ring_bytes;
-        auto transport = connect_transport(cfg, store);
-        for (int p = 0; p < n; ++p) {
-          if (p == r) continue;
-          const bool local = p / per_host == r / per_host;
-          EXPECT_STREQ(transport->kind_to(p), kind == Kind::SHM && local ? "shm" : "tcp");
-        }
-        std::vector<int> all(n);
-        for (int k = 0; k < n; ++k) all[k] = k;
-        Comm comm(*transport, all);
-        body(comm);
-        arrived = true;
-        arrive();
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-      if (!arrived) arrive();
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
-}
+using testing_ranks::Kind;
+using testing_ranks::run_ranks;
 
 // Rank k's element i, exact in every type used here.
 int64_t value(int k, size_t i) { return static_cast<int64_t>((k * 7 + i * 3) % 23) - 11; }

@@ -128,6 +128,10 @@ def collectives() -> None:
     rows = data(torch.float32, (RANK + 2, 3), 70)
     guarded("allgather", lambda: compare("allgather", hvd.allgather(rows.to(DEV), name="ag"),
                                          hvd.allgather(rows, name="ag.cpu"), True))  # fmt: skip
+    if SIZE == 1 or torch.cuda.device_count() >= SIZE:
+        before = stat("nccl_calls")
+        hvd.allgather(rows.to(DEV), name="ag.nccl")
+        check("allgather ran through NCCL into a device output", stat("nccl_calls") > before)
     b = data(torch.float64, (5, 7), 80)
     root = SIZE - 1
     guarded("broadcast", lambda: compare("broadcast", hvd.broadcast(b.to(DEV), root, name="bc"),
@@ -269,11 +273,42 @@ def algorithm_case(name: str, make: Callable[[List[nn.Parameter]], tuple], k: in
         check(f"{name} on CUDA equals the CPU path (param {i})", diff < 0.05, f"{diff:.3g}")
 
 
+def async_case() -> None:
+    """AsyncModelAverage of CUDA weights. At learning rate 0 a merged round leaves every rank
+    with the mean of the ranks' weights (x + sum / n - snapshot with x = snapshot): the
+    reference is the mean of the initial weights, averaged on the CPU."""
+    model = Dot().to(DEV)
+    with torch.no_grad():  # different weights on every rank (Dot seeds itself)
+        for p in model.parameters():
+            p.mul_(1.0 + RANK)
+    want = [hvd.allreduce(p.detach().cpu(), op=hvd.Average, name=f"async.want{i}")
+            for i, p in enumerate(model.parameters())]  # fmt: skip
+    alg = A.AsyncModelAverage(sync_interval_ms=5, warmup_steps=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=[
+        (f"async.{n}", p) for n, p in model.named_parameters()], algorithm=alg)  # fmt: skip
+    impl = opt._algo_impl
+    x = torch.randn(3500, device=DEV)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and impl.rounds() < 3:
+        opt.zero_grad()
+        model(x).backward()
+        opt.step()
+        time.sleep(0.005)
+    rounds = impl.rounds()
+    alg.abort()
+    torch.cuda.synchronize()
+    check("AsyncModelAverage on CUDA weights merged rounds", rounds >= 3, f"{rounds} rounds")
+    for i, (p, w) in enumerate(zip(model.parameters(), want)):
+        diff = (p.detach().cpu() - w).abs().max().item()
+        check(f"AsyncModelAverage on CUDA: the ranks' mean (param {i})", diff < 1e-5, f"{diff:.3g}")
+
+
 def algorithms() -> None:
     staged_before = stat("device_staged_calls")
     for k, (name, make) in enumerate(ALGORITHMS.items()):
         guarded(name, algorithm_case, name, make, k)
     check("BAGUA's primitives ran on CUDA buckets", stat("device_staged_calls") > staged_before)
+    guarded("AsyncModelAverage", async_case)
 
 
 # ---- timings -----------------------------------------------------------------------------------

@@ -297,8 +297,10 @@ const char* bhvd_handle_error(int64_t handle);
 int bhvd_output_ndim(int64_t handle, int32_t index);
 int bhvd_output_shape(int64_t handle, int32_t index, int64_t* shape_out);
 /* Copies output `index` into dst, which holds at least the output's bytes (device memory for
- * a request with device >= 0). */
-int bhvd_output_copy(int64_t handle, int32_t index, void* dst);
+ * a request with device >= 0). stream: for such a request, the caller's CUDA stream (a
+ * cudaStream_t; NULL: the legacy default stream), on which the copy is queued after
+ * bhvd_handle_stream_wait; ignored for host memory. */
+int bhvd_output_copy(int64_t handle, int32_t index, void* dst, void* stream);
 /* Alltoall: the splits this rank received, one per process-set rank. */
 int bhvd_received_splits(int64_t handle, int32_t* splits_out, int32_t capacity);
 /* Join: the last rank to join (global rank). */
@@ -309,12 +311,15 @@ int bhvd_release(int64_t handle);
  */
 /* Starts background averaging of num_tensors weight buffers over a process set: rounds at least
  * interval_ms apart, each an allreduce per buffer under the names "<name>.go" and "<name>.w<i>"
- * (name: the same on every rank, unique in the job). */
+ * (name: the same on every rank, unique in the job). device: where every buffer is, -1 host
+ * memory, else that CUDA device (a build with CUDA). */
 int bhvd_async_start(const char* name, const bhvd_tensor* weights, int32_t num_tensors,
-                     int32_t process_set_id, int64_t interval_ms, int64_t* id_out);
+                     int32_t device, int32_t process_set_id, int64_t interval_ms,
+                     int64_t* id_out);
 /* A step boundary of the training thread: merges a finished round into the weights or snapshots
- * them for the next one. Never waits for other ranks. */
-int bhvd_async_step(int64_t id);
+ * them for the next one. Never waits for other ranks (nor, for CUDA weights, for the device:
+ * the work is queued on `stream`, the caller's cudaStream_t, NULL: the legacy default stream). */
+int bhvd_async_step(int64_t id, void* stream);
 /* Stops the rounds on every rank (after the current one) and waits up to timeout_ms (< 0: no
  * limit) for this rank's to end; BHVD_TIMED_OUT with a message otherwise. */
 int bhvd_async_abort(int64_t id, int64_t timeout_ms);

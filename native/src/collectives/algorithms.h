@@ -75,5 +75,10 @@ void allreduce_ring(Comm& comm, void* buf, size_t count, DataType dtype, ReduceO
 // Throws std::invalid_argument for ops that are not element-wise reductions (ADASUM) and for
 // unknown data types.
 void check_reduction(DataType dtype, ReduceOp op, const char* what);
+// std::invalid_argument unless dtype is one MinMaxUInt8 compresses (float32, float16, bfloat16),
+// named as "<what>: MinMaxUInt8 needs ...".
+void check_minmax_uint8_dtype(DataType dtype, const char* what);
+// std::invalid_argument unless dtype is floating point (the peer averages' weights).
+void check_peer_average_dtype(DataType dtype);
 
 }  // namespace bagua_hvd

@@ -103,11 +103,7 @@ size_t arrived_elements(size_t bytes, size_t c, size_t header) {
 
 void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype, bool average,
                             void* ef_worker, void* ef_server) {
-  if (dtype != DataType::FLOAT32 && dtype != DataType::FLOAT16 && dtype != DataType::BFLOAT16) {
-    throw std::invalid_argument(std::string("compressed allreduce: MinMaxUInt8 needs float32, "
-                                            "float16 or bfloat16 data, got ") +
-                                dtype_name(dtype));
-  }
+  check_minmax_uint8_dtype(dtype, "compressed allreduce");
   const int n = comm.size(), me = comm.rank();
   if (n <= 1 || count == 0) return;
   TraceSpan span(TraceOp::kCompressedAllreduce, count);

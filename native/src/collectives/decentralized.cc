@@ -16,14 +16,6 @@
 namespace bagua_hvd {
 namespace {
 
-void check_float(DataType dtype, const char* what) {
-  if (dtype != DataType::FLOAT32 && dtype != DataType::FLOAT16 && dtype != DataType::BFLOAT16 &&
-      dtype != DataType::FLOAT64) {
-    throw std::invalid_argument(std::string(what) + ": weights must be floating point, got " +
-                                dtype_name(dtype));
-  }
-}
-
 // One concurrent exchange: sends `out` to every peer in `to`, receives from every peer in
 // `from` into the matching buffer.
 void exchange(Comm& comm, const std::vector<int>& to, const void* out, size_t bytes,
@@ -108,17 +100,9 @@ constexpr size_t kLpBlock = 128 << 10;
 
 }  // namespace
 
-int shift_one_peer(int rank, int n, int64_t step) {
-  // BAGUA's rotating bipartite matching over m = n (even) or n + 1 (odd: virtual rank n).
-  const int64_t m = n % 2 == 0 ? n : n + 1, h = m / 2;
-  const int64_t s = step % h;
-  if (rank < h) return static_cast<int>((s + rank) % h + h);
-  return static_cast<int>((((rank - h - s) % h) + h) % h);
-}
-
 void decentralized_average(Comm& comm, const void* in, void* out, size_t count, DataType dtype,
                            PeerMode mode, int64_t step) {
-  check_float(dtype, "decentralized");
+  check_peer_average_dtype(dtype);
   const int n = comm.size(), me = comm.rank();
   const size_t es = dtype_size(dtype), bytes = count * es;
   if (in != out && bytes) std::memmove(out, in, bytes);

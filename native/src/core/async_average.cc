@@ -6,20 +6,31 @@
 
 namespace bagua_hvd {
 
+namespace {
+std::shared_ptr<void> host_memory(size_t bytes) {
+  auto v = std::make_shared<std::vector<unsigned char>>(bytes);
+  return std::shared_ptr<void>(v, v->data());
+}
+}  // namespace
+
 AsyncAverager::AsyncAverager(RunRequest run_request, std::string name, std::vector<Weights> weights,
-                             int32_t set_id, int set_size, int64_t interval_ms)
+                             int32_t set_id, int set_size, int64_t interval_ms, int device,
+                             DeviceEngine* engine)
     : run_(std::move(run_request)),
       name_(std::move(name)),
       set_id_(set_id),
       interval_(interval_ms),
-      set_size_(set_size) {
+      set_size_(set_size),
+      device_(engine ? device : -1),
+      engine_(engine) {
+  if (engine_) stream_ = engine_->make_stream();
   for (auto& w : weights) {
     Buffer b;
     b.count = 1;
     for (auto d : w.shape) b.count *= static_cast<size_t>(d);
-    const size_t bytes = b.count * dtype_size(w.dtype);
-    b.snapshot.resize(bytes);
-    b.sum.resize(bytes);
+    b.bytes = b.count * dtype_size(w.dtype);
+    b.snapshot = engine_ ? engine_->device_memory(b.bytes) : host_memory(b.bytes);
+    b.sum = engine_ ? engine_->device_memory(b.bytes) : host_memory(b.bytes);
     b.w = std::move(w);
     buffers_.push_back(std::move(b));
   }
@@ -47,7 +58,11 @@ Status AsyncAverager::allreduce(const std::string& name, void* in, void* out, Da
   req.name = name.c_str();
   req.process_set_id = set_id_;
   req.reduce_op = reduce_op;
-  req.device = -1;
+  // The weights' device (the "go" flag is host memory): the core's stream waits for ours, which
+  // waited for the snapshot, and ours waits for the allreduce (run_request).
+  const bool on_device = device_ >= 0 && dtype != DataType::INT32;
+  req.device = on_device ? device_ : -1;
+  req.stream = on_device ? stream_.get() : nullptr;
   req.prescale_factor = 1.0;
   req.postscale_factor = 1.0;
   req.num_tensors = 1;
@@ -74,12 +89,12 @@ void AsyncAverager::run() {
       std::unique_lock<std::mutex> lock(mu_);
       phase_ = Phase::WANT_SNAPSHOT;
       cv_.wait(lock, [&] { return phase_ != Phase::WANT_SNAPSHOT || abort_; });
-      if (phase_ == Phase::WANT_SNAPSHOT) snapshot_locked();  // aborting: no step boundary
+      if (phase_ == Phase::WANT_SNAPSHOT) snapshot_locked(stream_.get());  // aborting: no step
       phase_ = Phase::REDUCING;
     }
     for (size_t i = 0; i < buffers_.size() && status.ok(); ++i) {
       Buffer& b = buffers_[i];
-      status = allreduce(name_ + ".w" + std::to_string(i), b.snapshot.data(), b.sum.data(),
+      status = allreduce(name_ + ".w" + std::to_string(i), b.snapshot.get(), b.sum.get(),
                          b.w.dtype, b.w.shape, BHVD_SUM);
     }
     if (!status.ok()) break;
@@ -87,7 +102,7 @@ void AsyncAverager::run() {
       std::unique_lock<std::mutex> lock(mu_);
       phase_ = Phase::WANT_MERGE;
       cv_.wait(lock, [&] { return phase_ != Phase::WANT_MERGE || abort_; });
-      if (phase_ == Phase::WANT_MERGE) merge_locked();
+      if (phase_ == Phase::WANT_MERGE) merge_locked(stream_.get());
       phase_ = Phase::IDLE;
     }
     next = std::chrono::steady_clock::now() + interval_;
@@ -98,18 +113,33 @@ void AsyncAverager::run() {
   cv_.notify_all();
 }
 
-void AsyncAverager::snapshot_locked() {
-  for (auto& b : buffers_) std::memcpy(b.snapshot.data(), b.w.data, b.snapshot.size());
+void AsyncAverager::snapshot_locked(void* stream) {
+  if (engine_) {
+    // On the stream that wrote the weights; the round's allreduces (our stream) come after.
+    for (auto& b : buffers_) engine_->copy_on(b.snapshot.get(), b.w.data, b.bytes, stream);
+    if (stream != stream_.get()) engine_->stream_wait(stream_.get(), engine_->record(stream));
+    return;
+  }
+  for (auto& b : buffers_) std::memcpy(b.snapshot.get(), b.w.data, b.bytes);
 }
 
-void AsyncAverager::merge_locked() {
+void AsyncAverager::merge_locked(void* stream) {
   // x += sum / n - snapshot: keeps the local progress made since the snapshot.
+  if (engine_) {
+    // After the round's allreduces (our stream waited for them), before the caller's next use.
+    if (stream != stream_.get()) engine_->stream_wait(stream, engine_->record(stream_.get()));
+    for (auto& b : buffers_)
+      engine_->async_merge(b.w.data, b.sum.get(), b.snapshot.get(), b.count, b.w.dtype, set_size_,
+                           stream);
+    ++rounds_;
+    return;
+  }
   const float inv = 1.0f / static_cast<float>(set_size_);
   for (auto& b : buffers_) {
     if (b.w.dtype == DataType::FLOAT64) {
       auto* x = static_cast<double*>(b.w.data);
-      const auto* s = reinterpret_cast<const double*>(b.sum.data());
-      const auto* p = reinterpret_cast<const double*>(b.snapshot.data());
+      const auto* s = static_cast<const double*>(b.sum.get());
+      const auto* p = static_cast<const double*>(b.snapshot.get());
       const double dn = static_cast<double>(set_size_);
       for (size_t i = 0; i < b.count; ++i) x[i] = x[i] + s[i] / dn - p[i];
       continue;
@@ -121,8 +151,9 @@ void AsyncAverager::merge_locked() {
     for (size_t off = 0; off < b.count; off += kBlock) {
       const size_t m = std::min(kBlock, b.count - off);
       to_float(xd + off * es, b.w.dtype, m, x.data());
-      to_float(b.sum.data() + off * es, b.w.dtype, m, s.data());
-      to_float(b.snapshot.data() + off * es, b.w.dtype, m, p.data());
+      to_float(static_cast<const unsigned char*>(b.sum.get()) + off * es, b.w.dtype, m, s.data());
+      to_float(static_cast<const unsigned char*>(b.snapshot.get()) + off * es, b.w.dtype, m,
+               p.data());
       for (size_t i = 0; i < m; ++i) x[i] = (x[i] + s[i] * inv) - p[i];
       from_float(x.data(), b.w.dtype, m, xd + off * es);
     }
@@ -130,14 +161,14 @@ void AsyncAverager::merge_locked() {
   ++rounds_;
 }
 
-void AsyncAverager::step() {
+void AsyncAverager::step(void* stream) {
   std::lock_guard<std::mutex> lock(mu_);
   if (phase_ == Phase::WANT_MERGE) {
-    merge_locked();
+    merge_locked(stream);
     phase_ = Phase::IDLE;
     cv_.notify_all();
   } else if (phase_ == Phase::WANT_SNAPSHOT) {
-    snapshot_locked();
+    snapshot_locked(stream);
     phase_ = Phase::REDUCING;
     cv_.notify_all();
   }

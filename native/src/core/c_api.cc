@@ -313,20 +313,24 @@ int bhvd_output_shape(int64_t handle, int32_t index, int64_t* shape_out) {
   });
 }
 
-int bhvd_output_copy(int64_t handle, int32_t index, void* dst) {
+int bhvd_output_copy(int64_t handle, int32_t index, void* dst, void* stream) {
   return guarded([&]() -> int {
     auto h = Runtime::get().find(handle);
     if (!h || index < 0 || index >= static_cast<int32_t>(h->outputs.size()))
       return report(Status::InvalidArgument("unknown handle or output index"));
-    const auto& o = h->outputs[index];
-    if (o.empty()) return BHVD_OK;
-    if (h->device >= 0) {
+    const bagua_hvd::Output& o = h->outputs[index];
+    if (!o.bytes) return BHVD_OK;
+    if (o.device >= 0 || h->device >= 0) {
       std::string why;
-      bagua_hvd::DeviceEngine* engine = bagua_hvd::device_engine(h->device, &why);
+      bagua_hvd::DeviceEngine* engine =
+          bagua_hvd::device_engine(o.device >= 0 ? o.device : h->device, &why);
       if (!engine) return report(Status::InvalidArgument(why));
-      engine->copy_from_host(dst, o.data(), o.size());
+      if (o.device >= 0)
+        engine->copy_output(dst, o, stream);
+      else
+        engine->copy_from_host(dst, o.data.get(), o.bytes);
     } else {
-      std::memcpy(dst, o.data(), o.size());
+      std::memcpy(dst, o.data.get(), o.bytes);
     }
     return BHVD_OK;
   });
@@ -433,7 +437,8 @@ int bhvd_compression_group_size(int32_t process_set_id, int32_t hierarchical) {
 }
 
 int bhvd_async_start(const char* name, const bhvd_tensor* weights, int32_t num_tensors,
-                     int32_t process_set_id, int64_t interval_ms, int64_t* id_out) {
+                     int32_t device, int32_t process_set_id, int64_t interval_ms,
+                     int64_t* id_out) {
   return guarded([&]() -> int {
     using bagua_hvd::AsyncAverager;
     auto& rt = Runtime::get();
@@ -452,6 +457,12 @@ int bhvd_async_start(const char* name, const bhvd_tensor* weights, int32_t num_t
       return report(Status::InvalidArgument(
           "async model averaging: this rank is not a member of process set " +
           std::to_string(process_set_id)));
+    bagua_hvd::DeviceEngine* engine = nullptr;
+    if (device >= 0) {
+      std::string why;
+      engine = bagua_hvd::device_engine(device, &why);
+      if (!engine) return report(Status::InvalidArgument("async model averaging: " + why));
+    }
     std::vector<AsyncAverager::Weights> ws;
     for (int32_t i = 0; i < num_tensors; ++i) {
       const bhvd_tensor& t = weights[i];
@@ -468,27 +479,32 @@ int bhvd_async_start(const char* name, const bhvd_tensor* weights, int32_t num_t
         return report(Status::InvalidArgument("async model averaging: null weight buffer"));
       ws.push_back({t.data, static_cast<bagua_hvd::DataType>(t.dtype), std::move(shape)});
     }
-    // Through negotiation like a frontend's request: enqueue, wait, release.
-    auto run = [](const bhvd_request& req) {
+    // Through negotiation like a frontend's request: enqueue, wait, release; a device request's
+    // stream then waits for the operation, as a frontend's synchronize makes its stream wait.
+    auto run = [engine](const bhvd_request& req) {
       int64_t h = 0;
       Status s = Runtime::get().enqueue(req, &h);
       if (!s.ok()) return s;
       s = Runtime::get().wait(h, -1);
+      if (s.ok() && req.device >= 0 && engine) {
+        auto handle = Runtime::get().find(h);
+        if (handle && handle->done_event) engine->stream_wait(req.stream, handle->done_event);
+      }
       Runtime::get().release(h);
       return s;
     };
-    *id_out = bagua_hvd::AsyncRegistry::get().add(
-        std::make_unique<AsyncAverager>(run, name, std::move(ws), process_set_id,
-                                        static_cast<int>(it->second.size()), interval_ms));
+    *id_out = bagua_hvd::AsyncRegistry::get().add(std::make_unique<AsyncAverager>(
+        run, name, std::move(ws), process_set_id, static_cast<int>(it->second.size()),
+        interval_ms, device, engine));
     return BHVD_OK;
   });
 }
 
-int bhvd_async_step(int64_t id) {
+int bhvd_async_step(int64_t id, void* stream) {
   return guarded([&]() -> int {
     auto a = bagua_hvd::AsyncRegistry::get().find(id);
     if (!a) return report(Status::InvalidArgument("unknown async averager " + std::to_string(id)));
-    a->step();
+    a->step(stream);
     return BHVD_OK;
   });
 }

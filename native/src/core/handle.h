@@ -12,6 +12,7 @@
 
 #include "common.h"
 #include "core/message.h"
+#include "ops/data_engine.h"
 
 namespace bagua_hvd {
 
@@ -24,7 +25,7 @@ struct Handle {
   Status status;
   std::vector<std::string> names;
   // Core-allocated outputs (allgather, alltoall) and their shapes.
-  std::vector<std::vector<unsigned char>> outputs;
+  std::vector<Output> outputs;
   std::vector<std::vector<int64_t>> output_shapes;
   std::vector<int32_t> received_splits;
   int32_t result = -1;  // join: last joined rank; add process set: new id

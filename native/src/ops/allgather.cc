@@ -22,8 +22,8 @@ void execute_allgather(ExecContext& ctx) {
       total += bytes[k];
       rows += r.per_rank[i][k];
     }
-    std::vector<unsigned char> out(total);
-    ctx.engine.allgatherv(comm, e ? e->input : nullptr, out.data(), bytes);
+    Output out = ctx.engine.allocate_output(total);
+    ctx.engine.allgatherv(comm, e ? e->input : nullptr, out.data.get(), bytes);
     if (e) {
       std::vector<int64_t> oshape = shape;
       oshape[0] = rows;

@@ -28,8 +28,8 @@ void execute_alltoall(ExecContext& ctx) {
       total += recv[k];
       rows += m[k * n + me];
     }
-    std::vector<unsigned char> out(total);
-    ctx.engine.alltoallv(comm, e->input, send, out.data(), recv);
+    Output out = ctx.engine.allocate_output(total);
+    ctx.engine.alltoallv(comm, e->input, send, out.data.get(), recv);
     std::vector<int64_t> oshape = shape;
     oshape[0] = rows;
     std::lock_guard<std::mutex> lock(ctx.handles_mu);

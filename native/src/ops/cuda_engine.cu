@@ -11,16 +11,17 @@
 #include <cstring>
 #include <deque>
 #include <initializer_list>
-#include <limits>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <vector>
 
+#include "collectives/stream_backend.h"
 #include "compression/minmax_uint8.h"
+#include "compression/minmax_uint8_cuda.h"
 #include "device/nccl_library.h"
-#include "float_bits.h"
+#include "ops/cuda_kernels.h"
 #include "ops/device_engine.h"
 
 namespace bagua_hvd {
@@ -51,105 +52,6 @@ class DeviceGuard {
   int prev_ = -1;
   int device_ = -1;
 };
-
-// ---- scaling, with the CPU engine's semantics bit for bit (collectives/reduce.cc) ----
-// 8- to 32-bit integers (int64: below): in double, truncated, saturated; NaN becomes 0.
-template <typename T>
-__global__ void scale_int_kernel(T* p, size_t n, double f, double lo, double hi) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(blockDim.x) * gridDim.x) {
-    double v = static_cast<double>(p[i]) * f;
-    v = v != v ? 0.0 : v;
-    p[i] = static_cast<T>(v > hi ? hi : (v < lo ? lo : v));
-  }
-}
-// int64: hi (2^63) does not fit; saturate to the maximum explicitly.
-__global__ void scale_i64_kernel(int64_t* p, size_t n, double f) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(blockDim.x) * gridDim.x) {
-    double v = static_cast<double>(p[i]) * f;
-    v = v != v ? 0.0 : v;
-    p[i] = v >= 9223372036854775808.0
-               ? INT64_MAX
-               : (v <= -9223372036854775808.0 ? INT64_MIN : static_cast<int64_t>(v));
-  }
-}
-__global__ void scale_f32_kernel(float* p, size_t n, float f) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(blockDim.x) * gridDim.x)
-    p[i] = __fmul_rn(p[i], f);
-}
-__global__ void scale_f64_kernel(double* p, size_t n, double f) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(blockDim.x) * gridDim.x)
-    p[i] = __dmul_rn(p[i], f);
-}
-__global__ void scale_f16_kernel(uint16_t* p, size_t n, float f) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(blockDim.x) * gridDim.x)
-    p[i] = fbits::float_to_half(__fmul_rn(fbits::half_to_float(p[i]), f));
-}
-__global__ void scale_bf16_kernel(uint16_t* p, size_t n, float f) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(blockDim.x) * gridDim.x)
-    p[i] = fbits::float_to_bf16(__fmul_rn(fbits::bf16_to_float(p[i]), f));
-}
-__global__ void scale_bool_kernel(uint8_t* p, size_t n, bool keep) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(blockDim.x) * gridDim.x)
-    p[i] = static_cast<uint8_t>(p[i] != 0 && keep);
-}
-
-template <typename T>
-void launch_scale_int(void* buf, size_t n, double f, cudaStream_t s, unsigned blocks) {
-  scale_int_kernel<T><<<blocks, 256, 0, s>>>(static_cast<T*>(buf), n, f,
-                                             static_cast<double>(std::numeric_limits<T>::min()),
-                                             static_cast<double>(std::numeric_limits<T>::max()));
-}
-
-void launch_scale(void* buf, size_t n, DataType dtype, double f, cudaStream_t s) {
-  const unsigned blocks = static_cast<unsigned>(std::min<size_t>((n + 255) / 256, 4096));
-  switch (dtype) {
-    case DataType::UINT8:
-      launch_scale_int<uint8_t>(buf, n, f, s, blocks);
-      break;
-    case DataType::INT8:
-      launch_scale_int<int8_t>(buf, n, f, s, blocks);
-      break;
-    case DataType::UINT16:
-      launch_scale_int<uint16_t>(buf, n, f, s, blocks);
-      break;
-    case DataType::INT16:
-      launch_scale_int<int16_t>(buf, n, f, s, blocks);
-      break;
-    case DataType::INT32:
-      launch_scale_int<int32_t>(buf, n, f, s, blocks);
-      break;
-    case DataType::INT64:
-      scale_i64_kernel<<<blocks, 256, 0, s>>>(static_cast<int64_t*>(buf), n, f);
-      break;
-    // Horovod scales float tensors in their own precision, the factor rounded to
-    // float.
-    case DataType::FLOAT32:
-      scale_f32_kernel<<<blocks, 256, 0, s>>>(static_cast<float*>(buf), n, static_cast<float>(f));
-      break;
-    case DataType::FLOAT64:
-      scale_f64_kernel<<<blocks, 256, 0, s>>>(static_cast<double*>(buf), n, f);
-      break;
-    case DataType::FLOAT16:
-      scale_f16_kernel<<<blocks, 256, 0, s>>>(static_cast<uint16_t*>(buf), n,
-                                              static_cast<float>(f));
-      break;
-    case DataType::BFLOAT16:
-      scale_bf16_kernel<<<blocks, 256, 0, s>>>(static_cast<uint16_t*>(buf), n,
-                                               static_cast<float>(f));
-      break;
-    case DataType::BOOL:
-      scale_bool_kernel<<<blocks, 256, 0, s>>>(static_cast<uint8_t*>(buf), n, f != 0.0);
-      break;
-  }
-  check(cudaGetLastError(), "the scale kernel's launch");
-}
 
 DeviceEvent wrap(cudaEvent_t ev) {
   return DeviceEvent(static_cast<void*>(ev),
@@ -205,6 +107,10 @@ class CudaEngine final : public DeviceEngine {
     // stream; ordering with the frontends' streams is by events only.
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     fusion_ = std::make_unique<DeviceFusion>(fusion_stat_, device, stream_);
+    int pools = 0;
+    memory_pools_ = cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) ==
+                        cudaSuccess &&
+                    pools != 0;
     nccl_ = loaded_nccl();
     if (!nccl_) nccl_ = load_nccl("", "", &nccl_why_);
   }
@@ -270,6 +176,53 @@ class CudaEngine final : public DeviceEngine {
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), "cudaMemcpyAsync");
     check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   }
+  Output allocate_output(size_t bytes) override {
+    DeviceGuard g(device_);
+    void* p = nullptr;
+    cudaStream_t s = stream_;
+    if (!memory_pools_) {  // no stream-ordered allocator: cudaFree waits for the device
+      check(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc (an output)");
+      return Output{std::shared_ptr<void>(p, [](void* q) { cudaFree(q); }), bytes, device_};
+    }
+    check(cudaMallocAsync(&p, std::max<size_t>(bytes, 1), s), "cudaMallocAsync (an output)");
+    // Freed in the engine stream's order: after the op that wrote it and the copies out, which
+    // that stream waits for (copy_output).
+    return Output{std::shared_ptr<void>(p, [s](void* q) { cudaFreeAsync(q, s); }), bytes, device_};
+  }
+  void copy_output(void* dst, const Output& out, void* stream) override {
+    DeviceGuard g(device_);
+    auto caller = static_cast<cudaStream_t>(stream);
+    check(cudaMemcpyAsync(dst, out.data.get(), out.bytes, cudaMemcpyDeviceToDevice, caller),
+          "cudaMemcpyAsync (an output)");
+    DeviceEvent copied = record(caller);
+    check(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(copied.get()), 0),
+          "cudaStreamWaitEvent");
+  }
+  std::shared_ptr<void> make_stream() override {
+    DeviceGuard g(device_);
+    cudaStream_t s = nullptr;
+    check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    return std::shared_ptr<void>(static_cast<void*>(s), [](void* q) {
+      cudaStreamDestroy(static_cast<cudaStream_t>(q));  // its queued work still completes
+    });
+  }
+  std::shared_ptr<void> device_memory(size_t bytes) override {
+    DeviceGuard g(device_);
+    void* p = nullptr;
+    check(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc");
+    return std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });  // waits for the device
+  }
+  void copy_on(void* dst, const void* src, size_t bytes, void* stream) override {
+    if (!bytes) return;
+    DeviceGuard g(device_);
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)),
+          "cudaMemcpyAsync");
+  }
+  void async_merge(void* x, const void* sum, const void* snapshot, size_t n, DataType dtype,
+                   int set_size, void* stream) override {
+    DeviceGuard g(device_);
+    cuda_async_merge(x, sum, snapshot, n, dtype, set_size, stream);
+  }
   void release_communicators(double wait_s) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (comms_.empty()) return;
@@ -305,7 +258,7 @@ class CudaEngine final : public DeviceEngine {
   void scale(void* buf, size_t count, DataType dtype, double factor) override {
     if (!count || factor == 1.0) return;
     DeviceGuard g(device_);
-    launch_scale(buf, count, dtype, factor, stream_);
+    cuda_scale(buf, count, dtype, factor, stream_);
   }
 
   // ---- Horovod's collectives ----
@@ -324,12 +277,39 @@ class CudaEngine final : public DeviceEngine {
   }
   void allgatherv(Comm& comm, const void* in, void* out,
                   const std::vector<size_t>& bytes_per_rank) override {
-    // `out` is host memory (the core allocates allgather's outputs): the input
-    // is staged.
+    // `out`: device memory of this engine (allocate_output).
     DeviceGuard g(device_);
-    const size_t mine = comm.rank() >= 0 ? bytes_per_rank[comm.rank()] : 0;
-    Staging s(*this, {{in, mine, false}});
-    cpu_engine().allgatherv(comm, s.host(0), out, bytes_per_rank);
+    const int n = comm.size(), me = comm.rank();
+    size_t total = 0;
+    std::vector<size_t> offset(n);
+    for (int j = 0; j < n; ++j) {
+      offset[j] = total;
+      total += bytes_per_rank[j];
+    }
+    auto* o = static_cast<unsigned char*>(out);
+    SetComm& sc = set_comm(comm);
+    if (sc.comm) {
+      const bool even = std::all_of(bytes_per_rank.begin(), bytes_per_rank.end(),
+                                    [&](size_t b) { return b == bytes_per_rank[0]; });
+      if (even) {
+        if (bytes_per_rank[0])
+          nccl_call(
+              nccl_->all_gather(in, out, bytes_per_rank[0], nccl::kUint8, sc.comm, stream_),
+              sc.comm);
+        return;
+      }
+      // Unequal parts: one send of this rank's part to every peer and one receive from each.
+      copy(o + offset[me], in, bytes_per_rank[me]);
+      std::vector<const void*> to(n, in);
+      std::vector<void*> from(n);
+      for (int j = 0; j < n; ++j) from[j] = o + offset[j];
+      std::vector<size_t> send(n, bytes_per_rank[me]);
+      grouped_sendrecv(sc.comm, me, to, send, from, bytes_per_rank);
+      return;
+    }
+    Staging s(*this, {{in, bytes_per_rank[me], false}, {out, total, true, false}});
+    cpu_engine().allgatherv(comm, s.host(0), s.host(1), bytes_per_rank);
+    s.to_device();
   }
   void broadcast(Comm& comm, void* buf, size_t bytes, int root) override {
     DeviceGuard g(device_);
@@ -345,12 +325,27 @@ class CudaEngine final : public DeviceEngine {
   }
   void alltoallv(Comm& comm, const void* in, const std::vector<size_t>& send_bytes, void* out,
                  const std::vector<size_t>& recv_bytes) override {
-    // `out` is host memory (core-allocated): the input is staged.
+    // `out`: device memory of this engine (allocate_output).
     DeviceGuard g(device_);
-    size_t total = 0;
-    for (size_t b : send_bytes) total += b;
-    Staging s(*this, {{in, total, false}});
-    cpu_engine().alltoallv(comm, s.host(0), send_bytes, out, recv_bytes);
+    const int n = comm.size(), me = comm.rank();
+    size_t sent = 0, received = 0;
+    std::vector<const void*> to(n);
+    std::vector<void*> from(n);
+    for (int j = 0; j < n; ++j) {
+      to[j] = static_cast<const unsigned char*>(in) + sent;
+      from[j] = static_cast<unsigned char*>(out) + received;
+      sent += send_bytes[j];
+      received += recv_bytes[j];
+    }
+    SetComm& sc = set_comm(comm);
+    if (sc.comm) {
+      copy(from[me], to[me], send_bytes[me]);
+      grouped_sendrecv(sc.comm, me, to, send_bytes, from, recv_bytes);
+      return;
+    }
+    Staging s(*this, {{in, sent, false}, {out, received, true, false}});
+    cpu_engine().alltoallv(comm, s.host(0), send_bytes, s.host(1), recv_bytes);
+    s.to_device();
   }
   void reducescatterv(Comm& comm, void* buf, void* out, const std::vector<size_t>& counts,
                       DataType dtype, ReduceOp op) override {
@@ -379,10 +374,20 @@ class CudaEngine final : public DeviceEngine {
     allreduce(comm, buf, count, dtype, op);
   }
 
-  // ---- BAGUA's primitives: through the host for now (the CPU engine's results, bit for bit) ----
+  // ---- BAGUA's primitives ----
+  // With NCCL, ByteGrad (and QAdam's compressed allreduce) and the full-precision peer averages
+  // run on the device in phases (collectives/stream_backend.h: the CUDA MinMaxUInt8 kernels,
+  // NCCL exchanges); otherwise, and for the low-precision ring, through the host (the CPU
+  // engine's results, bit for bit).
   void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype, bool average,
                               void* ef_worker, void* ef_server) override {
     DeviceGuard g(device_);
+    SetComm& sc = set_comm(comm);
+    if (sc.comm) {
+      Backend be(*this, comm, sc.comm);
+      allreduce_minmax_uint8_phased(be, buf, count, dtype, average, ef_worker, ef_server);
+      return;
+    }
     const size_t es = dtype_size(dtype), n = static_cast<size_t>(comm.size());
     const size_t chunk = (count + n - 1) / n;
     Staging s(*this, {{buf, count * es, true},
@@ -395,6 +400,12 @@ class CudaEngine final : public DeviceEngine {
   void decentralized_average(Comm& comm, const void* in, void* out, size_t count, DataType dtype,
                              PeerMode mode, int64_t step) override {
     DeviceGuard g(device_);
+    SetComm& sc = set_comm(comm);
+    if (sc.comm) {
+      Backend be(*this, comm, sc.comm);
+      decentralized_average_phased(be, in, out, count, dtype, mode, step);
+      return;
+    }
     const size_t bytes = count * dtype_size(dtype);
     const bool same = in == out;
     Staging s(*this, {{in, bytes, same}, {same ? nullptr : out, bytes, true}});
@@ -441,7 +452,8 @@ class CudaEngine final : public DeviceEngine {
   struct Part {
     const void* dev;  // null: none (its host pointer is null too)
     size_t bytes;
-    bool back;  // copied back to the device after the call
+    bool back;          // copied back to the device after the call
+    bool fetch = true;  // copied to the host before it (false: an output only)
   };
   class Staging {
    public:
@@ -457,7 +469,7 @@ class CudaEngine final : public DeviceEngine {
       for (size_t i = 0; i < parts_.size(); ++i) {
         const Part& p = parts_[i];
         host_.push_back(p.dev ? area + offsets[i] : nullptr);
-        if (p.dev && p.bytes)
+        if (p.dev && p.bytes && p.fetch)
           check(cudaMemcpyAsync(host_[i], p.dev, p.bytes, cudaMemcpyDefault, e_.stream_),
                 "cudaMemcpyAsync (to the host)");
       }
@@ -481,6 +493,112 @@ class CudaEngine final : public DeviceEngine {
     std::vector<Part> parts_;
     std::vector<void*> host_;
   };
+
+  // BAGUA's phased primitives on this engine: its kernels on its stream, NCCL for the exchanges.
+  class Backend final : public StreamBackend {
+   public:
+    Backend(CudaEngine& e, Comm& comm, nccl::Comm nc) : e_(e), comm_(comm), nc_(nc) {}
+    int rank() const override { return comm_.rank(); }
+    int size() const override { return comm_.size(); }
+    void* scratch(int slot, size_t bytes) override { return e_.scratch(slot, bytes); }
+    void copy(void* dst, const void* src, size_t bytes) override { e_.copy(dst, src, bytes); }
+    void zero(void* dst, size_t bytes) override { e_.zero(dst, bytes); }
+    void add(void* dst, const void* src, size_t n, DataType dtype) override {
+      cuda_add(dst, src, n, dtype, e_.stream_);
+    }
+    void subtract(void* dst, const void* a, const void* b, size_t n, DataType dtype) override {
+      cuda_subtract(dst, a, b, n, dtype, e_.stream_);
+    }
+    void from_f32(const float* acc, size_t n, float divisor, DataType dtype, void* out) override {
+      cuda_from_f32(acc, n, divisor, dtype, out, e_.stream_);
+    }
+    void average(void* mine, const void* left, const void* right, size_t n,
+                 DataType dtype) override {
+      cuda_average(mine, left, right, n, dtype, e_.stream_);
+    }
+    void scale(void* buf, size_t n, DataType dtype, double factor) override {
+      cuda_scale(buf, n, dtype, factor, e_.stream_);
+    }
+    void compress(const void* in, DataType dtype, size_t n, size_t chunks,
+                  uint8_t* out) override {
+      minmax_uint8_compress_cuda(in, dtype, n, chunks, out, e_.stream_);
+    }
+    void decompress(const uint8_t* in, DataType dtype, size_t n, size_t chunks,
+                    void* out) override {
+      minmax_uint8_decompress_cuda(in, dtype, n, chunks, out, e_.stream_);
+    }
+    void decompress_add(const uint8_t* in, DataType dtype, size_t n, size_t chunks,
+                        float* acc) override {
+      minmax_uint8_decompress_add_f32_cuda(in, dtype, n, chunks, acc, e_.stream_);
+    }
+    void alltoall(const void* in, void* out, size_t bytes) override {
+      const int n = size(), me = rank();
+      std::vector<const void*> to(n);
+      std::vector<void*> from(n);
+      for (int j = 0; j < n; ++j) {
+        to[j] = static_cast<const unsigned char*>(in) + j * bytes;
+        from[j] = static_cast<unsigned char*>(out) + j * bytes;
+      }
+      e_.copy(from[me], to[me], bytes);
+      const std::vector<size_t> each(n, bytes);
+      e_.grouped_sendrecv(nc_, me, to, each, from, each);
+    }
+    void allgather(const void* in, void* out, size_t bytes) override {
+      // In place when `in` is out's block rank(), as NCCL allows.
+      if (bytes)
+        e_.nccl_call(e_.nccl_->all_gather(in, out, bytes, nccl::kUint8, nc_, e_.stream_), nc_);
+    }
+    void sendrecv(const std::vector<int>& to, const void* out, const std::vector<int>& from,
+                  const std::vector<void*>& in, size_t bytes) override {
+      if (!bytes) return;
+      e_.nccl_call(e_.nccl_->group_start(), nc_);
+      for (int p : to)
+        e_.nccl_call(e_.nccl_->send(out, bytes, nccl::kUint8, p, nc_, e_.stream_), nc_);
+      for (size_t k = 0; k < from.size(); ++k)
+        e_.nccl_call(e_.nccl_->recv(in[k], bytes, nccl::kUint8, from[k], nc_, e_.stream_), nc_);
+      e_.nccl_call(e_.nccl_->group_end(), nc_);
+    }
+    void allreduce_sum(void* buf, size_t n, DataType dtype) override {
+      nccl::DataType t;
+      if (!nccl::data_type(dtype, &t))
+        throw std::invalid_argument(std::string("NCCL has no type for ") + dtype_name(dtype));
+      if (n)
+        e_.nccl_call(e_.nccl_->all_reduce(buf, buf, n, t, nccl::kSum, nc_, e_.stream_), nc_);
+    }
+
+   private:
+    CudaEngine& e_;
+    Comm& comm_;
+    nccl::Comm nc_;
+  };
+
+  // One NCCL group: to[j] (send[j] bytes) to every other rank j and from[j] (recv[j] bytes) from
+  // it; empty parts are skipped on both ends (both know the sizes).
+  void grouped_sendrecv(nccl::Comm nc, int me, const std::vector<const void*>& to,
+                        const std::vector<size_t>& send, const std::vector<void*>& from,
+                        const std::vector<size_t>& recv) {
+    nccl_call(nccl_->group_start(), nc);
+    for (size_t j = 0; j < to.size(); ++j) {
+      if (static_cast<int>(j) == me) continue;
+      if (send[j]) nccl_call(nccl_->send(to[j], send[j], nccl::kUint8, static_cast<int>(j), nc, stream_), nc);
+      if (recv[j]) nccl_call(nccl_->recv(from[j], recv[j], nccl::kUint8, static_cast<int>(j), nc, stream_), nc);
+    }
+    nccl_call(nccl_->group_end(), nc);
+  }
+
+  // Device memory kept between calls, one buffer per slot (the phased primitives' scratch).
+  void* scratch(int slot, size_t bytes) {
+    auto& b = scratch_[slot];
+    if (bytes > b.second) {
+      // Work queued on the stream may still use the old buffer.
+      check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+      if (b.first) cudaFree(b.first);
+      b = {nullptr, 0};
+      check(cudaMalloc(&b.first, bytes), "cudaMalloc (scratch)");
+      b.second = bytes;
+    }
+    return b.first;
+  }
 
   unsigned char* pinned(size_t bytes) {
     if (bytes > pinned_cap_) {
@@ -564,6 +682,8 @@ class CudaEngine final : public DeviceEngine {
   std::map<std::vector<int>, SetComm> comms_;
   unsigned char* pinned_ = nullptr;
   size_t pinned_cap_ = 0;
+  std::map<int, std::pair<void*, size_t>> scratch_;
+  bool memory_pools_ = false;  // cudaMallocAsync available
   // Operations queued on the stream and not yet seen complete (the stall
   // check).
   std::mutex pending_mu_;

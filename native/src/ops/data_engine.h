@@ -17,10 +17,22 @@
 
 namespace bagua_hvd {
 
+// A core-allocated output (allgather, alltoall) that the frontend copies out (bhvd_output_copy):
+// host memory, or memory of the CUDA device that wrote it (freed in the order of that device
+// engine's stream, after the copy).
+struct Output {
+  std::shared_ptr<void> data;
+  size_t bytes = 0;
+  int device = -1;
+};
+
 class DataEngine {
  public:
   virtual ~DataEngine() = default;
   virtual const char* name() const = 0;
+
+  // Memory for a core-allocated output of `bytes`, where this engine's collectives write.
+  virtual Output allocate_output(size_t bytes);
 
   // Local memory operations on buffers of this engine's device.
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;

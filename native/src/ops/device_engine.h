@@ -1,9 +1,11 @@
 // The data engine of a CUDA device (ops/cuda_engine.cu): CUDA tensors stay on
 // the device. Horovod's collectives run through NCCL (device/nccl_library.h) on
-// the engine's own stream; what NCCL cannot serve (NCCL missing, ranks sharing
-// a device, which NCCL refuses, dtypes NCCL has no type for, BAGUA's primitives
-// for now) is staged through pinned host memory and the CPU engine, on the same
-// stream order. Ordering with the frontend's streams is by events: the engine's
+// the engine's own stream, and so do ByteGrad's compressed allreduce and the
+// peer averages (the CUDA kernels between NCCL exchanges,
+// collectives/stream_backend.h); what NCCL cannot serve (NCCL missing, ranks
+// sharing a device, which NCCL refuses, dtypes NCCL has no type for, unequal
+// reducescatter shares, the low-precision ring) is staged through pinned host
+// memory and the CPU engine, on the same stream order. Ordering with the frontend's streams is by events: the engine's
 // stream waits for the event recorded on the caller's stream at enqueue, and at
 // synchronize the caller's stream waits for the event recorded after the op (as
 // Horovod and DDP do), so no host thread blocks on a GPU in the NCCL path.
@@ -56,6 +58,19 @@ class DeviceEngine : public DataEngine {
   // Synchronous copies between host memory and this device (core-allocated
   // outputs).
   virtual void copy_from_host(void* dst, const void* src, size_t bytes) = 0;
+  // Frontend thread: queues the copy of a device output of this engine into
+  // dst on `stream` (the caller's, which already waits for the operation);
+  // the output's memory is freed only after that copy.
+  virtual void copy_output(void* dst, const Output& out, void* stream) = 0;
+  // Asynchronous model averaging of weights on this device
+  // (core/async_average.cc): a stream of the caller's own (destroyed with the
+  // pointer), device memory (cudaMalloc'd), a copy and the merge
+  // x = (x + sum / n) - snapshot (the host path's rounding) queued on `stream`.
+  virtual std::shared_ptr<void> make_stream() = 0;
+  virtual std::shared_ptr<void> device_memory(size_t bytes) = 0;
+  virtual void copy_on(void* dst, const void* src, size_t bytes, void* stream) = 0;
+  virtual void async_merge(void* x, const void* sum, const void* snapshot, size_t n,
+                           DataType dtype, int set_size, void* stream) = 0;
   // Destroys the NCCL communicators once the engine's stream has drained, or
   // aborts them when it has not within wait_s (a peer gone mid-operation); the
   // next op of a set creates anew.

@@ -1,0 +1,161 @@
+// The phased forms of BAGUA's primitives (collectives/stream_backend.h), which the CUDA engine
+// runs with kernels and NCCL, against the pipelined CPU forms: here with a StreamBackend of host
+// memory over the real transports, so the phases' schedule (buffers, offsets, order of the sum,
+// residuals, peers) is checked on a machine without a GPU; the GPU check compares the CUDA
+// backend's results with the CPU path's.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "collectives/algorithms.h"
+#include "collectives/collectives.h"
+#include "collectives/stream_backend.h"
+#include "compression/minmax_uint8.h"
+#include "float_bits.h"
+#include "host_stream_kernels.h"
+#include "in_process_ranks.h"
+
+namespace bagua_hvd {
+namespace {
+using testing_ranks::Kind;
+using testing_ranks::run_ranks;
+
+// The exchanges of a StreamBackend over the real transports (Comm transfers, done at once).
+class CommExchanges : public StreamBackend {
+ public:
+  explicit CommExchanges(Comm& comm) : comm_(comm) {}
+  int rank() const override { return comm_.rank(); }
+  int size() const override { return comm_.size(); }
+  void alltoall(const void* in, void* out, size_t bytes) override {
+    std::vector<Comm::Xfer> xs;
+    auto* i = static_cast<unsigned char*>(const_cast<void*>(in));
+    auto* o = static_cast<unsigned char*>(out);
+    for (int j = 0; j < size(); ++j) {
+      if (j == rank()) continue;
+      xs.push_back({Comm::Xfer::SEND, j, i + j * bytes, bytes});
+      xs.push_back({Comm::Xfer::RECV, j, o + j * bytes, bytes});
+    }
+    comm_.run(xs, "test alltoall");
+    std::memmove(o + rank() * bytes, i + rank() * bytes, bytes);
+  }
+  void allgather(const void* in, void* out, size_t bytes) override {
+    auto* o = static_cast<unsigned char*>(out);
+    std::memmove(o + rank() * bytes, in, bytes);
+    std::vector<Comm::Xfer> xs;
+    for (int j = 0; j < size(); ++j) {
+      if (j == rank()) continue;
+      xs.push_back({Comm::Xfer::SEND, j, o + rank() * bytes, bytes});
+      xs.push_back({Comm::Xfer::RECV, j, o + j * bytes, bytes});
+    }
+    comm_.run(xs, "test allgather");
+  }
+  void sendrecv(const std::vector<int>& to, const void* out, const std::vector<int>& from,
+                const std::vector<void*>& in, size_t bytes) override {
+    std::vector<Comm::Xfer> xs;
+    for (int p : to) xs.push_back({Comm::Xfer::SEND, p, const_cast<void*>(out), bytes});
+    for (size_t k = 0; k < from.size(); ++k)
+      xs.push_back({Comm::Xfer::RECV, from[k], in[k], bytes});
+    comm_.run(xs, "test sendrecv");
+  }
+  void allreduce_sum(void* buf, size_t n, DataType dtype) override {
+    allreduce(comm_, buf, n, dtype, ReduceOp::SUM);
+  }
+
+ private:
+  Comm& comm_;
+};
+// A StreamBackend of host memory: the CPU kernels and Comm transfers.
+using HostBackend = HostKernels<CommExchanges>;
+
+using Bytes = std::vector<unsigned char>;
+
+// Per rank: the results of two steps, then the residuals.
+std::vector<std::vector<Bytes>> bytegrad(int n, size_t count, DataType dtype, bool average, bool ef,
+                                         bool phased) {
+  std::vector<std::vector<Bytes>> out(n);
+  run_ranks(n, Kind::TCP, [&](Comm& comm) {
+    const int k = comm.rank();
+    const size_t es = dtype_size(dtype), chunk = (count + n - 1) / n;
+    Bytes ew(chunk * n * es, 0), es_(chunk * es, 0);
+    HostBackend be(comm);
+    for (int s = 0; s < 2; ++s) {
+      Bytes buf = phased_input(k, count, s, dtype, 500);
+      void* w = ef ? ew.data() : nullptr;
+      void* v = ef ? es_.data() : nullptr;
+      if (phased)
+        allreduce_minmax_uint8_phased(be, buf.data(), count, dtype, average, w, v);
+      else
+        allreduce_minmax_uint8(comm, buf.data(), count, dtype, average, w, v);
+      out[k].push_back(buf);
+    }
+    out[k].push_back(ew);
+    out[k].push_back(es_);
+  });
+  return out;
+}
+
+TEST(PhasedByteGrad, SameBitsAndResidualsAsThePipelinedForm) {
+  for (int n : {2, 3}) {
+    for (size_t count : {size_t{1}, size_t{7}, size_t{1000}, size_t{300001}}) {
+      for (DataType dtype : {DataType::FLOAT32, DataType::FLOAT16, DataType::BFLOAT16}) {
+        if (dtype != DataType::FLOAT32 && count > 1000) continue;  // the same schedule
+        for (bool ef : {false, true}) {
+          const bool average = !(count == 7 && dtype == DataType::FLOAT32);  // a sum once
+          const auto want = bytegrad(n, count, dtype, average, ef, false);
+          const auto got = bytegrad(n, count, dtype, average, ef, true);
+          for (int k = 0; k < n; ++k)
+            for (size_t i = 0; i < want[k].size(); ++i)
+              EXPECT_EQ(got[k][i], want[k][i])
+                  << "rank " << k << " of " << n << ", " << count << " elements, dtype "
+                  << dtype_name(dtype) << (ef ? ", error feedback" : "") << ", item " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(PhasedByteGrad, RefusesWhatThePipelinedFormRefuses) {
+  run_ranks(1, Kind::TCP, [&](Comm& comm) {
+    HostBackend be(comm);
+    double x[4] = {};
+    EXPECT_THROW(allreduce_minmax_uint8_phased(be, x, 4, DataType::FLOAT64, true, nullptr, nullptr),
+                 std::invalid_argument);
+  });
+}
+
+TEST(PhasedPeerAverage, SameBitsAsTheCombiningForm) {
+  for (int n : {2, 3, 4}) {
+    for (PeerMode mode : {PeerMode::ALL, PeerMode::SHIFT_ONE, PeerMode::RING}) {
+      for (DataType dtype : {DataType::FLOAT32, DataType::FLOAT64, DataType::FLOAT16}) {
+        for (bool in_place : {true, false}) {
+          if (!in_place && dtype != DataType::FLOAT32) continue;
+          const size_t count = 70001;
+          std::vector<Bytes> want(n), got(n);
+          for (bool phased : {false, true}) {
+            run_ranks(n, Kind::TCP, [&](Comm& comm) {
+              const int k = comm.rank();
+              HostBackend be(comm);
+              const Bytes x = phased_input(k, count, 3, dtype, 500);
+              Bytes out = in_place ? x : Bytes(x.size(), 0xab);
+              const void* in = in_place ? static_cast<const void*>(out.data()) : x.data();
+              if (phased)
+                decentralized_average_phased(be, in, out.data(), count, dtype, mode, 5);
+              else
+                decentralized_average(comm, in, out.data(), count, dtype, mode, 5);
+              (phased ? got : want)[k] = out;
+            });
+          }
+          for (int k = 0; k < n; ++k)
+            EXPECT_EQ(got[k], want[k]) << "rank " << k << " of " << n << ", mode "
+                                       << static_cast<int>(mode) << ", " << dtype_name(dtype);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace bagua_hvd
