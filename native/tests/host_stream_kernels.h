@@ -57,6 +57,18 @@ class HostKernels final : public Base {
     for (size_t i = 0; i < n; ++i) m[i] = right ? ((l[i] + m[i]) + r[i]) / 3 : (m[i] + l[i]) / 2;
     from_float(m.data(), dtype, n, mine);
   }
+  void lp_difference(void* d, const void* x, const void* left, const void* right, const void* self,
+                     size_t n, DataType dtype) override {
+    std::vector<float> xv(n), l(n), r(n), s(n);
+    to_float(x, dtype, n, xv.data());
+    to_float(left, dtype, n, l.data());
+    to_float(right, dtype, n, r.data());
+    to_float(self, dtype, n, s.data());
+    const float third = 1.0f / 3.0f, five_thirds = 5.0f / 3.0f;
+    for (size_t i = 0; i < n; ++i)
+      xv[i] = ((xv[i] + l[i] * third) + r[i] * third) - s[i] * five_thirds;
+    from_float(xv.data(), dtype, n, d);
+  }
   void scale(void* buf, size_t n, DataType dtype, double factor) override {
     scale_buffer(buf, n, dtype, factor);
   }

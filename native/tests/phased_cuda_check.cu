@@ -181,6 +181,10 @@ class CudaRank final : public HubBackend {
   void scale(void* buf, size_t n, DataType dtype, double factor) override {
     cuda_scale(buf, n, dtype, factor, s_);
   }
+  void lp_difference(void* d, const void* x, const void* left, const void* right, const void* self,
+                     size_t n, DataType dtype) override {
+    cuda_lp_difference(d, x, left, right, self, n, dtype, s_);
+  }
   void compress(const void* in, DataType dtype, size_t n, size_t chunks, uint8_t* out) override {
     minmax_uint8_compress_cuda(in, dtype, n, chunks, out, s_);
   }
@@ -317,6 +321,44 @@ std::vector<Bytes> peer_average(int n, size_t count, DataType dtype, PeerMode mo
   return out;
 }
 
+// Per rank: x, self, left, right after the low-precision ring's init and two steps.
+std::vector<std::vector<Bytes>> lp_ring(int n, size_t count, DataType dtype, bool on_gpu,
+                                        std::string* err) {
+  std::vector<std::vector<Bytes>> out(n);
+  Hub hub(n);
+  *err = on_ranks(n, [&](int k) {
+    const size_t bytes = count * dtype_size(dtype);
+    const Bytes x0 = phased_input(k, count, 0, dtype, 910);
+    if (on_gpu) {
+      CudaRank be(hub, k, n);
+      void* x = be.upload(x0);
+      void* s = be.upload(Bytes(bytes));
+      void* l = be.upload(Bytes(bytes));
+      void* r = be.upload(Bytes(bytes));
+      lp_decentralized_init_phased(be, x, s, l, r, count, dtype);
+      for (int step = 1; step <= 2; ++step) {
+        void* g = be.upload(phased_input(k, count, step, dtype, 920));
+        be.add(x, g, count, dtype);  // local progress between the steps
+        lp_decentralized_phased(be, x, s, l, r, count, dtype);
+      }
+      out[k] = {be.download(x, bytes), be.download(s, bytes), be.download(l, bytes),
+                be.download(r, bytes)};
+      be.free_uploads();
+    } else {
+      HostRank be(hub, k, n);
+      Bytes x = x0, s(bytes), l(bytes), r(bytes);
+      lp_decentralized_init_phased(be, x.data(), s.data(), l.data(), r.data(), count, dtype);
+      for (int step = 1; step <= 2; ++step) {
+        const Bytes g = phased_input(k, count, step, dtype, 920);
+        be.add(x.data(), g.data(), count, dtype);
+        lp_decentralized_phased(be, x.data(), s.data(), l.data(), r.data(), count, dtype);
+      }
+      out[k] = {x, s, l, r};
+    }
+  });
+  return out;
+}
+
 template <typename T>
 std::string first_difference(const std::vector<T>& got, const std::vector<T>& want) {
   for (size_t k = 0; k < want.size(); ++k)
@@ -371,6 +413,20 @@ int main(int argc, char** argv) {
           const std::string err = e1 + e2;
           check(name, err.empty() && got == want, err.empty() ? first_difference(got, want) : err);
         }
+      }
+    }
+  }
+  for (int n : {2, 3}) {
+    for (DataType dtype : {DataType::FLOAT32, DataType::FLOAT16, DataType::BFLOAT16}) {
+      for (size_t count : counts) {
+        std::string e1, e2;
+        const auto want = lp_ring(n, count, dtype, false, &e1);
+        const auto got = lp_ring(n, count, dtype, true, &e2);
+        const std::string name =
+            "phased low-precision ring on CUDA = CPU kernels, n=" + std::to_string(n) +
+            " count=" + std::to_string(count) + " " + dtype_name(dtype);
+        const std::string err = e1 + e2;
+        check(name, err.empty() && got == want, err.empty() ? first_difference(got, want) : err);
       }
     }
   }

@@ -20,7 +20,8 @@ common=(native/src/compression/minmax_uint8_cuda.cu native/src/compression/minma
 nv native/tests/minmax_uint8_cuda_check.cu "${common[@]}" -o "$out/minmax_uint8_cuda_check"
 nv native/tests/phased_cuda_check.cu "${common[@]}" native/src/ops/cuda_kernels.cu \
   native/src/collectives/allreduce_minmax_uint8_phased.cc \
-  native/src/collectives/peer_average_phased.cc native/src/collectives/primitive_rules.cc \
+  native/src/collectives/peer_average_phased.cc native/src/collectives/lp_decentralized_phased.cc \
+  native/src/collectives/primitive_rules.cc \
   native/src/collectives/reduce.cc -o "$out/phased_cuda_check"
 [ "${BHVD_CUDA_CHECK_BUILD_ONLY:-0}" = 1 ] && exit 0
 status=0

@@ -159,11 +159,7 @@ void lp_decentralized_local(void* x, void* self, const void* left, const void* r
 
 void lp_decentralized_local(const XSegment* xs, size_t num_segments, void* self,
                             const void* left, const void* right, DataType dtype, uint8_t* c) {
-  if (dtype != DataType::FLOAT32 && dtype != DataType::FLOAT16 && dtype != DataType::BFLOAT16) {
-    throw std::invalid_argument(std::string("low-precision decentralized: MinMaxUInt8 needs "
-                                            "float32, float16 or bfloat16 weights, got ") +
-                                dtype_name(dtype));
-  }
+  check_minmax_uint8_dtype(dtype, "low-precision decentralized");
   size_t count = 0;
   for (size_t g = 0; g < num_segments; ++g) count += xs[g].count;
   if (count == 0) return;

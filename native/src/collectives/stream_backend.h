@@ -4,6 +4,7 @@
 // peer_average_phased.cc) run whole-buffer phases one after the other, where the CPU versions
 // (allreduce_minmax_uint8.cc, decentralized.cc) pipeline blocks with the transfers; both compute
 // the same bits (native/tests/phased_test.cc runs them side by side with a host StreamBackend).
+// lp_decentralized_phased.cc is the low-precision ring's.
 // Every call only queues work: nothing here waits for it.
 #pragma once
 
@@ -41,6 +42,10 @@ class StreamBackend {
                        DataType dtype) = 0;
   // buf *= factor (scale_buffer's rounding).
   virtual void scale(void* buf, size_t n, DataType dtype, double factor) = 0;
+  // The low-precision ring's difference d = ((x + left / 3) + right / 3) - 5/3 self, in float32
+  // (float32, float16, bfloat16), as decentralized.cc's lp_decentralized_local.
+  virtual void lp_difference(void* d, const void* x, const void* left, const void* right,
+                             const void* self, size_t n, DataType dtype) = 0;
 
   // MinMaxUInt8 (compression/minmax_uint8.h).
   virtual void compress(const void* in, DataType dtype, size_t n, size_t chunks, uint8_t* out) = 0;
@@ -69,5 +74,14 @@ void allreduce_minmax_uint8_phased(StreamBackend& be, void* buf, size_t count, D
 // decentralized_average (collectives.h) in phases: the same peers and bits.
 void decentralized_average_phased(StreamBackend& be, const void* in, void* out, size_t count,
                                   DataType dtype, PeerMode mode, int64_t step);
+
+// The low-precision ring (collectives.h: lp_decentralized_init, lp_decentralized_exchange,
+// lp_decentralized) in phases: the same messages and bits.
+void lp_decentralized_init_phased(StreamBackend& be, const void* x, void* self, void* left,
+                                  void* right, size_t count, DataType dtype);
+void lp_decentralized_exchange_phased(StreamBackend& be, const uint8_t* c, void* left, void* right,
+                                      size_t count, DataType dtype);
+void lp_decentralized_phased(StreamBackend& be, void* x, void* self, void* left, void* right,
+                             size_t count, DataType dtype);
 
 }  // namespace bagua_hvd

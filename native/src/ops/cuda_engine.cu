@@ -108,9 +108,9 @@ class CudaEngine final : public DeviceEngine {
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     fusion_ = std::make_unique<DeviceFusion>(fusion_stat_, device, stream_);
     int pools = 0;
-    memory_pools_ = cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) ==
-                        cudaSuccess &&
-                    pools != 0;
+    memory_pools_ =
+        cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) == cudaSuccess &&
+        pools != 0;
     nccl_ = loaded_nccl();
     if (!nccl_) nccl_ = load_nccl("", "", &nccl_why_);
   }
@@ -293,9 +293,8 @@ class CudaEngine final : public DeviceEngine {
                                     [&](size_t b) { return b == bytes_per_rank[0]; });
       if (even) {
         if (bytes_per_rank[0])
-          nccl_call(
-              nccl_->all_gather(in, out, bytes_per_rank[0], nccl::kUint8, sc.comm, stream_),
-              sc.comm);
+          nccl_call(nccl_->all_gather(in, out, bytes_per_rank[0], nccl::kUint8, sc.comm, stream_),
+                    sc.comm);
         return;
       }
       // Unequal parts: one send of this rank's part to every peer and one receive from each.
@@ -375,10 +374,10 @@ class CudaEngine final : public DeviceEngine {
   }
 
   // ---- BAGUA's primitives ----
-  // With NCCL, ByteGrad (and QAdam's compressed allreduce) and the full-precision peer averages
-  // run on the device in phases (collectives/stream_backend.h: the CUDA MinMaxUInt8 kernels,
-  // NCCL exchanges); otherwise, and for the low-precision ring, through the host (the CPU
-  // engine's results, bit for bit).
+  // With NCCL, ByteGrad (and QAdam's compressed allreduce), the full-precision peer averages and
+  // the low-precision ring run on the device in phases (collectives/stream_backend.h: the CUDA
+  // MinMaxUInt8 kernels and element-wise kernels between NCCL exchanges); otherwise through the
+  // host (the CPU engine's results, bit for bit).
   void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype, bool average,
                               void* ef_worker, void* ef_server) override {
     DeviceGuard g(device_);
@@ -416,6 +415,12 @@ class CudaEngine final : public DeviceEngine {
   void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, size_t count,
                         DataType dtype) override {
     DeviceGuard g(device_);
+    SetComm& sc = set_comm(comm);
+    if (sc.comm) {
+      Backend be(*this, comm, sc.comm);
+      lp_decentralized_phased(be, x, self, left, right, count, dtype);
+      return;
+    }
     const size_t bytes = count * dtype_size(dtype);
     Staging s(*this,
               {{x, bytes, true}, {self, bytes, true}, {left, bytes, true}, {right, bytes, true}});
@@ -425,6 +430,12 @@ class CudaEngine final : public DeviceEngine {
   void lp_decentralized_init(Comm& comm, const void* x, void* self, void* left, void* right,
                              size_t count, DataType dtype) override {
     DeviceGuard g(device_);
+    SetComm& sc = set_comm(comm);
+    if (sc.comm) {
+      Backend be(*this, comm, sc.comm);
+      lp_decentralized_init_phased(be, x, self, left, right, count, dtype);
+      return;
+    }
     const size_t bytes = count * dtype_size(dtype);
     Staging s(*this,
               {{x, bytes, false}, {self, bytes, true}, {left, bytes, true}, {right, bytes, true}});
@@ -435,6 +446,12 @@ class CudaEngine final : public DeviceEngine {
   void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* right,
                                  size_t count, DataType dtype) override {
     DeviceGuard g(device_);
+    SetComm& sc = set_comm(comm);
+    if (sc.comm) {
+      Backend be(*this, comm, sc.comm);
+      lp_decentralized_exchange_phased(be, c, left, right, count, dtype);
+      return;
+    }
     const size_t bytes = count * dtype_size(dtype);
     Staging s(*this, {{c, minmax_uint8_bytes(dtype, count, 1), false},
                       {left, bytes, true},
@@ -519,8 +536,11 @@ class CudaEngine final : public DeviceEngine {
     void scale(void* buf, size_t n, DataType dtype, double factor) override {
       cuda_scale(buf, n, dtype, factor, e_.stream_);
     }
-    void compress(const void* in, DataType dtype, size_t n, size_t chunks,
-                  uint8_t* out) override {
+    void lp_difference(void* d, const void* x, const void* left, const void* right,
+                       const void* self, size_t n, DataType dtype) override {
+      cuda_lp_difference(d, x, left, right, self, n, dtype, e_.stream_);
+    }
+    void compress(const void* in, DataType dtype, size_t n, size_t chunks, uint8_t* out) override {
       minmax_uint8_compress_cuda(in, dtype, n, chunks, out, e_.stream_);
     }
     void decompress(const uint8_t* in, DataType dtype, size_t n, size_t chunks,
@@ -562,8 +582,7 @@ class CudaEngine final : public DeviceEngine {
       nccl::DataType t;
       if (!nccl::data_type(dtype, &t))
         throw std::invalid_argument(std::string("NCCL has no type for ") + dtype_name(dtype));
-      if (n)
-        e_.nccl_call(e_.nccl_->all_reduce(buf, buf, n, t, nccl::kSum, nc_, e_.stream_), nc_);
+      if (n) e_.nccl_call(e_.nccl_->all_reduce(buf, buf, n, t, nccl::kSum, nc_, e_.stream_), nc_);
     }
 
    private:
@@ -580,8 +599,11 @@ class CudaEngine final : public DeviceEngine {
     nccl_call(nccl_->group_start(), nc);
     for (size_t j = 0; j < to.size(); ++j) {
       if (static_cast<int>(j) == me) continue;
-      if (send[j]) nccl_call(nccl_->send(to[j], send[j], nccl::kUint8, static_cast<int>(j), nc, stream_), nc);
-      if (recv[j]) nccl_call(nccl_->recv(from[j], recv[j], nccl::kUint8, static_cast<int>(j), nc, stream_), nc);
+      if (send[j])
+        nccl_call(nccl_->send(to[j], send[j], nccl::kUint8, static_cast<int>(j), nc, stream_), nc);
+      if (recv[j])
+        nccl_call(nccl_->recv(from[j], recv[j], nccl::kUint8, static_cast<int>(j), nc, stream_),
+                  nc);
     }
     nccl_call(nccl_->group_end(), nc);
   }

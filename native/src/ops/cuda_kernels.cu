@@ -156,6 +156,17 @@ __global__ void average_f64_kernel(double* m, const double* l, const double* r, 
   }
 }
 template <typename Ty>
+__global__ void lp_difference_kernel(typename Ty::Storage* d, const typename Ty::Storage* x,
+                                     const typename Ty::Storage* l, const typename Ty::Storage* r,
+                                     const typename Ty::Storage* s, size_t n) {
+  const float third = 1.0f / 3.0f, five_thirds = 5.0f / 3.0f;
+  BHVD_GRID_LOOP(i, n) {
+    const float a = __fadd_rn(__fadd_rn(Ty::widen(x[i]), __fmul_rn(Ty::widen(l[i]), third)),
+                              __fmul_rn(Ty::widen(r[i]), third));
+    d[i] = Ty::narrow(__fsub_rn(a, __fmul_rn(Ty::widen(s[i]), five_thirds)));
+  }
+}
+template <typename Ty>
 __global__ void async_merge_kernel(typename Ty::Storage* x, const typename Ty::Storage* s,
                                    const typename Ty::Storage* p, size_t n, float inv) {
   BHVD_GRID_LOOP(i, n) {
@@ -182,6 +193,19 @@ void float_types(DataType dtype, const char* what, F&& f) {
 }
 
 }  // namespace
+
+void cuda_lp_difference(void* d, const void* x, const void* left, const void* right,
+                        const void* self, size_t n, DataType dtype, void* stream) {
+  if (!n) return;
+  float_types(dtype, "lp_difference", [&](auto ty) {
+    using Ty = decltype(ty);
+    using S = typename Ty::Storage;
+    lp_difference_kernel<Ty><<<grid_for(n), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<S*>(d), static_cast<const S*>(x), static_cast<const S*>(left),
+        static_cast<const S*>(right), static_cast<const S*>(self), n);
+  });
+  check_launch("the low-precision difference kernel");
+}
 
 void cuda_async_merge(void* x, const void* sum, const void* snapshot, size_t n, DataType dtype,
                       int set_size, void* stream) {

@@ -29,6 +29,10 @@ void cuda_from_f32(const float* acc, size_t n, float divisor, DataType dtype, vo
 void cuda_average(void* mine, const void* left, const void* right, size_t n, DataType dtype,
                   void* stream);
 
+// The low-precision ring's difference d = ((x + left * (1/3)) + right * (1/3)) - self * (5/3) in
+// float32, rounded once (float32, float16, bfloat16), as lp_decentralized_local.
+void cuda_lp_difference(void* d, const void* x, const void* left, const void* right,
+                        const void* self, size_t n, DataType dtype, void* stream);
 // Asynchronous model averaging's merge: x = (x + sum * (1 / n)) - snapshot in float32 (16-bit
 // floats rounded once), x = (x + sum / n) - snapshot in double for float64, as
 // core/async_average.cc (float32, float16, bfloat16, float64).

@@ -2,9 +2,9 @@
 // the device. Horovod's collectives run through NCCL (device/nccl_library.h) on
 // the engine's own stream, and so do ByteGrad's compressed allreduce and the
 // peer averages (the CUDA kernels between NCCL exchanges,
-// collectives/stream_backend.h); what NCCL cannot serve (NCCL missing, ranks
-// sharing a device, which NCCL refuses, dtypes NCCL has no type for, unequal
-// reducescatter shares, the low-precision ring) is staged through pinned host
+// collectives/stream_backend.h), and the low-precision ring; what NCCL cannot
+// serve (NCCL missing, ranks sharing a device, which NCCL refuses, dtypes NCCL
+// has no type for, unequal reducescatter shares) is staged through pinned host
 // memory and the CPU engine, on the same stream order. Ordering with the frontend's streams is by events: the engine's
 // stream waits for the event recorded on the caller's stream at enqueue, and at
 // synchronize the caller's stream waits for the event recorded after the op (as

@@ -1,0 +1,74 @@
+// The low-precision ring (decentralized.cc: lp_decentralized_init, _exchange and the step) in
+// whole-buffer phases over a StreamBackend (stream_backend.h): the local half (difference,
+// MinMaxUInt8, the own replica advanced, x = it), then the compressed differences exchanged with
+// both neighbours, whose replicas advance by them. The pipelined CPU form does the same work
+// block by block, element-wise: the same bits.
+#include "collectives/algorithms.h"
+#include "collectives/stream_backend.h"
+#include "compression/minmax_uint8.h"
+
+namespace bagua_hvd {
+namespace {
+enum Slot { kDiff = 0, kMine = 1, kLeft = 2, kRight = 3, kDecoded = 4 };
+}  // namespace
+
+void lp_decentralized_init_phased(StreamBackend& be, const void* x, void* self, void* left,
+                                  void* right, size_t count, DataType dtype) {
+  const int n = be.size(), me = be.rank();
+  const size_t bytes = count * dtype_size(dtype);
+  if (self != x) be.copy(self, x, bytes);
+  if (n <= 1) {
+    be.copy(left, x, bytes);
+    be.copy(right, x, bytes);
+    return;
+  }
+  const int l = (me + n - 1) % n, r = (me + 1) % n;
+  if (l == r) {
+    be.sendrecv({r}, x, {l}, {left}, bytes);
+    be.copy(right, left, bytes);
+  } else {
+    be.sendrecv({l, r}, x, {l, r}, {left, right}, bytes);
+  }
+}
+
+void lp_decentralized_exchange_phased(StreamBackend& be, const uint8_t* c, void* left, void* right,
+                                      size_t count, DataType dtype) {
+  const int n = be.size(), me = be.rank();
+  if (n <= 1 || count == 0) return;
+  const size_t cbytes = minmax_uint8_bytes(dtype, count, 1);
+  const int l = (me + n - 1) % n, r = (me + 1) % n;
+  auto* cl = static_cast<uint8_t*>(be.scratch(kLeft, cbytes));
+  void* dec = be.scratch(kDecoded, count * dtype_size(dtype));
+  if (l == r) {  // n = 2: the one neighbour's difference advances both replicas
+    be.sendrecv({r}, c, {l}, {cl}, cbytes);
+    be.decompress(cl, dtype, count, 1, dec);
+    be.add(left, dec, count, dtype);
+    be.add(right, dec, count, dtype);
+    return;
+  }
+  auto* cr = static_cast<uint8_t*>(be.scratch(kRight, cbytes));
+  be.sendrecv({r, l}, c, {l, r}, {cl, cr}, cbytes);
+  be.decompress(cl, dtype, count, 1, dec);
+  be.add(left, dec, count, dtype);
+  be.decompress(cr, dtype, count, 1, dec);
+  be.add(right, dec, count, dtype);
+}
+
+void lp_decentralized_phased(StreamBackend& be, void* x, void* self, void* left, void* right,
+                             size_t count, DataType dtype) {
+  if (be.size() <= 1 || count == 0) return;  // as the CPU form: no local half either
+  check_minmax_uint8_dtype(dtype, "low-precision decentralized");
+  const size_t bytes = count * dtype_size(dtype);
+  // Local half: d, c = MinMaxUInt8(d), self += D(c), x = self (what the neighbours will hold).
+  void* d = be.scratch(kDiff, bytes);
+  be.lp_difference(d, x, left, right, self, count, dtype);
+  auto* c = static_cast<uint8_t*>(be.scratch(kMine, minmax_uint8_bytes(dtype, count, 1)));
+  be.compress(d, dtype, count, 1, c);
+  void* dec = be.scratch(kDecoded, bytes);
+  be.decompress(c, dtype, count, 1, dec);
+  be.add(self, dec, count, dtype);
+  be.copy(x, self, bytes);
+  lp_decentralized_exchange_phased(be, c, left, right, count, dtype);
+}
+
+}  // namespace bagua_hvd
