@@ -526,7 +526,8 @@ class LowPrecisionRing(_WeightAveraging):
             return None
         a = self.adapter
         flats = weights()
-        # CUDA buckets take the blocking step (its local half has no device kernel here yet).
+        # CUDA buckets take the whole step (lp_step), which the core queues on the device; the
+        # split form's local half runs on the host.
         if self.split() and (not flats or a.buffer(flats[0]).device < 0):
             if not self.diffs:
                 self.diffs = [
