@@ -141,6 +141,23 @@ def _replay(lines: list[dict], sample=_torch_sample, init: list | None = None) -
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"epoch {epoch}")
 
 
+def _run_keras(tmp: Path, launcher: list, worker: list) -> tuple[subprocess.CompletedProcess, list]:
+    """tests/workers/elastic_keras_main.py through bagua-run (``launcher``: its arguments before
+    the command; ``worker``: the worker's after --logfile): the process and the logged rows
+    (the initial weights, then one row per epoch)."""
+    logfile = tmp / "log.jsonl"
+    keras_main = ROOT / "tests" / "workers" / "elastic_keras_main.py"
+    cmd = [sys.executable, "-m", "bagua_hvd.runner.launch", *launcher, sys.executable,
+           str(keras_main), "--logfile", str(logfile), *worker]  # fmt: skip
+    env = dict(os.environ, HOROVOD_GLOO_TIMEOUT_SECONDS="20", PYTHONPATH=str(ROOT),
+               TF_CPP_MIN_LOG_LEVEL="2")  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT, cwd=str(tmp), env=env
+    )
+    rows = [json.loads(x) for x in logfile.read_text().splitlines()] if logfile.exists() else []
+    return proc, rows
+
+
 def _check(line: dict, epoch: int, **expected) -> None:
     assert line["epoch"] == epoch, line
     assert line["batch"] == 10, line
@@ -364,31 +381,120 @@ def test_bagua_algorithms_re_plan_after_a_failure(tmp_path, algorithm):
                         assert left == right == reps[1 - r][b][0], (epoch, r, b, reps)
 
 
-def test_tensorflow_algorithms_that_keep_state_refuse_an_elastic_job():
-    """The TensorFlow frontend does not re-plan BAGUA's stateful algorithms after a reset yet:
-    in an elastic job its DistributedOptimizer says so at once; GradientAllReduce runs."""
+def test_async_averaging_takes_in_a_worker_that_joins(tmp_path):
+    """torch, asynchronous model averaging, a third worker joining after epoch 0: the
+    survivors' new averager and the new worker's have the same name (after the elastic
+    generation, not each process's count of restarts), so their rounds meet."""
+    schedule = [(0, ["localhost:2"]), (None, ["localhost:2", "127.0.0.1:1"])]
+    # A second's wait after each epoch: the averagers (500 ms apart) reach the next steps with
+    # a round to snapshot and merge (a round that never meets merges nothing; the training
+    # itself does not wait for it).
+    proc, lines = _run(tmp_path, np=2, min_np=2, max_np=3, schedule=schedule, epoch_wait=1.0,
+                       env={"BAGUA_HVD_ALGORITHM": "async"})  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert [(x["epoch"], x["size"], x["rendezvous"]) for x in lines] == [
+        (0, 2, 1), (1, 3, 2), (2, 3, 2),
+    ], _explain(proc)  # fmt: skip
+    assert all(np.isfinite(line["params"]).all() for line in lines), lines
+    assert lines[2]["rounds"] >= 1, lines  # the three ranks' rounds met after the join
+
+
+def test_tensorflow_takes_every_algorithm_in_an_elastic_job():
+    """The TensorFlow frontend re-plans BAGUA's algorithms after a reset (next test): in an
+    elastic job its DistributedOptimizer takes each of them (it refused the stateful ones
+    before it could)."""
     code = """
 import tensorflow as tf, bagua_hvd.tensorflow as hvd
 from bagua_hvd.tensorflow import algorithms as alg
 hvd.init()
-for a in (alg.ByteGrad(), alg.Decentralized(), alg.LowPrecisionDecentralized(),
-          alg.AsyncModelAverage()):
-    try:
-        hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), algorithm=a)
-    except NotImplementedError as e:
-        assert "in an elastic job (HOROVOD_ELASTIC=1)" in str(e), e
-        print("refused", type(a).__name__)
-hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), algorithm=alg.GradientAllReduce())
-print("ok")
+for a in (alg.ByteGrad(error_feedback=True), alg.Decentralized(), alg.LowPrecisionDecentralized(),
+          alg.LowPrecisionDecentralized(hierarchical=False), alg.AsyncModelAverage(),
+          alg.GradientAllReduce()):
+    hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), algorithm=a)
+    print("accepted", type(a).__name__)
 """
     env = dict(os.environ, HOROVOD_ELASTIC="1", PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=180, env=env)  # fmt: skip
     assert proc.returncode == 0, _explain(proc)
-    refused = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("refused")]
-    assert refused == ["ByteGrad", "Decentralized", "LowPrecisionDecentralized",
-                       "AsyncModelAverage"], proc.stdout  # fmt: skip
-    assert proc.stdout.strip().endswith("ok"), proc.stdout
+    assert proc.stdout.count("accepted") == 6, proc.stdout
+    # Without the kernel library (its numpy fallback does not re-plan) a stateful algorithm is
+    # refused when its implementation is made, GradientAllReduce runs.
+    code = """
+import bagua_hvd.tensorflow as hvd
+from bagua_hvd.tensorflow import algorithms as alg
+hvd.init()
+alg.reify(alg.GradientAllReduce(), None, hvd.global_process_set)
+try:
+    alg.reify(alg.ByteGrad(), None, hvd.global_process_set)
+except NotImplementedError as e:
+    print("refused:", e)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=180, env=dict(env, BAGUA_HVD_TF_KERNELS="0"))  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert "refused: algorithm=ByteGrad in an elastic job" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize(
+    "algorithm", ["bytegrad", "decentralized", "low_precision_decentralized", "async"]
+)
+def test_keras_bagua_algorithms_re_plan_after_a_failure(tmp_path, algorithm):
+    """Keras 3 with BAGUA's algorithms through model.fit and the elastic callbacks: of three
+    workers on two hosts, start rank 2 (the second host's) is killed before batch 3 of epoch 1;
+    the two others go on at size 2, where every algorithm re-planned in the TensorFlow kernels
+    (error feedback's residuals sized for 2 ranks, the ring's replicas made for the new
+    neighbours, a new background averager, the step counts agreed), and finish with finite
+    weights."""
+    proc, rows = _run_keras(tmp_path, ["-np", "3", "--min-np", "2", "-H", "localhost:2,127.0.0.1:1"],
+                            ["--exit", "1,3,2", "--algorithm", algorithm])  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    lines = rows[1:]
+    assert [(x["epoch"], x["size"], x["rendezvous"]) for x in lines] == [
+        (0, 3, 1), (1, 2, 2), (2, 2, 2),
+    ], _explain(proc)  # fmt: skip
+    # Keras's batch state is the last batch that ended (Horovod's UpdateBatchStateCallback), so
+    # the batch after the last commit may run again at the new size: 10 or 11 batches.
+    sizes = lines[1]["sizes"]
+    k = sizes.count(3)
+    assert sizes == [3] * k + [2] * (len(sizes) - k) and 3 <= k <= 4, lines[1]
+    assert len(sizes) in (10, 11), lines[1]
+    assert all(np.isfinite(line["params"]).all() for line in lines), lines
+    assert lines[-1]["params"] != rows[0]["init"], "the training did not move the weights"
+    if algorithm == "low_precision_decentralized":
+        # After the reset (2 ranks on one host: a flat ring of two) a rank's copies of its
+        # neighbour are that neighbour's own replica bit for bit: made anew for the new ring,
+        # not kept from the ring of three.
+        for epoch in (1, 2):
+            reps = {}
+            for r in range(2):
+                rows_r = (tmp_path / f"log.jsonl.replicas.{r}").read_text().splitlines()
+                row = [json.loads(x) for x in rows_r if json.loads(x)["epoch"] == epoch][-1]
+                assert row["size"] == 2, row
+                reps[r] = row["replicas"]
+            for r in range(2):
+                for b, (_, left, right) in enumerate(reps[r]):
+                    assert left == right == reps[1 - r][b][0], (epoch, r, b, reps)
+
+
+@pytest.mark.parametrize("algorithm", ["low_precision_decentralized", "async"])
+def test_keras_bagua_algorithms_take_in_a_worker_that_joins(tmp_path, algorithm):
+    """Two workers on one host, a third host appears after epoch 0: the new worker starts its
+    algorithm from nothing while the others re-plan theirs, and they agree (step counts, the
+    ring's replicas made in the same step, the averager's name after the elastic generation),
+    so the job of three finishes."""
+    # The log's first line is the initial weights; then one line per epoch.
+    schedule = [(0, ["localhost:2"]), (1, ["localhost:2"]), (None, ["localhost:2", "127.0.0.1:1"])]
+    discover = _discovery_script(tmp_path, tmp_path / "log.jsonl", schedule)
+    proc, rows = _run_keras(tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "3",
+                                       "--host-discovery-script", str(discover)],
+                            ["--join-after-epoch", "0", "--algorithm", algorithm])  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    lines = rows[1:]
+    assert [(x["epoch"], x["size"], x["rendezvous"]) for x in lines] == [
+        (0, 2, 1), (1, 3, 2), (2, 3, 2),
+    ], _explain(proc)  # fmt: skip
+    assert all(np.isfinite(line["params"]).all() for line in lines), lines
 
 
 def test_keras_training_with_a_failure_matches_its_replay(tmp_path):
@@ -396,18 +502,9 @@ def test_keras_training_with_a_failure_matches_its_replay(tmp_path):
     batch): of two workers on two hosts, start rank 1 is killed at the start of epoch 1; the
     other finishes alone, and the weights after every epoch are those of the training replayed
     from the logged sizes."""
-    logfile = tmp_path / "log.jsonl"
-    keras_main = ROOT / "tests" / "workers" / "elastic_keras_main.py"
-    cmd = [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "2", "--min-np", "1",
-           "-H", "localhost:1,127.0.0.1:1", sys.executable, str(keras_main),
-           "--logfile", str(logfile), "--exit", "1,0,1"]  # fmt: skip
-    env = dict(os.environ, HOROVOD_GLOO_TIMEOUT_SECONDS="20", PYTHONPATH=str(ROOT),
-               TF_CPP_MIN_LOG_LEVEL="2")  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT, cwd=str(tmp_path), env=env
-    )
+    proc, rows = _run_keras(tmp_path, ["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1"],
+                            ["--exit", "1,0,1"])  # fmt: skip
     assert proc.returncode == 0, _explain(proc)
-    rows = [json.loads(x) for x in logfile.read_text().splitlines()]
     init, lines = rows[0]["init"], rows[1:]
     assert [(x["epoch"], x["size"], x["start_rank"], x["rendezvous"]) for x in lines] == [
         (0, 2, 0, 1), (1, 1, 0, 2), (2, 1, 0, 2),

@@ -70,14 +70,6 @@ def check_algorithm(algorithm: Any, frontend: str) -> None:
             f"algorithm must be an object from bagua_hvd.{frontend}.algorithms, got "
             f"{type(algorithm).__name__}"
         )
-    if config.elastic() and not algorithm.elastic and frontend != "torch":
-        raise NotImplementedError(
-            f"algorithm={type(algorithm).__name__} in an elastic job (HOROVOD_ELASTIC=1): this "
-            "algorithm keeps state across steps (residuals, neighbours' replicas, stages or a "
-            f"background averager) that bagua_hvd's {frontend} frontend does not re-plan after "
-            "a reset yet (the torch frontend does); use Horovod's allreduce (algorithm=None) or "
-            "GradientAllReduce in elastic jobs"
-        )
 
 
 class Algorithm:
@@ -103,10 +95,6 @@ class Algorithm:
     #: the ``step`` of :meth:`compresses_gradients` and :meth:`sends_momentum` counts the
     #: updates of the algorithm's optimizer (QAdam's stages), not the distributed steps
     staged_by_optimizer: bool = False
-    #: runs in an elastic job on every frontend: after a reset its state (residuals, replicas
-    #: of neighbours, stages, a background averager) needs no re-planning for the new world
-    #: (the torch frontend re-plans every algorithm: DistributedOptimizer._plan_again)
-    elastic: bool = False
 
     #: gradients are averaged by the frontend's gradient path at this step
     def communicates_gradients(self, step: int) -> bool:
@@ -176,8 +164,6 @@ class GradientAllReduce(Algorithm):
     """Gradients averaged (``average=True``) or summed by allreduce while backward runs:
     Horovod's behaviour. ``hierarchical`` is accepted for BAGUA compatibility; on one host it
     is the flat allreduce."""
-
-    elastic = True  # stateless between steps
 
     def __init__(self, hierarchical: bool = False, average: bool = True) -> None:
         self.hierarchical = hierarchical

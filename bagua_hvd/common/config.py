@@ -95,6 +95,15 @@ def elastic() -> bool:
 # The elastic driver's contract with its workers, beside Horovod's variables
 # (bagua_hvd.runner.elastic.driver sets them; bagua_hvd.common.elastic reads them here).
 ELASTIC_GENERATION_ENV = "BAGUA_HVD_ELASTIC_GENERATION"
+
+
+def elastic_generation() -> int:
+    """The elastic driver's generation of the job this process is in (0 outside elastic jobs):
+    the same on every rank of the job, a worker that just joined included."""
+    text = _text(ELASTIC_GENERATION_ENV)
+    return int(text) if text.isdigit() else 0
+
+
 ELASTIC_UPDATE_ENV = "BAGUA_HVD_ELASTIC_UPDATE"
 ELASTIC_WAIT_ENV = "BAGUA_HVD_ELASTIC_WAIT_SECONDS"
 

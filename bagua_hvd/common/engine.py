@@ -117,9 +117,16 @@ def bucket_label(first: Any, count: int) -> str:
     return f"{first}" if count == 1 else f"{first}+{count - 1}"
 
 
+def averager_name(prefix: str, generation: int) -> str:
+    """A background averager's name: the same on every rank, a worker that joined an elastic
+    job included: the job's elastic generation, then ``generation``, the restarts (resume())
+    within it. The TensorFlow kernels name theirs alike (kernels.cc, BaguaHvdAsyncStep)."""
+    return f"{prefix}.{_config.elastic_generation()}.{generation}"
+
+
 class LabelledNames:
     """Op names after the buckets' labels (the torch frontend: ``"decentralized.<label>"``,
-    ``"lpdec.x.<label>"``, ``"async.<first label>.<generation>"``)."""
+    ``"lpdec.x.<label>"``, ``"async.<first label>.<elastic generation>.<restarts>"``)."""
 
     _PREFIX = {
         "grad": "allreduce",
@@ -137,7 +144,7 @@ class LabelledNames:
         return f"{self._PREFIX[kind]}.{self.labels[i]}"
 
     def averager(self, generation: int) -> str:
-        return f"{self.averager_prefix()}.{generation}"
+        return averager_name(self.averager_prefix(), generation)
 
     def averager_prefix(self) -> str:
         """The averagers' names without their generation."""
@@ -155,6 +162,7 @@ class NumberedNames:
         "lp.init": ("lp_decentralized", "init"),
         "lp.step": ("lp_decentralized", "step"),
         "lp.x": ("lp_decentralized", "x"),
+        "steps": ("counter", "steps"),  # an elastic job's agreement on the step counts
     }
 
     def __init__(self, uid: int) -> None:
@@ -165,7 +173,7 @@ class NumberedNames:
         return f"{op}.bagua_tf{self.uid}.{what}.{i}"
 
     def averager(self, generation: int) -> str:
-        return f"{self.averager_prefix()}.{generation}"
+        return averager_name(self.averager_prefix(), generation)
 
     def averager_prefix(self) -> str:
         """The averagers' names without their generation."""
@@ -660,11 +668,12 @@ class AsyncAveraging(_WeightAveraging):
 
     def replan(self) -> None:
         # The core stopped the averager with the old job: a new one starts at the next step
-        # past the warm-up, under the next generation's names.
+        # past the warm-up, under the new job's names (averager_name), as the workers that
+        # just joined start theirs.
         if self.averager is not None:
             _live_averagers.pop(id(self), None)
             self.averager = None
-            self.generation += 1
+        self.generation = 0
 
     @property
     def id(self) -> Optional[int]:

@@ -207,14 +207,21 @@ class KernelImpl(AlgorithmImpl):
         return SPECS
 
     # -- counts ------------------------------------------------------------------------------------
-    def _counter(self, counter: str = "steps", mode: int = 0, value: Any = 0) -> Any:
-        """The library's count (before the change): an int eagerly, else an int64 tensor."""
+    def _counter(
+        self, counter: str = "steps", mode: int = 0, value: Any = 0, agree: bool = False
+    ) -> Any:
+        """The library's count (before the change): an int eagerly, else an int64 tensor.
+        ``agree``: in an elastic job, first (once per job) the ranks agree on the counts (a
+        worker that just joined starts from 0; an allreduce, so only at the step's first read,
+        which every rank makes)."""
         out = self._ops.bagua_hvd_counter(
             tf.constant(value, tf.int64) if isinstance(value, int) else value,
             key=self._key,
             counter=counter,
             mode=mode,
             message=self._after_apply_missing() if mode == 3 else "",
+            agree_name=self._names.op("steps", 0) if agree and config.elastic() else "",
+            process_set_id=_ops.process_set_id(self.process_set),
         )
         return int(out) if tf.executing_eagerly() else out
 
@@ -231,7 +238,7 @@ class KernelImpl(AlgorithmImpl):
 
     # -- the step ----------------------------------------------------------------------------------
     def _communicate(self, grads: List[Any], variables: List[Any]) -> List[Any]:
-        step = self._counter()
+        step = self._counter(agree=True)
         if self.needs_after_apply:
             if tf.executing_eagerly():
                 if self._counter("applied") < step:
@@ -293,7 +300,7 @@ class KernelImpl(AlgorithmImpl):
                             )
                     ts = [q.momentum(pvars[j], ins[j]) for j in b.layout[i]]
                     kind = "momentum"
-                return self._bucket_allreduce(ts, i, b.specs[i], plan, kind)
+                return self._bucket_allreduce(ts, i, plan, kind)
 
             return run
 
@@ -308,14 +315,11 @@ class KernelImpl(AlgorithmImpl):
         return self._handed_over(grads, present, outs, q if staged else None)
 
     def _bucket_allreduce(
-        self, tensors: List[Any], i: int, spec: Spec, plan: engine.StepPlan, kind: str
+        self, tensors: List[Any], i: int, plan: engine.StepPlan, kind: str
     ) -> List[Any]:
         """The engine's allreduce of bucket ``i`` (``tensors``) as ``plan`` says: tensors of
         the same shapes."""
-        residuals: List[int] = []
-        if plan.residuals:
-            worker, server = self.gradients.residuals(None, spec)
-            residuals = [worker.numel, server.numel]
+        # Error feedback's residuals are sized by the kernel for the job it runs in.
         return self._ops.bagua_hvd_buckets(
             tensors,
             tf.constant(0, tf.int64),
@@ -326,7 +330,7 @@ class KernelImpl(AlgorithmImpl):
             reduce_op=self.alg.reduce_op(_ops.Average),
             compressed=bool(plan.compressed),
             hierarchical=bool(self.alg.hierarchical),
-            residual_numels=residuals,
+            error_feedback=bool(plan.residuals),
         )
 
     # -- weights -----------------------------------------------------------------------------------
@@ -385,18 +389,20 @@ class KernelImpl(AlgorithmImpl):
 
     def _lp_step(self, step: Any, variables: List[Any]) -> None:
         ring = self.averaging
-        split = ring.split()
 
         def run() -> None:
+            # The kernel splits the step or not (the engine's ring.split()) for the job as it
+            # is when it runs: an elastic reset may change the hosts after this trace.
             b, handles = self._handles(variables)
-            kind = "lp.x" if split else "lp.step"
+            n = len(b.sizes)
             self._ops.bagua_hvd_lp_step(
                 handles,
                 key=self._key,
                 bucket_sizes=b.sizes,
-                names=[self._names.op(kind, i) for i in range(len(b.sizes))],
+                names=[self._names.op("lp.x", i) for i in range(n)],
+                step_names=[self._names.op("lp.step", i) for i in range(n)],
                 process_set_id=ring.process_set_id,
-                split=bool(split),
+                hierarchical=bool(self.alg.hierarchical),
             )
 
         _when(ring.communicating(step), run)

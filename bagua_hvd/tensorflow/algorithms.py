@@ -638,6 +638,13 @@ def reify(
         from bagua_hvd.tensorflow.algorithm_kernels import KernelImpl
 
         return KernelImpl(algorithm, optimizer, process_set)
+    if config.elastic() and not isinstance(algorithm, _common.GradientAllReduce):
+        # The kernels re-plan after a reset (kernels.cc: BaguaHvdNewJob); this fallback not.
+        raise NotImplementedError(
+            f"algorithm={type(algorithm).__name__} in an elastic job (HOROVOD_ELASTIC=1) needs "
+            "bagua_hvd's TensorFlow kernel library, which re-plans it after a reset; it is not "
+            "in use here (BAGUA_HVD_TF_KERNELS=0, or it could not be built: see the warning)"
+        )
     return NumpyImpl(algorithm, optimizer, process_set)
 
 

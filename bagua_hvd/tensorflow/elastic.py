@@ -53,6 +53,7 @@ import bagua_hvd.tensorflow as _hvd
 from bagua_hvd.common import elastic as _common_elastic
 from bagua_hvd.common.elastic import ObjectState, run_fn
 from bagua_hvd.common.exceptions import HorovodInternalError
+from bagua_hvd.tensorflow import kernels as _kernels
 from bagua_hvd.tensorflow.mpi_ops import _executing_eagerly, broadcast, init, rank, shutdown
 
 __all__ = [
@@ -133,6 +134,11 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _reset() -> None:
     _common_elastic.reset(shutdown, init)
+    # BAGUA's algorithms: the kernels' state made for the old job (residuals, the ring's
+    # replicas, the background averager, the agreed step counts) is renewed at its next use.
+    ops = _kernels.loaded()
+    if ops is not None:
+        ops.bagua_hvd_new_job()
 
 
 # ---- helpers ------------------------------------------------------------------------------

@@ -707,13 +707,19 @@ Tensor Zeros(::tensorflow::DataType dtype, int64_t n) {
 }
 
 // ---- the state that outlives a step ----
+// State that belongs to one job carries the job it was made for (Store::job): an elastic reset
+// forms a new job (BaguaHvdNewJob), after which residuals start from zero, the low-precision
+// ring makes its replicas anew for its new neighbours, a new background averager starts, and
+// the step counts are agreed with the other ranks (a worker that just joined starts from 0).
 struct Counters {
   int64_t steps = 0;    // steps whose gradients were handed over (reduce_gradients calls)
   int64_t applied = 0;  // the step of the last after_apply
+  int64_t job = -1;     // the job whose ranks agreed on them (-1: none yet)
 };
 
 struct Residuals {  // error feedback of one bucket: the worker's and the server's
   Tensor worker, server;
+  int64_t job = -1;
 };
 
 struct BucketBuffers {  // one bucket's buffers, kept from step to step
@@ -725,6 +731,7 @@ struct BucketBuffers {  // one bucket's buffers, kept from step to step
 struct Ring {
   std::mutex mu;
   bool initialized = false;
+  int64_t job = -1;  // the job the replicas were made in
   std::vector<std::array<Tensor, 3>> replicas;
   std::vector<Tensor> diffs;
   std::vector<Tensor> flats;  // the hierarchical step's weight buckets, kept from step to step
@@ -734,7 +741,8 @@ struct Ring {
 struct Averager {  // asynchronous model averaging, one implementation
   std::mutex mu;
   int64_t id = 0;  // the core's averager, 0: none runs
-  int64_t generation = 0;
+  int64_t job = -1;         // the job it runs in
+  int64_t generation = 0;   // restarts (resume) within the job
   bool aborted = false;
   std::vector<Tensor> buffers;  // the core writes into them until it is released
 };
@@ -757,6 +765,7 @@ class Store {
   }
 
   std::mutex mu;
+  int64_t job = 0;  // jobs formed after the first (elastic resets): BaguaHvdNewJob
   std::unordered_map<std::string, Counters> counters;
   std::unordered_map<std::string, std::shared_ptr<Residuals>> residuals;
   std::unordered_map<std::string, std::shared_ptr<BucketBuffers>> buffers;
@@ -830,9 +839,28 @@ int64_t SweepRingsBounded(double timeout_s) {
   return late;
 }
 
+// The ranks' agreement on an implementation's counts (an elastic job's first step in a job):
+// the largest of every rank's (the survivors' are equal; a worker that just joined has 0).
+absl::Status AgreeCounts(const std::string& name, int32_t process_set_id, Counters* c) {
+  Tensor counts(::tensorflow::DT_INT64, ::tensorflow::TensorShape({2}));
+  counts.flat<int64_t>()(0) = c->steps;
+  counts.flat<int64_t>()(1) = c->applied;
+  View v(counts, BHVD_INT64);
+  bhvd_request r = BaseRequest(BHVD_OP_ALLREDUCE, name.c_str(), process_set_id, &v.desc, &v.desc);
+  r.reduce_op = BHVD_MAX;
+  int64_t handle = 0;
+  TF_RETURN_IF_ERROR(Enqueue(r, &handle));
+  TF_RETURN_IF_ERROR(WaitAndRelease(handle, name));
+  c->steps = counts.flat<int64_t>()(0);
+  c->applied = counts.flat<int64_t>()(1);
+  return absl::OkStatus();
+}
+
 // BaguaHvdCounter: a step count of an implementation. mode 0: read; 1: add `value`; 2: set to
 // `value`; 3: fail with `message` (InvalidArgument) when the last after_apply is older than the
 // step count (an update not followed by after_apply). Returns the count before the change.
+// agree_name (an elastic job's first read of a step): first, once per job, every rank takes the
+// largest of the ranks' counts (an allreduce under that name).
 class BaguaHvdCounterOp : public OpKernel {
  public:
   explicit BaguaHvdCounterOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -840,12 +868,31 @@ class BaguaHvdCounterOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("counter", &counter_));
     OP_REQUIRES_OK(c, c->GetAttr("mode", &mode_));
     OP_REQUIRES_OK(c, c->GetAttr("message", &message_));
+    OP_REQUIRES_OK(c, c->GetAttr("agree_name", &agree_name_));
+    OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_id_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const int64_t value = ctx->input(0).scalar<int64_t>()();
     Store& store = Store::Get();
     int64_t before = 0;
+    if (!agree_name_.empty()) {
+      Counters mine;
+      int64_t job = 0;
+      {
+        std::lock_guard<std::mutex> lock(store.mu);
+        mine = store.counters[key_];
+        job = store.job;
+      }
+      if (mine.job != job) {  // the collective runs without the store's lock
+        OP_REQUIRES_OK(ctx, AgreeCounts(agree_name_, process_set_id_, &mine));
+        std::lock_guard<std::mutex> lock(store.mu);
+        Counters& c = store.counters[key_];
+        c.steps = mine.steps;
+        c.applied = mine.applied;
+        c.job = job;
+      }
+    }
     {
       std::lock_guard<std::mutex> lock(store.mu);
       Counters& c = store.counters[key_];
@@ -864,8 +911,9 @@ class BaguaHvdCounterOp : public OpKernel {
   }
 
  private:
-  std::string key_, counter_, message_;
+  std::string key_, counter_, message_, agree_name_;
   int mode_ = 0;
+  int32_t process_set_id_ = 0;
 };
 
 // Buckets submitted by one asynchronous kernel; done() once the last completes.
@@ -907,7 +955,8 @@ void OnBucketDone(int64_t handle, int32_t status, void* arg) {
 }
 
 // BaguaHvdBuckets: the gradient path's allreduce of every bucket (primitive 0: compressed or
-// not, with error feedback's residuals where residual_numels gives their sizes) or
+// not, with error feedback's residuals when error_feedback is set: sized for the job's
+// compression group, zeros in a new job or layout) or
 // Decentralized's peer average of the weight buckets (primitive 1, round `round`), submitted
 // together; outputs shaped as the inputs.
 class BaguaHvdBucketsOp : public AsyncOpKernel {
@@ -918,10 +967,8 @@ class BaguaHvdBucketsOp : public AsyncOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
     OP_REQUIRES_OK(c, c->GetAttr("compressed", &compressed_));
     OP_REQUIRES_OK(c, c->GetAttr("hierarchical", &hierarchical_));
-    OP_REQUIRES_OK(c, c->GetAttr("residual_numels", &residual_numels_));
+    OP_REQUIRES_OK(c, c->GetAttr("error_feedback", &error_feedback_));
     OP_REQUIRES_OK(c, c->GetAttr("peer_mode", &peer_mode_));
-    OP_REQUIRES(c, residual_numels_.empty() || residual_numels_.size() == 2 * buckets_.sizes.size(),
-                absl::InvalidArgumentError("bagua_hvd: two residual sizes per bucket"));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -950,15 +997,27 @@ class BaguaHvdBucketsOp : public AsyncOpKernel {
         }
         g->results[b] = kept->result;
       }
-      if (!residual_numels_.empty()) {
+      if (error_feedback_) {
         auto r = store.Find(store.residuals, buckets_.names[b]);
-        const int64_t nw = residual_numels_[2 * b], ns = residual_numels_[2 * b + 1];
+        // The worker's: the bucket padded to a multiple of the compression group; the server's:
+        // one chunk (the engine's GradientPath.residuals). A new layout or job starts from zero.
+        const int64_t n = bhvd_compression_group_size(buckets_.process_set_id, hierarchical_);
+        OP_REQUIRES_ASYNC(ctx, n > 0,
+                          absl::InternalError(std::string("bagua_hvd: compression group: ") +
+                                              bhvd_last_error()),
+                          done);
+        const int64_t chunk = (g->flats[b].NumElements() + n - 1) / n;
         const auto dtype = g->flats[b].dtype();
-        // A new layout starts from zero residuals (the engine's GradientPath.residuals).
-        if (r->worker.NumElements() != nw || r->worker.dtype() != dtype ||
-            r->server.NumElements() != ns) {
-          r->worker = Zeros(dtype, nw);
-          r->server = Zeros(dtype, ns);
+        int64_t job = 0;
+        {
+          std::lock_guard<std::mutex> lock(store.mu);
+          job = store.job;
+        }
+        if (r->job != job || r->worker.NumElements() != chunk * n || r->worker.dtype() != dtype ||
+            r->server.NumElements() != chunk) {
+          r->worker = Zeros(dtype, chunk * n);
+          r->server = Zeros(dtype, chunk);
+          r->job = job;
         }
         g->residuals[b] = r;
       }
@@ -1035,13 +1094,13 @@ class BaguaHvdBucketsOp : public AsyncOpKernel {
  private:
   BucketAttrs buckets_;
   int primitive_ = 0, reduce_op_ = 0, peer_mode_ = 0;
-  bool compressed_ = false, hierarchical_ = false;
-  std::vector<int64_t> residual_numels_;
+  bool compressed_ = false, hierarchical_ = false, error_feedback_ = false;
 };
 
 // BaguaHvdLpInit: low-precision decentralized, before the first update: the replicas of every
 // bucket (self, left, right) from the weights as they are on every rank; nothing when the ring
-// of `key` is initialised already. The inputs are the weights' resource variables.
+// of `key` is initialised already in this job (a new job has new neighbours). The inputs are
+// the weights' resource variables.
 class BaguaHvdLpInitOp : public OpKernel {
  public:
   explicit BaguaHvdLpInitOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -1051,9 +1110,15 @@ class BaguaHvdLpInitOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    auto ring = Store::Get().Find(Store::Get().rings, key_);
+    Store& store = Store::Get();
+    auto ring = store.Find(store.rings, key_);
+    int64_t job = 0;
+    {
+      std::lock_guard<std::mutex> lock(store.mu);
+      job = store.job;
+    }
     std::lock_guard<std::mutex> lock(ring->mu);
-    if (ring->initialized) return;
+    if (ring->initialized && ring->job == job) return;
     OP_REQUIRES_OK(ctx, SweepRings(ring.get()));  // an earlier ring's last exchange
     Variables vars;
     OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
@@ -1086,6 +1151,7 @@ class BaguaHvdLpInitOp : public OpKernel {
     ring->replicas = std::move(replicas);
     ring->diffs.clear();
     ring->initialized = true;
+    ring->job = job;
   }
 
  private:
@@ -1103,7 +1169,10 @@ class BaguaHvdLpStepOp : public OpKernel {
   explicit BaguaHvdLpStepOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, buckets_.Read(c));
     OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
-    OP_REQUIRES_OK(c, c->GetAttr("split", &split_));
+    OP_REQUIRES_OK(c, c->GetAttr("hierarchical", &hierarchical_));
+    OP_REQUIRES_OK(c, c->GetAttr("step_names", &step_names_));
+    OP_REQUIRES(c, step_names_.size() == buckets_.names.size(),
+                absl::InvalidArgumentError("bagua_hvd: one step name per bucket"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -1111,12 +1180,23 @@ class BaguaHvdLpStepOp : public OpKernel {
     std::lock_guard<std::mutex> lock(ring->mu);
     const size_t nb = buckets_.sizes.size();
     if (!ring->initialized) return;  // nothing to average with yet (the engine's replicas: None)
+    // The flat ring splits the step (the engine's LowPrecisionRing.split); the hierarchical one
+    // does too where the job is one host (its compression group is every rank): decided here,
+    // for the job as it is now (an elastic reset may have changed the hosts).
+    bool split = !hierarchical_;
+    if (hierarchical_) {
+      const int group = bhvd_compression_group_size(buckets_.process_set_id, 1);
+      const int size = bhvd_process_set_ranks(buckets_.process_set_id, nullptr, 0);
+      OP_REQUIRES(ctx, group > 0 && size > 0,
+                  absl::InternalError(std::string("bagua_hvd: process set: ") + bhvd_last_error()));
+      split = group == size;
+    }
     Variables vars;
     OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
     OP_REQUIRES(ctx, ring->replicas.size() == nb,
                 absl::InvalidArgumentError("bagua_hvd: the low-precision layout changed"));
     absl::Status failed = absl::OkStatus();
-    if (split_) {
+    if (split) {
       // Bucket by bucket, as the engine does: the previous round's exchange of bucket b (which
       // wrote its replicas and read its difference) is waited for, its local half runs on the
       // variables' buffers in place (no copy into a bucket and back) and its new exchange
@@ -1189,10 +1269,10 @@ class BaguaHvdLpStepOp : public OpKernel {
         const bhvd_tensor r3[3] = {own.desc, left.desc, right.desc};
         bhvd_lp_step_params params;
         int64_t handle = 0;
-        failed = Enqueue(LpStepRequest(buckets_.names[b].c_str(), buckets_.process_set_id,
-                                       &x.desc, r3, &params),
+        failed = Enqueue(LpStepRequest(step_names_[b].c_str(), buckets_.process_set_id, &x.desc,
+                                       r3, &params),
                          &handle);
-        if (failed.ok()) handles.emplace_back(handle, buckets_.names[b]);
+        if (failed.ok()) handles.emplace_back(handle, step_names_[b]);
       }
       for (auto& [handle, name] : handles) {
         absl::Status s = WaitAndRelease(handle, name);
@@ -1206,9 +1286,10 @@ class BaguaHvdLpStepOp : public OpKernel {
   }
 
  private:
-  BucketAttrs buckets_;
+  BucketAttrs buckets_;  // names: the split step's exchanges
+  std::vector<std::string> step_names_;  // the whole (hierarchical) step's
   std::string key_;
-  bool split_ = true;
+  bool hierarchical_ = false;
 };
 
 // BaguaHvdLpFlush: waits for the exchange of the ring of `key` still in flight (its failure
@@ -1288,8 +1369,20 @@ class BaguaHvdAsyncStepOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    auto av = Store::Get().Find(Store::Get().averagers, key_);
+    Store& store = Store::Get();
+    auto av = store.Find(store.averagers, key_);
+    int64_t job = 0;
+    {
+      std::lock_guard<std::mutex> lock(store.mu);
+      job = store.job;
+    }
     std::lock_guard<std::mutex> lock(av->mu);
+    if (av->job != job) {  // the old job's averager ended with it (the core's shutdown)
+      av->id = 0;
+      av->buffers.clear();
+      av->generation = 0;
+      av->job = job;
+    }
     Variables vars;
     OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
     const size_t nb = buckets_.sizes.size();
@@ -1309,7 +1402,12 @@ class BaguaHvdAsyncStepOp : public OpKernel {
           views.push_back(std::make_unique<View>(flats[b], dtype));
           descs.push_back(views.back()->desc);
         }
-        const std::string name = prefix_ + "." + std::to_string(av->generation);
+        // The same name on every rank, a worker that just joined included: the elastic
+        // generation (BAGUA_HVD_ELASTIC_GENERATION, 0 outside elastic jobs) and the restarts
+        // within it (the engine's AsyncAveraging names its averagers alike).
+        const char* elastic = std::getenv("BAGUA_HVD_ELASTIC_GENERATION");
+        const std::string name = prefix_ + "." + (elastic && *elastic ? elastic : "0") + "." +
+                                 std::to_string(av->generation);
         int64_t id = 0;
         const int rc = bhvd_async_start(name.c_str(), descs.data(), static_cast<int32_t>(nb),
                                         /*device=*/-1, buckets_.process_set_id, interval_ms_, &id);
@@ -1387,6 +1485,18 @@ class BaguaHvdAsyncControlOp : public OpKernel {
  private:
   std::string key_;
   int mode_ = 0;
+};
+
+// BaguaHvdNewJob: an elastic reset formed a new job (called eagerly after the frontend's init):
+// the implementations' state made for the old one is renewed at its next use.
+class BaguaHvdNewJobOp : public OpKernel {
+ public:
+  explicit BaguaHvdNewJobOp(OpKernelConstruction* c) : OpKernel(c) {}
+  void Compute(OpKernelContext*) override {
+    Store& store = Store::Get();
+    std::lock_guard<std::mutex> lock(store.mu);
+    ++store.job;
+  }
 };
 
 // Shape functions: outputs shaped as the first inputs; no outputs.
@@ -1473,8 +1583,12 @@ REGISTER_OP("BaguaHvdCounter")
     .Attr("counter: string = 'steps'")
     .Attr("mode: int = 0")
     .Attr("message: string = ''")
+    .Attr("agree_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+REGISTER_OP("BaguaHvdNewJob").SetIsStateful().SetShapeFn(NoOutputs);
 
 REGISTER_OP("BaguaHvdBuckets")
     .Attr("T: list(type)")
@@ -1488,7 +1602,7 @@ REGISTER_OP("BaguaHvdBuckets")
     .Attr("reduce_op: int = 0")
     .Attr("compressed: bool = false")
     .Attr("hierarchical: bool = false")
-    .Attr("residual_numels: list(int) = []")
+    .Attr("error_feedback: bool = false")
     .Attr("peer_mode: int = 0")
     .SetIsStateful()
     .SetShapeFn(SameShapes);
@@ -1510,8 +1624,9 @@ REGISTER_OP("BaguaHvdLpStep")
     .Attr("key: string")
     .Attr("bucket_sizes: list(int)")
     .Attr("names: list(string)")
+    .Attr("step_names: list(string)")
     .Attr("process_set_id: int = 0")
-    .Attr("split: bool = true")
+    .Attr("hierarchical: bool = false")
     .SetIsStateful()
     .SetShapeFn(NoOutputs);
 
@@ -1553,6 +1668,7 @@ REGISTER_OP("BaguaHvdAsyncControl")
 #define BHVD_CPU_KERNEL(name, cls) \
   REGISTER_KERNEL_BUILDER(Name(name).Device(::tensorflow::DEVICE_CPU), cls)
 BHVD_CPU_KERNEL("BaguaHvdCounter", BaguaHvdCounterOp);
+BHVD_CPU_KERNEL("BaguaHvdNewJob", BaguaHvdNewJobOp);
 BHVD_CPU_KERNEL("BaguaHvdBuckets", BaguaHvdBucketsOp);
 BHVD_CPU_KERNEL("BaguaHvdLpInit", BaguaHvdLpInitOp);
 BHVD_CPU_KERNEL("BaguaHvdLpStep", BaguaHvdLpStepOp);

@@ -98,6 +98,11 @@ def _library_path() -> Path:
     return target
 
 
+def loaded() -> Optional[Any]:
+    """The op module when :func:`load` has loaded it already, else None (builds nothing)."""
+    return _loaded[0] if _loaded else None
+
+
 def load() -> Optional[Any]:
     """The op module (``.bagua_hvd_collective``, ``.bagua_hvd_reducescatter``,
     ``.bagua_hvd_allgather``, ``.bagua_hvd_alltoall``, ``.bagua_hvd_raise``), or None where it

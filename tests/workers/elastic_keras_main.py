@@ -11,19 +11,36 @@ test can replay the training from the logged sizes.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
 
 import numpy as np
+from elastic_common import wait_for_host_update
 from tensorflow import keras
 
 import bagua_hvd.tensorflow.keras as hvd
+from bagua_hvd.tensorflow import algorithms as A
+
+ALGORITHMS = {
+    "bytegrad": lambda: A.ByteGrad(error_feedback=True),
+    "decentralized": lambda: A.Decentralized(),
+    "low_precision_decentralized": lambda: A.LowPrecisionDecentralized(),
+    # warmup_steps: a worker that joins must take the step count from the others (agreed), or
+    # it would allreduce gradients while they do not.
+    "async": lambda: A.AsyncModelAverage(sync_interval_ms=5, warmup_steps=2),
+}
 
 p = argparse.ArgumentParser()
 p.add_argument("--logfile", required=True)
 p.add_argument("--epochs", type=int, default=3)
 p.add_argument("--exit", default="")
+p.add_argument("--algorithm", default="", help="one of ALGORITHMS (default: Horovod's allreduce)")
+# A host the discovery script adds after epoch E: rank 0 waits (up to --discovery-wait s) at the
+# end of epoch E for the driver's notification, so the next commit brings the new worker in.
+p.add_argument("--join-after-epoch", type=int, default=-1)
+p.add_argument("--discovery-wait", type=float, default=30.0)
 args = p.parse_args()
 
 BATCHES, BATCH = 10, 8
@@ -33,7 +50,10 @@ kill = tuple(int(v) for v in args.exit.split(",")) if args.exit else None
 hvd.init()
 keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.01 * hvd.size()))
+algorithm = ALGORITHMS[args.algorithm]() if args.algorithm else None
+opt = hvd.DistributedOptimizer(
+    keras.optimizers.SGD(learning_rate=0.01 * hvd.size()), algorithm=algorithm
+)
 model.compile(optimizer=opt, loss="mse")
 opt.build(model.trainable_variables)  # KerasState needs the optimizer's variables
 
@@ -66,12 +86,24 @@ class Steps(keras.callbacks.Callback):
         state.sizes = state.sizes + (hvd.size(),)
 
     def on_epoch_end(self, epoch, logs=None):
+        impl = opt._bhvd.impl
+        if args.algorithm == "low_precision_decentralized" and impl is not None:
+            # Each rank's replicas (self, left, right) after the epoch's exchanges, for the test
+            # to check them against its ring neighbours'.
+            impl.flush()
+            digests = [[hashlib.sha256(t.tobytes()).hexdigest()[:16] for t in reps]
+                       for reps in impl.replicas or []]  # fmt: skip
+            with open(f"{args.logfile}.replicas.{hvd.rank()}", "a") as f:
+                f.write(json.dumps({"epoch": self.epoch, "size": hvd.size(),
+                                    "replicas": digests}) + "\n")  # fmt: skip
         if hvd.rank() == 0:
             line = {"epoch": self.epoch, "size": hvd.size(), "start_rank": start_rank,
                     "rendezvous": state.rendezvous, "sizes": list(state.sizes),
                     "params": params()}  # fmt: skip
             with open(args.logfile, "a") as f:
                 f.write(json.dumps(line) + "\n")
+            if self.epoch == args.join_after_epoch:
+                wait_for_host_update(state, args.discovery_wait)
         state.sizes = ()
 
 

@@ -20,6 +20,7 @@ import signal
 import time
 
 import torch
+from elastic_common import wait_for_host_update
 
 import bagua_hvd.torch as hvd
 
@@ -111,6 +112,8 @@ def train(state):
                 "threads": len(os.listdir("/proc/self/task")),
                 "fds": len(os.listdir("/proc/self/fd")),
                 "params": [float(v) for p in model.parameters() for v in p.detach().flatten()],
+                # Asynchronous averaging: rounds the current averager merged (since the reset).
+                "rounds": impl.rounds() if impl is not None and hasattr(impl, "rounds") else 0,
             }
             with open(args.logfile, "a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -119,13 +122,7 @@ def train(state):
             )
             awaited = expect is not None and expect[0] == state.epoch and hvd.size() < expect[1]
             if awaited or hosts_for(state.epoch + 1) != hosts_for(state.epoch):
-                # Horovod's scripts do this too: wait until the driver has seen the new hosts.
-                state._last_updated_timestamp = 0
-                deadline = time.monotonic() + args.discovery_wait
-                while state._host_messages.empty():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("Timed out waiting for notifications from driver.")
-                    time.sleep(0.05)
+                wait_for_host_update(state, args.discovery_wait)
         if args.epoch_wait:
             time.sleep(args.epoch_wait)
         state.epoch += 1
