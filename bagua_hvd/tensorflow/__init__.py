@@ -96,8 +96,7 @@ def _sparse_result(
     ``values / tf.cast(set size, values.dtype)``, TensorFlow's true division (integer values
     become floating point, no rounding back)."""
     if op == Average:
-        n = process_set.size() if process_set.process_set_id != 0 else size()
-        values = values / tf.cast(n, values.dtype)
+        values = values / tf.cast(mpi_ops.traced_set_size(process_set), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=dense_shape)
 
 

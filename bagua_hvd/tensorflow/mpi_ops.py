@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record as _record
 
+from bagua_hvd.common import config
 from bagua_hvd.common import frontend as _frontend
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.exceptions import HorovodInternalError
@@ -138,6 +139,15 @@ _ps_id = _ops.process_set_id
 def process_set_size(process_set: ProcessSet) -> int:
     """The number of ranks in ``process_set`` (0 for an unknown set)."""
     return size() if process_set.process_set_id == 0 else int(process_set.size() or 0)
+
+
+def traced_set_size(process_set: ProcessSet) -> Any:
+    """The set's size for a computation that may be traced: under ``HOROVOD_ELASTIC=1`` in a
+    graph, :func:`size_op` (read when the graph runs: a reset may change it after the trace,
+    Horovod's rule), else the int."""
+    if config.elastic() and not tf.executing_eagerly():
+        return size_op(_ps_id(process_set))
+    return process_set_size(process_set)
 
 
 def numpy_dtype_code(a: np.ndarray) -> int:
@@ -816,7 +826,10 @@ def grouped_reducescatter_dense(
                 gathered = grouped_allgather(dys, process_set=process_set)
             scale = prescale_factor * postscale_factor
             if op == Sum:
-                scale *= process_set.size() if _ps_id(process_set) != 0 else size()
+                n = traced_set_size(process_set)
+                if not isinstance(n, int):  # an elastic job's graph: read when it runs
+                    return [g * (tf.cast(n, g.dtype) * tf.cast(scale, g.dtype)) for g in gathered]
+                scale *= n
             return [g if scale == 1.0 else g * tf.cast(scale, g.dtype) for g in gathered]
 
         return outs, grad

@@ -19,7 +19,7 @@ import tensorflow as tf
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.common.util import check_predivide_and_groups, split_list
 from bagua_hvd.tensorflow.compression import Compression
-from bagua_hvd.tensorflow.mpi_ops import Average, process_set_size, rocm_built
+from bagua_hvd.tensorflow.mpi_ops import Average, process_set_size, rocm_built, traced_set_size
 
 
 def _grouped_allreduce() -> Callable[..., List[Any]]:
@@ -41,9 +41,10 @@ def variable_key(v: Any) -> Any:
     return id(v)
 
 
-def _scale_local(grad: Any, n: int) -> Any:
-    """A worker-local gradient divided by the set size (Horovod's scale_local_gradients)."""
-    if grad is None or n <= 1:
+def _scale_local(grad: Any, n: Any) -> Any:
+    """A worker-local gradient divided by the set size (Horovod's scale_local_gradients; ``n``:
+    an int, or a size tensor in an elastic job's graph)."""
+    if grad is None or (isinstance(n, int) and n <= 1):
         return grad
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(
@@ -71,7 +72,7 @@ def filtered_reduce(
         for i, g in zip(idx, reduced):
             out[i] = g
     if scale_local_gradients and local_keys:
-        n = process_set_size(process_set)
+        n = traced_set_size(process_set)
         out = [
             _scale_local(g, n) if variable_key(v) in local_keys else g for g, v in zip(out, vars)
         ]

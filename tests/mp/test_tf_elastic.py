@@ -541,3 +541,26 @@ def test_run_resets_on_hosts_updated(res: HostUpdateResult, syncs: int) -> None:
     assert train(state) == 2
     assert resets == [size()]
     assert state.counts == {"sync": syncs, "restore": 0}
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_set_sizes_in_a_traced_step_are_read_when_it_runs(monkeypatch, elastic: bool) -> None:
+    """Horovod's rule under HOROVOD_ELASTIC=1: inside a graph the set size (sparse averages,
+    local gradients' scaling, reducescatter's gradient) comes from size_op, read when the graph
+    runs, since a reset may change it after the trace; elsewhere it is the traced int."""
+    from bagua_hvd.common import ops as _ops
+    from bagua_hvd.tensorflow import mpi_ops
+
+    if elastic:
+        monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    else:
+        monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
+
+    @tf.function
+    def traced() -> tf.Tensor:
+        return tf.cast(mpi_ops.traced_set_size(hvd.global_process_set), tf.int32)
+
+    assert int(traced()) == hvd.size()
+    # The job "changed" after the trace: the core now says 7 ranks.
+    monkeypatch.setattr(_ops, "process_set_size", lambda process_set_id: 7)
+    assert int(traced()) == (7 if elastic else hvd.size())
