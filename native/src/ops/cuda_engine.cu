@@ -571,12 +571,12 @@ class CudaEngine final : public DeviceEngine {
     void sendrecv(const std::vector<int>& to, const void* out, const std::vector<int>& from,
                   const std::vector<void*>& in, size_t bytes) override {
       if (!bytes) return;
-      e_.nccl_call(e_.nccl_->group_start(), nc_);
-      for (int p : to)
-        e_.nccl_call(e_.nccl_->send(out, bytes, nccl::kUint8, p, nc_, e_.stream_), nc_);
-      for (size_t k = 0; k < from.size(); ++k)
-        e_.nccl_call(e_.nccl_->recv(in[k], bytes, nccl::kUint8, from[k], nc_, e_.stream_), nc_);
-      e_.nccl_call(e_.nccl_->group_end(), nc_);
+      e_.nccl_group(nc_, [&] {
+        for (int p : to)
+          e_.nccl_call(e_.nccl_->send(out, bytes, nccl::kUint8, p, nc_, e_.stream_), nc_);
+        for (size_t k = 0; k < from.size(); ++k)
+          e_.nccl_call(e_.nccl_->recv(in[k], bytes, nccl::kUint8, from[k], nc_, e_.stream_), nc_);
+      });
     }
     void allreduce_sum(void* buf, size_t n, DataType dtype) override {
       nccl::DataType t;
@@ -596,14 +596,26 @@ class CudaEngine final : public DeviceEngine {
   void grouped_sendrecv(nccl::Comm nc, int me, const std::vector<const void*>& to,
                         const std::vector<size_t>& send, const std::vector<void*>& from,
                         const std::vector<size_t>& recv) {
+    nccl_group(nc, [&] {
+      for (size_t j = 0; j < to.size(); ++j) {
+        const int peer = static_cast<int>(j);
+        if (peer == me) continue;
+        if (send[j]) nccl_call(nccl_->send(to[j], send[j], nccl::kUint8, peer, nc, stream_), nc);
+        if (recv[j]) nccl_call(nccl_->recv(from[j], recv[j], nccl::kUint8, peer, nc, stream_), nc);
+      }
+    });
+  }
+
+  // The NCCL calls `queue` makes, as one group; the group is closed even when one of them fails
+  // (NCCL would keep this thread's group open otherwise).
+  template <typename F>
+  void nccl_group(nccl::Comm nc, F&& queue) {
     nccl_call(nccl_->group_start(), nc);
-    for (size_t j = 0; j < to.size(); ++j) {
-      if (static_cast<int>(j) == me) continue;
-      if (send[j])
-        nccl_call(nccl_->send(to[j], send[j], nccl::kUint8, static_cast<int>(j), nc, stream_), nc);
-      if (recv[j])
-        nccl_call(nccl_->recv(from[j], recv[j], nccl::kUint8, static_cast<int>(j), nc, stream_),
-                  nc);
+    try {
+      queue();
+    } catch (...) {
+      nccl_->group_end();
+      throw;
     }
     nccl_call(nccl_->group_end(), nc);
   }
