@@ -271,7 +271,12 @@ class CudaEngine final : public DeviceEngine {
       if (count) nccl_call(nccl_->all_reduce(buf, buf, count, t, o, sc.comm, stream_), sc.comm);
       return;
     }
-    Staging s(*this, {{buf, count * dtype_size(dtype), true}});
+    const size_t es = dtype_size(dtype);
+    if (op != ReduceOp::ADASUM && count * es > kStagePieceBytes) {
+      staged_allreduce_in_pieces(comm, buf, count, dtype, op);
+      return;
+    }
+    Staging s(*this, {{buf, count * es, true}});
     cpu_engine().allreduce(comm, s.host(0), count, dtype, op);
     s.to_device();
   }
@@ -632,6 +637,38 @@ class CudaEngine final : public DeviceEngine {
       b.second = bytes;
     }
     return b.first;
+  }
+
+  // A staged element-wise allreduce in pieces, so that the copies overlap the host transports:
+  // every piece's copy to the host is queued at once, each piece is reduced as soon as it has
+  // arrived and copied back while the next ones are reduced (the pieces are the same on every
+  // rank). Integers, min and max, and two ranks give the whole buffer's bits; floating-point
+  // sums over more ranks may differ from one whole-buffer CPU allreduce in the last bit (another
+  // order of addition, as NCCL's).
+  static constexpr size_t kStagePieceBytes = 4 << 20;
+  void staged_allreduce_in_pieces(Comm& comm, void* buf, size_t count, DataType dtype,
+                                  ReduceOp op) {
+    device_stats().staged_calls++;
+    const size_t es = dtype_size(dtype), per = kStagePieceBytes / es;
+    unsigned char* host = pinned(count * es);  // after the previous staged call's copies back
+    auto* dev = static_cast<unsigned char*>(buf);
+    std::vector<DeviceEvent> arrived;
+    for (size_t off = 0; off < count; off += per) {
+      const size_t bytes = std::min(per, count - off) * es;
+      check(
+          cudaMemcpyAsync(host + off * es, dev + off * es, bytes, cudaMemcpyDeviceToHost, stream_),
+          "cudaMemcpyAsync (to the host)");
+      arrived.push_back(record(stream_));
+    }
+    for (size_t p = 0, off = 0; off < count; ++p, off += per) {
+      const size_t m = std::min(per, count - off);
+      check(cudaEventSynchronize(static_cast<cudaEvent_t>(arrived[p].get())),
+            "cudaEventSynchronize");
+      cpu_engine().allreduce(comm, host + off * es, m, dtype, op);
+      check(
+          cudaMemcpyAsync(dev + off * es, host + off * es, m * es, cudaMemcpyHostToDevice, stream_),
+          "cudaMemcpyAsync (to the device)");
+    }
   }
 
   unsigned char* pinned(size_t bytes) {
