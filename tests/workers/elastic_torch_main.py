@@ -66,6 +66,13 @@ def check_exit(epoch: int, batch: int) -> None:
         )
 
 
+def averager_rounds() -> int:
+    """Rounds the asynchronous averager of the optimizer's algorithm merged (0: none runs)."""
+    averaging = getattr(optimizer._algo_impl, "averaging", None)
+    rounds = getattr(averaging, "rounds", None)
+    return rounds() if rounds is not None else 0
+
+
 @hvd.elastic.run
 def train(state):
     state.rendezvous += 1
@@ -113,7 +120,7 @@ def train(state):
                 "fds": len(os.listdir("/proc/self/fd")),
                 "params": [float(v) for p in model.parameters() for v in p.detach().flatten()],
                 # Asynchronous averaging: rounds the current averager merged (since the reset).
-                "rounds": impl.rounds() if impl is not None and hasattr(impl, "rounds") else 0,
+                "rounds": averager_rounds(),
             }
             with open(args.logfile, "a") as f:
                 f.write(json.dumps(line) + "\n")
