@@ -1,5 +1,6 @@
 """Launching jobs from the tests: the multi-process test files of tests/mp/ (one pytest per
-rank, run_inner) and any command at np ranks through the launcher (launch, run_command)."""
+rank, run_inner; most files of one size share a job, SHARED_JOBS) and any command at np ranks
+through the launcher (launch, run_command)."""
 
 from __future__ import annotations
 
@@ -46,10 +47,10 @@ def _env(**extra: str) -> dict:
     return env
 
 
-def run_command(cmd: list, what: str, **env: str) -> str:
+def run_command(cmd: list, what: str, timeout: float = TIMEOUT_S, **env: str) -> str:
     """Runs cmd from the repository root (rank variables of an outer launcher removed, env
-    added); fails the test on a non-zero exit or after TIMEOUT_S. Returns stdout and stderr
-    together."""
+    added); fails the test on a non-zero exit or after ``timeout`` seconds. Returns stdout and
+    stderr together."""
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -59,28 +60,105 @@ def run_command(cmd: list, what: str, **env: str) -> str:
         start_new_session=True,
     )
     try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
+        out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{what} did not finish within {TIMEOUT_S} s:\n{out.decode(errors='replace')}")
+        pytest.fail(f"{what} did not finish within {timeout} s:\n{out.decode(errors='replace')}")
     text = out.decode(errors="replace")
     assert proc.returncode == 0, f"{what} failed (exit {proc.returncode}):\n{text}"
     return text
 
 
+# tests/mp/ files that run in one job per size (one process per rank for all of them, not one
+# per file): a framework's start-up (import, the first optimizer's torch._dynamo, the
+# TensorFlow kernels) costs 3-10 CPU-seconds per process, more than most files' tests. The
+# first run_inner(file, np) of a group runs the whole group; each file's outer test then checks
+# its own file's results on every rank. Files that need their own environment (legacy Keras)
+# or options (-k) run alone.
+SHARED_JOBS = {
+    1: [
+        "test_torch_ops.py", "test_torch_process_sets.py", "test_torch_lifecycle.py",
+        "test_torch_functions.py", "test_torch_optimizer.py", "test_torch_algorithms.py",
+        "test_torch_elastic.py", "test_tf_tape.py", "test_tf_elastic.py",
+    ],
+    2: [
+        "test_torch_ops.py", "test_torch_algorithms.py", "test_keras.py",
+        "test_keras_callbacks.py", "test_tf_elastic.py",
+    ],
+    3: [
+        "test_torch_ops.py", "test_torch_process_sets.py", "test_torch_lifecycle.py",
+        "test_torch_functions.py", "test_torch_optimizer.py", "test_torch_algorithms.py",
+        "test_scale_factors.py", "test_torch_elastic.py", "test_tf_ops.py",
+        "test_tf_algorithms.py", "test_tf_tape.py",
+    ],
+}  # fmt: skip
+_shared_output: dict = {}
+
+
+def _pytest_cmd(files: list) -> list:
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rA",
+            *[f"tests/mp/{f}" for f in files]]  # fmt: skip
+
+
+def _run_job(files: list, np: int, what: str) -> str:
+    cmd = _pytest_cmd(files)
+    where = "size 1" if np == 1 else f"{np} ranks"
+    # A bound against a hang (the inner tests have their own watchdog), scaled with the files.
+    return run_command(cmd if np == 1 else launch(np) + cmd, f"{what} at {where}",
+                       timeout=TIMEOUT_S * max(1, len(files) // 3))  # fmt: skip
+
+
+def _file_results(text: str, inner: str, np: int) -> str:
+    """The job's -rA summary lines about tests/mp/<inner>, then a pytest-like count line per
+    rank ("[r] P passed, S skipped") for the callers' checks."""
+    prefix = re.compile(r"^(?:\[(\d+)\]<stdout>:)?(PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS) (.*)$")
+    lines, counts = [], {}
+    for line in text.splitlines():
+        m = prefix.match(line)
+        if not m or f"tests/mp/{inner}" not in m.group(3):
+            continue
+        lines.append(line)
+        rank = int(m.group(1) or 0)
+        n = int(re.match(r"\[(\d+)\]", m.group(3)).group(1)) if m.group(2) == "SKIPPED" else 1
+        c = counts.setdefault(rank, {})
+        c[m.group(2)] = c.get(m.group(2), 0) + n
+    for rank in range(np):
+        c = counts.get(rank, {})
+        bad = {k: v for k, v in c.items() if k in ("FAILED", "ERROR")}
+        assert not bad, f"tests/mp/{inner}: rank {rank}: {bad}:\n" + "\n".join(lines)
+        # As pytest writes it: no skip, no count.
+        skipped = f", {c['SKIPPED']} skipped" if c.get("SKIPPED") else ""
+        lines.append(f"[{rank}] {c.get('PASSED', 0)} passed{skipped}")
+    return "\n".join(lines)
+
+
 def run_inner(inner: str, np: int) -> str:
     """Runs tests/mp/<inner> at size 1 (directly) or through the launcher at np ranks; asserts
-    that every rank printed a passing pytest summary. Returns the output."""
-    pytest_cmd = [
-        sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"tests/mp/{inner}",
-    ]  # fmt: skip
-    if np == 1:
-        text = run_command(pytest_cmd, f"{inner} at size 1")
-    else:
-        text = run_command(launch(np) + pytest_cmd, f"{inner} at {np} ranks")
+    that every rank printed a passing pytest summary. A file of SHARED_JOBS[np] runs in that
+    size's one job (started by the first caller); the returned text is then its own results.
+    Returns the output."""
+    group = SHARED_JOBS.get(np, [])
+    if inner not in group:
+        text = _run_job([inner], np, inner)
+        _check_summaries(text, np)
+        return text
+    if np not in _shared_output:
+        _shared_output[np] = None  # a failed job fails every file of the group, not re-run
+        _shared_output[np] = _run_job(group, np, f"the shared job of {len(group)} files")
+        _check_summaries(_shared_output[np], np)
+    text = _shared_output[np]
+    assert text is not None, f"the shared job at {np} ranks failed (see its first caller)"
+    own = _file_results(text, inner, np)
+    passed = re.findall(r"(\d+) passed", own)
+    assert len(passed) == np and all(int(p) > 0 for p in passed), (
+        f"no passing tests of {inner} on every rank (an earlier file failed, -x?):\n{own}"
+    )
+    return own
+
+
+def _check_summaries(text: str, np: int) -> None:
     passed = re.findall(r"(\d+) passed", text)
     assert len(passed) == np, f"expected a pytest summary from each of {np} ranks:\n{text}"
     assert all(int(p) > 0 for p in passed), text
     assert not re.search(r"\d+ (failed|error)", text), text
-    return text

@@ -14,7 +14,8 @@
 #
 # Environment: FUZZ_CXX (default clang++), FUZZ_BUILD_DIR (default build/fuzz), PYTHON (default
 # python3, needs `pip install atheris`), FUZZ_SKIP_PYTHON=1 (C++ targets only), FUZZ_JOBS,
-# FUZZ_MAX_LEN (default 4096 bytes), FUZZ_CORPUS_DIR.
+# FUZZ_MAX_LEN (default 4096 bytes), FUZZ_CORPUS_DIR, FUZZ_BUILD_ONLY=1 (step 1 only: CI builds
+# the targets in the background beside the tests).
 set -euo pipefail
 
 if [ $# -ne 1 ] || ! [[ $1 =~ ^[0-9]+$ ]]; then
@@ -52,6 +53,7 @@ if [ ! -f "$BUILD/CMakeCache.txt" ]; then
 fi
 cmake --build "$BUILD" -j "$(nproc)" >/dev/null
 echo "== built the fuzz targets in $BUILD ($(elapsed))"
+[ "${FUZZ_BUILD_ONLY:-0}" = 1 ] && exit 0
 
 # Sets CMD to the command running target $1 (libFuzzer's arguments follow it).
 set_cmd() {
