@@ -75,7 +75,8 @@ def run_command(cmd: list, what: str, timeout: float = TIMEOUT_S, **env: str) ->
 # TensorFlow kernels) costs 3-10 CPU-seconds per process, more than most files' tests. The
 # first run_inner(file, np) of a group runs the whole group; each file's outer test then checks
 # its own file's results on every rank. Files that need their own environment (legacy Keras)
-# or options (-k) run alone.
+# or options (-k) run alone, and so does every file with BAGUA_HVD_TEST_SHARED_JOBS=0 (.ci/sanitize:
+# one file under a sanitizer, not its group).
 SHARED_JOBS = {
     1: [
         "test_torch_ops.py", "test_torch_process_sets.py", "test_torch_lifecycle.py",
@@ -138,7 +139,7 @@ def run_inner(inner: str, np: int) -> str:
     that every rank printed a passing pytest summary. A file of SHARED_JOBS[np] runs in that
     size's one job (started by the first caller); the returned text is then its own results.
     Returns the output."""
-    group = SHARED_JOBS.get(np, [])
+    group = SHARED_JOBS.get(np, []) if os.environ.get("BAGUA_HVD_TEST_SHARED_JOBS") != "0" else []
     if inner not in group:
         text = _run_job([inner], np, inner)
         _check_summaries(text, np)
