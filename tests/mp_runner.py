@@ -47,10 +47,9 @@ def _env(**extra: str) -> dict:
     return env
 
 
-def run_command(cmd: list, what: str, timeout: float = TIMEOUT_S, **env: str) -> str:
+def _execute(cmd: list, timeout: float, **env: str) -> tuple:
     """Runs cmd from the repository root (rank variables of an outer launcher removed, env
-    added); fails the test on a non-zero exit or after ``timeout`` seconds. Returns stdout and
-    stderr together."""
+    added). Returns (exit status, or None after ``timeout`` seconds; stdout and stderr)."""
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -64,9 +63,17 @@ def run_command(cmd: list, what: str, timeout: float = TIMEOUT_S, **env: str) ->
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{what} did not finish within {timeout} s:\n{out.decode(errors='replace')}")
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, f"{what} failed (exit {proc.returncode}):\n{text}"
+        return None, out.decode(errors="replace")
+    return proc.returncode, out.decode(errors="replace")
+
+
+def run_command(cmd: list, what: str, timeout: float = TIMEOUT_S, **env: str) -> str:
+    """Runs cmd (see _execute); fails the test on a non-zero exit or after ``timeout`` seconds.
+    Returns stdout and stderr together."""
+    rc, text = _execute(cmd, timeout, **env)
+    if rc is None:
+        pytest.fail(f"{what} did not finish within {timeout} s:\n{text}")
+    assert rc == 0, f"{what} failed (exit {rc}):\n{text}"
     return text
 
 
@@ -102,12 +109,11 @@ def _pytest_cmd(files: list) -> list:
             *[f"tests/mp/{f}" for f in files]]  # fmt: skip
 
 
-def _run_job(files: list, np: int, what: str) -> str:
+def _job(files: list, np: int) -> tuple:
+    """The command running tests/mp/<files> at np ranks, and its bound against a hang (the
+    inner tests have their own watchdog), scaled with the files."""
     cmd = _pytest_cmd(files)
-    where = "size 1" if np == 1 else f"{np} ranks"
-    # A bound against a hang (the inner tests have their own watchdog), scaled with the files.
-    return run_command(cmd if np == 1 else launch(np) + cmd, f"{what} at {where}",
-                       timeout=TIMEOUT_S * max(1, len(files) // 3))  # fmt: skip
+    return (cmd if np == 1 else launch(np) + cmd), TIMEOUT_S * max(1, len(files) // 3)
 
 
 def _file_results(text: str, inner: str, np: int) -> str:
@@ -137,23 +143,35 @@ def _file_results(text: str, inner: str, np: int) -> str:
 def run_inner(inner: str, np: int) -> str:
     """Runs tests/mp/<inner> at size 1 (directly) or through the launcher at np ranks; asserts
     that every rank printed a passing pytest summary. A file of SHARED_JOBS[np] runs in that
-    size's one job (started by the first caller); the returned text is then its own results.
-    Returns the output."""
+    size's one job (started by the first caller) and is judged by its own results there: it
+    passes if all its tests passed on every rank, whatever a later file did. Returns the output
+    (for a shared file, its own result lines)."""
+    where = "size 1" if np == 1 else f"{np} ranks"
     group = SHARED_JOBS.get(np, []) if os.environ.get("BAGUA_HVD_TEST_SHARED_JOBS") != "0" else []
     if inner not in group:
-        text = _run_job([inner], np, inner)
+        cmd, timeout = _job([inner], np)
+        text = run_command(cmd, f"{inner} at {where}", timeout=timeout)
         _check_summaries(text, np)
         return text
     if np not in _shared_output:
-        _shared_output[np] = None  # a failed job fails every file of the group, not re-run
-        _shared_output[np] = _run_job(group, np, f"the shared job of {len(group)} files")
-        _check_summaries(_shared_output[np], np)
-    text = _shared_output[np]
-    assert text is not None, f"the shared job at {np} ranks failed (see its first caller)"
-    own = _file_results(text, inner, np)
+        _shared_output[np] = _execute(*_job(group, np))  # run once; every file judged from it
+    rc, text = _shared_output[np]
+    what = f"the shared job of {len(group)} files at {where}"
+    if rc == 0:
+        _check_summaries(text, np)
+    # The job's output without the -rA pass lines (thousands), for a failure's message.
+    story = "\n".join(line for line in text.splitlines() if "PASSED tests/mp/" not in line)
+    status = "did not finish" if rc is None else f"exited with {rc}"
+    try:
+        own = _file_results(text, inner, np)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n\n{what} {status}; its output:\n{story}") from None
     passed = re.findall(r"(\d+) passed", own)
     assert len(passed) == np and all(int(p) > 0 for p in passed), (
-        f"no passing tests of {inner} on every rank (an earlier file failed, -x?):\n{own}"
+        f"tests/mp/{inner} did not run on every rank: {what} {status} before it (-x)\n"
+        f"{own}\n\nits output:\n{story}"
+        if rc != 0
+        else f"no passing tests of {inner} on every rank:\n{own}"
     )
     return own
 
