@@ -91,8 +91,8 @@ SHARED_JOBS = {
         "test_torch_elastic.py", "test_tf_tape.py", "test_tf_elastic.py",
     ],
     2: [
-        "test_torch_ops.py", "test_torch_algorithms.py", "test_keras.py",
-        "test_keras_callbacks.py", "test_tf_elastic.py",
+        "test_torch_ops.py", "test_torch_algorithms.py", "test_tf_algorithms.py",
+        "test_keras.py", "test_keras_callbacks.py", "test_tf_elastic.py",
     ],
     3: [
         "test_torch_ops.py", "test_torch_process_sets.py", "test_torch_lifecycle.py",

@@ -1,8 +1,8 @@
 """Runs the multi-process tests of BAGUA's algorithms in the TensorFlow frontend
-(tests/mp/test_tf_algorithms.py) through the launcher at 3 ranks (odd sizes matter for
-shift_one and the ring), and asserts that every rank passed. The algorithms' declarations are
-shared with torch, whose tests run them at 2, 3 and 4 ranks; size 1 (no communication: every
-algorithm is the local optimizer) and 2 are left out to save the TensorFlow start-up."""
+(tests/mp/test_tf_algorithms.py) through the launcher at 2 ranks (the interface, tapes, Keras,
+validation: the cases marked up_to_two_ranks) and at 3 (odd sizes matter for shift_one and the
+ring), and asserts that every rank passed. Size 1 (no communication: every algorithm is the
+local optimizer) is left out to save the TensorFlow start-up."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytest.importorskip("torch")  # the reference (tests/reference_algorithms.py) is
 pytestmark = needs_core
 
 
-@pytest.mark.parametrize("np", [3])
+@pytest.mark.parametrize("np", [2, 3])
 def test_tf_algorithms_multiprocess(np: int) -> None:
     text = run_inner("test_tf_algorithms.py", np)
     assert not re.search(r"\d+ skipped", text), text

@@ -277,13 +277,14 @@ def broadcast_variables(
     process_set: ProcessSet = global_process_set,
     inplace: bool = False,
 ) -> Any:
-    """Assigns ``root_rank``'s values to the variables on every rank of the set."""
+    """Assigns ``root_rank``'s values to the variables on every rank of the set. Returns None
+    eagerly; in a TF1 graph, the op that does it (for ``session.run``), as Horovod does."""
     variables = list(variables)
     if inplace:
-        broadcast_(variables, root_rank, process_set=process_set)
-        return None
-    assigns = [v.assign(broadcast(v, root_rank, process_set=process_set)) for v in variables]
-    return None if tf.executing_eagerly() else tf.group(*assigns)
+        done = broadcast_(variables, root_rank, process_set=process_set)
+    else:
+        done = [v.assign(broadcast(v, root_rank, process_set=process_set)) for v in variables]
+    return None if tf.executing_eagerly() else tf.group(*done)
 
 
 def _to_bytes(obj: Any) -> np.ndarray:

@@ -678,22 +678,40 @@ def broadcast(
     return _broadcast_tensor(as_tensor(tensor), root_rank, name, ignore_name_scope, process_set)
 
 
+def _as_tf_variable(v: Any) -> tf.Variable | None:
+    """``v`` if a tf.Variable; the tf.Variable inside a Keras 3 variable (TensorFlow backend:
+    its ``value``); else None."""
+    if isinstance(v, tf.Variable):
+        return v
+    inner = getattr(v, "value", None) if type(v).__module__.startswith("keras") else None
+    return inner if isinstance(inner, tf.Variable) else None
+
+
 def broadcast_(
     variables: Any,
     root_rank: int,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> Any:
-    """Broadcasts ``root_rank``'s values into the variables in place (a tf.Variable or a list
-    of them); returns the variables."""
-    single = isinstance(variables, tf.Variable)
+    """Broadcasts ``root_rank``'s values into the variables in place (a list of tf.Variable, or
+    one). Returns, as Horovod does, the variables' values after the broadcast: a list of
+    tensors (one tensor for a single variable). In a TF1 graph nothing runs until they are
+    evaluated: ``session.run`` of the returned tensors performs the broadcast."""
+    single = _as_tf_variable(variables) is not None
     var_list = [variables] if single else list(variables)
-    for i, v in enumerate(var_list):
-        if not isinstance(v, tf.Variable):
-            raise ValueError(f"broadcast_ expects tf.Variable objects, got {type(v).__name__}")
+    values = []
+    for i, keras_or_tf in enumerate(var_list):
+        v = _as_tf_variable(keras_or_tf)
+        if v is None:
+            raise ValueError(
+                f"broadcast_ expects tf.Variable objects, got {type(keras_or_tf).__name__}"
+            )
         vname = None if name is None else (name if single else f"{name}.{i}")
-        v.assign(_broadcast_tensor(as_tensor(v), root_rank, vname, False, process_set))
-    return variables if single else var_list
+        bcast = _broadcast_tensor(as_tensor(v), root_rank, vname, False, process_set)
+        # Eagerly the assignment is done here; in a graph the value read waits for it.
+        with tf.control_dependencies([v.assign(bcast, read_value=False)]):
+            values.append(v.read_value())
+    return values[0] if single else values
 
 
 # ---- alltoall ----------------------------------------------------------------------------------

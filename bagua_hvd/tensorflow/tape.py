@@ -205,12 +205,18 @@ class _DistributedGradientTape(tf.GradientTape):
         sources: Any,
         output_gradients: Any = None,
         use_generic_names: bool = False,
-    ) -> Tuple[Any, Any]:
-        """Horovod's helper: ``(local, global)``, both structured like ``sources``: the wrapped
-        tape's gradients as computed on this rank (not reduced), and what :meth:`gradient`
-        returns for them (reduced across the process set). The gradients are computed once."""
-        grads = tf.GradientTape.gradient(self, target, sources, output_gradients)
-        return grads, self._reduce(grads, sources, use_generic_names)
+    ) -> Tuple[List[Tuple[Any, Any]], List[Tuple[Any, Any]]]:
+        """Horovod's helper: ``(local_vars_grads, global_vars_grads)``, two lists of
+        ``(source, gradient)`` pairs in the order of ``sources``: the worker-local sources'
+        (:meth:`register_local_source`, ``local_layers``) and the others', each with what
+        :meth:`gradient` returns for it (a local source's own gradient, divided by the set size
+        when ``scale_local_gradients``; a global one's reduced across the process set)."""
+        grads = self.gradient(target, sources, output_gradients, use_generic_names)
+        local: List[Tuple[Any, Any]] = []
+        glob: List[Tuple[Any, Any]] = []
+        for s, g in zip(tf.nest.flatten(sources), tf.nest.flatten(grads)):
+            (local if variable_key(s) in self._local_sources else glob).append((s, g))
+        return local, glob
 
     def step_done(self, variables: Any = None) -> None:
         """Call after ``optimizer.apply_gradients(...)`` when the tape has an ``algorithm`` that

@@ -461,45 +461,54 @@ def test_partial_tape_keeps_local_layers_out_of_the_algorithm():
 
 @up_to_two_ranks
 def test_get_local_and_global_gradients():
-    """(local, global): this rank's gradients, and their average over the ranks."""
+    """Horovod's (local_vars_grads, global_vars_grads): (source, gradient) pairs of the
+    worker-local sources and of the others, in the sources' order, with gradient()'s values: a
+    local source's own gradient divided by the set size, a global one's average over the ranks."""
     values = init_values()
     variables = [tf.Variable(x) for x in values]
+    local_index = 1
+    n = hvd.size()
     for mode in ("eager", "graph"):
 
         def both(a, c):
             with tf.GradientTape() as tape:
                 loss = tf_loss(variables, a, c)
             tape = hvd.DistributedGradientTape(tape)
-            return tape.get_local_and_global_gradients(loss, variables)
+            tape.register_local_source(variables[local_index])
+            parts = tape.get_local_and_global_gradients(loss, variables)
+            # Which variable each pair names (tf.function returns tensors, not variables).
+            where = {id(v): i for i, v in enumerate(variables)}
+            return [[(where[id(v)], g) for v, g in part] for part in parts]
 
         fn = both if mode == "eager" else tf.function(both)
         local, glob = fn(*data(hvd.rank(), 3))
         per_rank = []
-        for r in range(hvd.size()):
+        for r in range(n):
             a, c = data(r, 3)
             per_rank.append([ai * x + ci for ai, ci, x in zip(a, c, values)])
-        for i in range(len(values)):
-            np.testing.assert_array_equal(local[i].numpy(), per_rank[hvd.rank()][i])
-            want = np.mean([g[i].astype(np.float64) for g in per_rank], axis=0)
-            np.testing.assert_allclose(glob[i].numpy(), want, rtol=1e-6, atol=1e-6)
+        assert [int(i) for i, _ in local] == [local_index], mode
+        assert [int(i) for i, _ in glob] == [i for i in range(len(values)) if i != local_index]
+        mine = per_rank[hvd.rank()][local_index].astype(np.float64)
+        np.testing.assert_allclose(local[0][1].numpy(), mine / n, rtol=1e-6, atol=1e-7)
+        for i, g in glob:
+            want = np.mean([p[int(i)].astype(np.float64) for p in per_rank], axis=0)
+            np.testing.assert_allclose(g.numpy(), want, rtol=1e-6, atol=1e-6)
 
 
 @up_to_two_ranks
 def test_get_local_and_global_gradients_with_algorithm():
     """With an algorithm the global gradients are the algorithm's (ByteGrad: the compressed
-    average, the same bits on every rank)."""
+    average, the same bits on every rank); without local sources the local list is empty."""
     variables = [tf.Variable(x) for x in init_values()]
     alg = A.ByteGrad()
     with tf.GradientTape() as tape:
         loss = tf_loss(variables, *data(hvd.rank(), 0))
     tape = hvd.DistributedGradientTape(tape, algorithm=alg)
     local, glob = tape.get_local_and_global_gradients(loss, variables)
-    gathered = hvd.allgather(tf.concat([tf.reshape(g, [-1]) for g in glob], 0)[tf.newaxis])
+    assert local == [] and [id(v) for v, _ in glob] == [id(v) for v in variables]
+    gathered = hvd.allgather(tf.concat([tf.reshape(g, [-1]) for _, g in glob], 0)[tf.newaxis])
     for r in range(hvd.size()):
         np.testing.assert_array_equal(gathered[r].numpy(), gathered[0].numpy())
-    a, c = data(hvd.rank(), 0)
-    for g, ai, ci, x in zip(local, a, c, init_values()):
-        np.testing.assert_array_equal(g.numpy(), ai * x + ci)
 
 
 def test_low_precision_replicas_are_consistent_bitwise():

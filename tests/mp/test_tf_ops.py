@@ -263,10 +263,15 @@ def test_broadcast_inplace_and_variables():
     n, r = size(), rank()
     root = n - 1
     v = tf.Variable(np.full((3,), float(r), np.float32))
-    assert hvd.broadcast_(v, root) is v
+    value = hvd.broadcast_(v, root)  # one variable: its value after the broadcast
+    np.testing.assert_array_equal(value.numpy(), np.full((3,), float(root)))
     np.testing.assert_array_equal(v.numpy(), np.full((3,), float(root)))
-    vs = [tf.Variable([r, r + 1], dtype=tf.int32), tf.Variable(float(r) * 2)]
-    hvd.broadcast_(vs, 0, name="bvars")
+    # A list (Horovod's form; Keras 3's variables too): the values, as a list of tensors.
+    import keras
+
+    vs = [tf.Variable([r, r + 1], dtype=tf.int32), keras.Variable(float(r) * 2)]
+    values = hvd.broadcast_(vs, 0, name="bvars")
+    assert [x.numpy().tolist() for x in values] == [[0, 1], 0.0]
     assert vs[0].numpy().tolist() == [0, 1] and vs[1].numpy() == 0.0
     ws = [tf.Variable(np.full((2, 2), r, np.float64)), tf.Variable([r], dtype=tf.int64)]
     hvd.broadcast_variables(ws, root_rank=root)
@@ -283,6 +288,28 @@ def test_broadcast_inplace_and_variables():
     ws[0].assign(np.full((2, 2), 7.0 + r))
     graph_bcast()
     np.testing.assert_array_equal(ws[0].numpy(), np.full((2, 2), 7.0 + root))
+
+
+def test_broadcast_inplace_in_a_tf1_graph():
+    """In a TF1 graph (Horovod's graph mode) the in-place broadcasts are ops: nothing moves until
+    the session runs broadcast_'s returned values or broadcast_variables' returned op."""
+    n, r = size(), rank()
+    root = n - 1
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        res = tf.compat.v1.Variable(np.full((2,), float(r), np.float32), use_resource=True)
+        ref = tf.compat.v1.Variable([r, r + 1], dtype=tf.int64, use_resource=False)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        values = hvd.broadcast_([res, ref], root)
+        assert sess.run(res).tolist() == [r, r]  # built, not run
+        got = sess.run(values)
+        assert [g.tolist() for g in got] == [[root, root], [root, root + 1]]
+        assert sess.run(ref).tolist() == [root, root + 1]
+        for inplace in (True, False):
+            sess.run([res.assign([r + 5.0, r + 6.0]), ref.assign([r, r])])
+            op = hvd.broadcast_variables([res, ref], root_rank=0, inplace=inplace)
+            assert isinstance(op, tf.Operation), op
+            sess.run(op)
+            assert sess.run(res).tolist() == [5.0, 6.0] and sess.run(ref).tolist() == [0, 0]
 
 
 def _splits(n):
