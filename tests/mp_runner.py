@@ -143,9 +143,11 @@ def _file_results(text: str, inner: str, np: int) -> str:
 def run_inner(inner: str, np: int) -> str:
     """Runs tests/mp/<inner> at size 1 (directly) or through the launcher at np ranks; asserts
     that every rank printed a passing pytest summary. A file of SHARED_JOBS[np] runs in that
-    size's one job (started by the first caller) and is judged by its own results there: it
-    passes if all its tests passed on every rank, whatever a later file did. Returns the output
-    (for a shared file, its own result lines)."""
+    size's one job (started by the first caller) and is judged by its own results there (the
+    -rA lines of each rank's closing summary): it passes if all its tests passed on every rank,
+    whatever a later file did; a rank stopped by the launcher prints no summary, so then every
+    file fails and the message names those ranks. Returns the output (for a shared file, its
+    own result lines)."""
     where = "size 1" if np == 1 else f"{np} ranks"
     group = SHARED_JOBS.get(np, []) if os.environ.get("BAGUA_HVD_TEST_SHARED_JOBS") != "0" else []
     if inner not in group:
@@ -167,11 +169,18 @@ def run_inner(inner: str, np: int) -> str:
     except AssertionError as e:
         raise AssertionError(f"{e}\n\n{what} {status}; its output:\n{story}") from None
     passed = re.findall(r"(\d+) passed", own)
+    if rc != 0:
+        # -rA lines come from pytest's closing summary: a rank the launcher stopped after
+        # another rank failed prints none, so its files cannot be judged (not: did not run).
+        silent = [r for r in range(np) if not re.search(rf"^\[{r}\]<stdout>:\d+ (passed|failed)",
+                                                       text, re.M)]  # fmt: skip
+        assert len(passed) == np and all(int(p) > 0 for p in passed), (
+            f"tests/mp/{inner}: no result on every rank: {what} {status} (-x); ranks "
+            f"without a pytest summary (stopped before it): {silent}\n{own}\n\n"
+            f"its output:\n{story}"
+        )
     assert len(passed) == np and all(int(p) > 0 for p in passed), (
-        f"tests/mp/{inner} did not run on every rank: {what} {status} before it (-x)\n"
-        f"{own}\n\nits output:\n{story}"
-        if rc != 0
-        else f"no passing tests of {inner} on every rank:\n{own}"
+        f"no passing tests of {inner} on every rank:\n{own}"
     )
     return own
 

@@ -38,8 +38,8 @@ import tensorflow as tf
 
 from bagua_hvd.common import config
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
-from bagua_hvd.tensorflow.mpi_ops import rank
-from bagua_hvd.tensorflow.optimizer import LocalGradientAggregationHelper, tf_variable
+from bagua_hvd.tensorflow.mpi_ops import rank, tf_variable
+from bagua_hvd.tensorflow.optimizer import LocalGradientAggregationHelper
 from bagua_hvd.tensorflow.tape import filtered_reduce, make_allreduce_grads_fn, variable_key
 
 _MODULE = "bagua_hvd._keras"

@@ -678,13 +678,12 @@ def broadcast(
     return _broadcast_tensor(as_tensor(tensor), root_rank, name, ignore_name_scope, process_set)
 
 
-def _as_tf_variable(v: Any) -> tf.Variable | None:
-    """``v`` if a tf.Variable; the tf.Variable inside a Keras 3 variable (TensorFlow backend:
-    its ``value``); else None."""
-    if isinstance(v, tf.Variable):
+def tf_variable(v: Any) -> Any:
+    """The ``tf.Variable`` behind a Keras 3 variable (hashable through ``ref()``); ``v`` else."""
+    if hasattr(v, "ref"):
         return v
-    inner = getattr(v, "value", None) if type(v).__module__.startswith("keras") else None
-    return inner if isinstance(inner, tf.Variable) else None
+    inner = getattr(v, "_value", None)
+    return inner if isinstance(inner, tf.Variable) else v
 
 
 def broadcast_(
@@ -697,15 +696,13 @@ def broadcast_(
     one). Returns, as Horovod does, the variables' values after the broadcast: a list of
     tensors (one tensor for a single variable). In a TF1 graph nothing runs until they are
     evaluated: ``session.run`` of the returned tensors performs the broadcast."""
-    single = _as_tf_variable(variables) is not None
+    single = isinstance(tf_variable(variables), tf.Variable)
     var_list = [variables] if single else list(variables)
     values = []
-    for i, keras_or_tf in enumerate(var_list):
-        v = _as_tf_variable(keras_or_tf)
-        if v is None:
-            raise ValueError(
-                f"broadcast_ expects tf.Variable objects, got {type(keras_or_tf).__name__}"
-            )
+    for i, given in enumerate(var_list):
+        v = tf_variable(given)
+        if not isinstance(v, tf.Variable):
+            raise ValueError(f"broadcast_ expects tf.Variable objects, got {type(given).__name__}")
         vname = None if name is None else (name if single else f"{name}.{i}")
         bcast = _broadcast_tensor(as_tensor(v), root_rank, vname, False, process_set)
         # Eagerly the assignment is done here; in a graph the value read waits for it.

@@ -28,14 +28,6 @@ from bagua_hvd.tensorflow.tape import (
 _LegacyOptimizer = getattr(getattr(tf.compat.v1, "train", None), "Optimizer", None)
 
 
-def tf_variable(v: Any) -> Any:
-    """The ``tf.Variable`` behind a Keras 3 variable (hashable through ``ref()``); ``v`` else."""
-    if hasattr(v, "ref"):
-        return v
-    inner = getattr(v, "_value", None)
-    return inner if isinstance(inner, tf.Variable) else v
-
-
 def _not_none(tensors: Sequence[Any]) -> List[Any]:
     return [t for t in tensors if t is not None]
 

@@ -19,7 +19,13 @@ import tensorflow as tf
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.common.util import check_predivide_and_groups, split_list
 from bagua_hvd.tensorflow.compression import Compression
-from bagua_hvd.tensorflow.mpi_ops import Average, process_set_size, rocm_built, traced_set_size
+from bagua_hvd.tensorflow.mpi_ops import (
+    Average,
+    process_set_size,
+    rocm_built,
+    tf_variable,
+    traced_set_size,
+)
 
 
 def _grouped_allreduce() -> Callable[..., List[Any]]:
@@ -33,12 +39,8 @@ def _grouped_allreduce() -> Callable[..., List[Any]]:
 def variable_key(v: Any) -> Any:
     """A hashable key for a variable (or tensor): ``ref()``; a Keras 3 variable (no ``ref``,
     not hashable) is keyed by the tf.Variable it wraps; anything else by its id."""
-    if hasattr(v, "ref"):
-        return v.ref()
-    inner = getattr(v, "_value", None)
-    if isinstance(inner, tf.Variable):
-        return inner.ref()
-    return id(v)
+    inner = tf_variable(v)
+    return inner.ref() if hasattr(inner, "ref") else id(v)
 
 
 def _scale_local(grad: Any, n: Any) -> Any:
