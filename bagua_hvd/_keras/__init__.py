@@ -19,6 +19,7 @@ from bagua_hvd._keras.optimizer import (  # noqa: F401
 )
 from bagua_hvd.common.util import check_predivide_and_groups
 from bagua_hvd.tensorflow.optimizer import LocalGradientAggregationHelper  # noqa: F401
+from bagua_hvd.tensorflow.optimizer_state import optimizer_variables
 
 
 def _eval(backend: Any, op_or_result: Any) -> Any:
@@ -145,14 +146,14 @@ def _optimizer_classes(module: Any) -> Iterable[type]:
 
 def _copy_optimizer_state(src: Any, dst: Any, model: Any) -> None:
     """Builds ``dst`` on the model's trainable variables and copies ``src``'s state into it."""
-    src_vars = list(src.variables() if callable(src.variables) else src.variables)
+    src_vars = optimizer_variables(src)
     if not src_vars:
         return
     if hasattr(dst, "build"):
         dst.build(model.trainable_variables)
     elif hasattr(dst, "_create_all_weights"):
         dst._create_all_weights(model.trainable_variables)
-    dst_vars = list(dst.variables() if callable(dst.variables) else dst.variables)
+    dst_vars = optimizer_variables(dst)
     if len(dst_vars) == len(src_vars):
         for d, s in zip(dst_vars, src_vars):
             d.assign(s)

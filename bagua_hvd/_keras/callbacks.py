@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import bagua_hvd.tensorflow as hvd
+from bagua_hvd.tensorflow.optimizer_state import build_optimizer, optimizer_variables
 from bagua_hvd.tensorflow.tape import variable_key
 
 
@@ -43,14 +44,6 @@ def _is_variable(var: Any) -> bool:
         return isinstance(var, keras.Variable)
     except (ImportError, AttributeError):  # pragma: no cover - no standalone keras 3
         return False
-
-
-def _optimizer_variables(optimizer: Any) -> List[Any]:
-    """The optimizer's variables: a property in Keras 3, a method in tf_keras."""
-    variables = optimizer.variables
-    if callable(variables):
-        variables = variables()
-    return list(variables)
 
 
 def _value(x: Any) -> float:
@@ -140,10 +133,9 @@ class BroadcastGlobalVariablesCallbackImpl:
                 hvd.broadcast_variables(self._model_variables(), root_rank=self.root_rank)
                 optimizer = getattr(self.model, "optimizer", None)
                 if optimizer is not None:
-                    if getattr(optimizer, "built", True) is False and hasattr(optimizer, "build"):
-                        optimizer.build(self.model.trainable_variables)
+                    build_optimizer(optimizer, self.model.trainable_variables)
                     opt_vars = [
-                        v for v in _optimizer_variables(optimizer)
+                        v for v in optimizer_variables(optimizer)
                         if variable_key(v) not in self._local_vars
                     ]  # fmt: skip
                     hvd.broadcast_variables(opt_vars, root_rank=self.root_rank)

@@ -107,8 +107,8 @@ def public_classes(keras: Any, module: str) -> Tuple[type, type, type, type]:
     class KerasState(TensorFlowKerasState):
         """State representation of a Keras model and optimizer.
 
-        The optimizer's variables must exist when the state is built: run one training step
-        first (ValueError otherwise). See ``bagua_hvd.tensorflow.elastic.TensorFlowKerasState``.
+        An optimizer that has not created its variables yet is built on the model's trainable
+        variables. See ``bagua_hvd.tensorflow.elastic.TensorFlowKerasState``.
 
         Args:
             model: Keras model (built: ValueError otherwise).

@@ -40,6 +40,7 @@ from bagua_hvd.common import config
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.tensorflow.mpi_ops import rank, tf_variable
 from bagua_hvd.tensorflow.optimizer import LocalGradientAggregationHelper
+from bagua_hvd.tensorflow.optimizer_state import build_optimizer
 from bagua_hvd.tensorflow.tape import filtered_reduce, make_allreduce_grads_fn, variable_key
 
 _MODULE = "bagua_hvd._keras"
@@ -236,11 +237,7 @@ def create_distributed_optimizer(
                 # tf.cond (optimizer variables cannot be created in a branch), and before an
                 # algorithm sees only those with a gradient (QAdam's reduce_gradients builds
                 # its optimizer on the variables it is handed).
-                import keras as keras3
-
-                with keras3.name_scope(self.name, caller=self):
-                    self.build(vars)
-                self.built = True
+                build_optimizer(self, vars)
 
             def apply_fn(g: List[Any]) -> Any:
                 return super(dist_cls, self).apply(g, vars)

@@ -2,7 +2,7 @@
 the callbacks that keep it up to date in ``model.fit``, and the ``run`` decorator (the one of
 ``bagua_hvd.tensorflow.elastic``).
 
-Typical use (Horovod's): run one training step, build ``KerasState(model, batch=0, epoch=0)``,
+Typical use (Horovod's): build ``KerasState(model, batch=0, epoch=0)``,
 and call ``model.fit(..., epochs=total - state.epoch, callbacks=[UpdateEpochStateCallback(state),
 UpdateBatchStateCallback(state), CommitStateCallback(state)])`` inside a function decorated with
 ``@hvd.elastic.run``.

@@ -27,8 +27,11 @@ Differences from Horovod, on purpose:
   and never again at a sync: new workers kept their own values).
 - The states' ``sync()`` first checks that every rank holds the same variables (count, shapes,
   dtypes) and raises ValueError on every rank when they do not: broadcasting different lists
-  would hang. ``TensorFlowKerasState`` also refuses an optimizer whose variables do not exist
-  yet (a Keras 3 optimizer before its first update), Horovod's documented rule (#2652).
+  would hang. ``TensorFlowKerasState`` builds an optimizer whose variables do not exist yet
+  (a Keras 3 optimizer before its first update) on the model's trainable variables, as its
+  first update would: Horovod saved none then, and a worker that joined later broadcast fewer
+  variables than the others and hung (#2652; its workaround, one training step before the
+  state, still works).
 - ``TensorFlowKerasState`` tracks ``model.weights`` (what Horovod's ``model.variables`` was
   before Keras 3): Keras 3's ``model.variables`` also holds the dropout seed generators'
   states, left per rank (as BroadcastGlobalVariablesCallback does) so that the ranks' dropout
@@ -55,6 +58,7 @@ from bagua_hvd.common.elastic import ObjectState, run_fn
 from bagua_hvd.common.exceptions import HorovodInternalError
 from bagua_hvd.tensorflow import kernels as _kernels
 from bagua_hvd.tensorflow.mpi_ops import _executing_eagerly, broadcast, init, rank, shutdown
+from bagua_hvd.tensorflow.optimizer_state import build_optimizer, optimizer_variables
 
 __all__ = [
     "TensorFlowKerasState",
@@ -153,28 +157,6 @@ def _model_variables(model: Any) -> List[Any]:
     return list(model.weights if hasattr(model, "weights") else model.variables)
 
 
-def _optimizer_variables(optimizer: Any) -> List[Any]:
-    """The optimizer's variables: a list in Keras 3, a method in Keras 2."""
-    if optimizer is None:
-        return []
-    variables = optimizer.variables
-    return list(variables() if callable(variables) else variables)
-
-
-def _check_optimizer_built(optimizer: Any) -> None:
-    # Keras 3 (and tf_keras's newer optimizers) create the slot variables (momentum, Adam's
-    # moments) at the first update: a worker that joins later would broadcast fewer variables
-    # than the others and the job would hang.
-    if optimizer is not None and getattr(optimizer, "built", True) is False:
-        raise ValueError(
-            f"The optimizer's variables do not exist yet ({type(optimizer).__name__} creates "
-            "them at its first update). Run one training step (e.g. "
-            "model.fit(dataset, steps_per_epoch=1, epochs=1), or "
-            "optimizer.build(model.trainable_variables)) before creating the elastic state, on "
-            "every worker: workers that join later must broadcast the same variables."
-        )
-
-
 def _signature(variables: Sequence[Any]) -> List[Tuple[Tuple[Optional[int], ...], str]]:
     return [
         (tuple(tf.TensorShape(v.shape).as_list()), tf.as_dtype(v.dtype).name) for v in variables
@@ -230,9 +212,9 @@ class TensorFlowKerasState(_TensorFlowObjectState):
 
     ``save()``/``commit()`` keep a copy of the model's and the optimizer's variables (and of the
     keyword properties), ``restore()`` assigns them back, ``sync()`` broadcasts rank 0's
-    current variables and its last committed properties to every rank. The optimizer's
-    variables must exist when the state is built: run one training step first (ValueError
-    otherwise).
+    current variables and its last committed properties to every rank. An optimizer that has
+    not created its variables yet (Keras 3 does at the first update) is built here on the
+    model's trainable variables, so that every worker holds and broadcasts the same ones.
 
     Args:
         model: TensorFlow Keras model (built: ValueError otherwise).
@@ -250,7 +232,9 @@ class TensorFlowKerasState(_TensorFlowObjectState):
         if not _model_built(model):
             raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        _check_optimizer_built(self.optimizer)
+        # Keras 3 creates an optimizer's slots at its first update: made now, every worker
+        # (a later joiner too) broadcasts the same variables (Horovod's hang, #2652).
+        build_optimizer(self.optimizer, model.trainable_variables)
         self.backend = backend
         # A TF1 graph needs Keras' session (tf_keras with eager execution disabled).
         self._session = None
@@ -270,7 +254,7 @@ class TensorFlowKerasState(_TensorFlowObjectState):
         return _hvd.broadcast_object(obj, root_rank=0, session=self._session)
 
     def _variables(self) -> List[Any]:
-        return _model_variables(self.model) + _optimizer_variables(self.optimizer)
+        return _model_variables(self.model) + optimizer_variables(self.optimizer)
 
     def save(self) -> None:
         self._save_model()
@@ -286,12 +270,12 @@ class TensorFlowKerasState(_TensorFlowObjectState):
                 self._session.run(self._bcast_op)
             else:
                 model_vars = _model_variables(self.model)
-                opt_vars = _optimizer_variables(self.optimizer)
+                opt_vars = optimizer_variables(self.optimizer)
                 _check_same_variables(
                     type(self).__name__,
                     [("model variables", model_vars), ("optimizer variables", opt_vars)],
-                    " Run one training step before creating the state, on every worker, so "
-                    "that the optimizer's variables exist everywhere.",
+                    " The optimizer's variables differ: is it built on other variables on "
+                    "some workers?",
                 )
                 _broadcast_eager(model_vars, "model")
                 _broadcast_eager(opt_vars, "optimizer")
@@ -305,7 +289,7 @@ class TensorFlowKerasState(_TensorFlowObjectState):
             # Copies where the variables live (tf.identity reads a snapshot of the value).
             self._saved_model_state = [tf.identity(v) for v in _model_variables(self.model)]
             self._saved_optimizer_state = [
-                tf.identity(v) for v in _optimizer_variables(self.optimizer)
+                tf.identity(v) for v in optimizer_variables(self.optimizer)
             ]
 
     def _load_model(self) -> None:
@@ -315,7 +299,7 @@ class TensorFlowKerasState(_TensorFlowObjectState):
             return
         for var, saved in zip(_model_variables(self.model), self._saved_model_state):
             var.assign(saved)
-        for var, saved in zip(_optimizer_variables(self.optimizer), self._saved_optimizer_state):
+        for var, saved in zip(optimizer_variables(self.optimizer), self._saved_optimizer_state):
             var.assign(saved)
 
 

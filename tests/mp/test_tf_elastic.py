@@ -164,8 +164,10 @@ def dense_model(weights=None) -> keras.Model:
 @pytest.mark.parametrize("frontend", list(KERAS_FRONTENDS))
 def test_keras_state(frontend: str) -> None:
     """Horovod's test_tensorflow2_keras.py / test_keras.py::test_elastic_state, with the
-    optimizer's variables built first (Keras 3 creates them at the first update: the state
-    refuses an optimizer without them) and checked too."""
+    optimizer's variables checked too. As there, the state is built on an optimizer that has
+    not updated yet: Keras 3 creates the slots at the first update, so the state builds it
+    (every worker then broadcasts the same variables), with the variables, names and all, that
+    Keras' own first update makes (a second optimizer, updated with zero gradients)."""
     elastic = KERAS_FRONTENDS[frontend].elastic
     v = 1.0 if rank() == 0 else 2.0
     model1 = dense_model(
@@ -175,17 +177,26 @@ def test_keras_state(frontend: str) -> None:
         [np.array([[1.0, 2.0], [3.0, 4.0]], dtype=np.float32), np.array([0.0, 0.0], np.float32)]
     )
     optimizer = keras.optimizers.Adam(0.001 * size())
-    with pytest.raises(ValueError, match="optimizer's variables do not exist yet"):
-        elastic.KerasState(model1, optimizer, batch=20 + rank(), epoch=10 + rank())
-    optimizer.build(model1.trainable_variables)
+    reference = keras.optimizers.Adam(0.001 * size())
+    assert not optimizer.built
+    # Zero gradients: Adam leaves the weights as they are.
+    reference.apply([np.zeros(w.shape, np.float32) for w in model1.trainable_variables],
+                    model1.trainable_variables)  # fmt: skip
+    state = elastic.KerasState(model1, optimizer, batch=20 + rank(), epoch=10 + rank())
+    assert state.model is model1 and state.optimizer is optimizer
+    assert optimizer.built
+
+    # Paths below the optimizer's own (unique) name: "adam/iterations", "adam/dense_kernel_momentum"...
+    def variables(opt: keras.optimizers.Optimizer) -> list:
+        assert all(var.path.startswith(f"{opt.name}/") for var in opt.variables)
+        return [(var.path[len(opt.name) :], var.shape) for var in opt.variables]
+
+    assert variables(optimizer) == variables(reference)
     slots = [var for var in optimizer.variables if var.path.endswith(("momentum", "velocity"))]
     assert len(slots) == 4
     for var in slots:
         var.assign(np.full(var.shape, v, np.float32))
     optimizer.iterations.assign(5 + rank())
-
-    state = elastic.KerasState(model1, optimizer, batch=20 + rank(), epoch=10 + rank())
-    assert state.model is model1 and state.optimizer is optimizer
     state.sync()
 
     model1_weights = model1.get_weights()

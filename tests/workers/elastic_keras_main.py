@@ -55,7 +55,6 @@ opt = hvd.DistributedOptimizer(
     keras.optimizers.SGD(learning_rate=0.01 * hvd.size()), algorithm=algorithm
 )
 model.compile(optimizer=opt, loss="mse")
-opt.build(model.trainable_variables)  # KerasState needs the optimizer's variables
 
 
 def params() -> list:
