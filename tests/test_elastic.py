@@ -238,42 +238,46 @@ def test_all_ranks_of_a_host_failing(tmp_path):
     _replay(lines)
 
 
+# The three scenarios below end the job, whatever the slots per host: one slot each (Horovod's
+# tests run two), half the workers to start.
 def test_all_ranks_failure(tmp_path):
-    schedule = [(None, ["localhost:2", "127.0.0.1:2"])]
-    proc, lines = _run(tmp_path, schedule=schedule, exit_schedule={(1, 0): [0, 1, 2, 3]})
+    schedule = [(None, ["localhost:1", "127.0.0.1:1"])]
+    proc, lines = _run(tmp_path, schedule=schedule, exit_schedule={(1, 0): [0, 1]})
     assert proc.returncode != 0, _explain(proc)
     assert FAILURE in proc.stderr, _explain(proc)
     assert len(lines) == 1, _explain(proc)
 
 
 def test_all_hosts_blacklisted(tmp_path):
-    schedule = [(None, ["localhost:2", "127.0.0.1:2"])]
-    proc, lines = _run(tmp_path, schedule=schedule, exit_schedule={(1, 0): [0, 2]})
+    schedule = [(None, ["localhost:1", "127.0.0.1:1"])]
+    proc, lines = _run(tmp_path, schedule=schedule, exit_schedule={(1, 0): [0, 1]})
     assert proc.returncode != 0, _explain(proc)
     assert FAILURE in proc.stderr, _explain(proc)
     assert len(lines) == 1, _explain(proc)
 
 
 def test_min_hosts_timeout(tmp_path):
-    schedule = [(None, ["localhost:2", "127.0.0.1:2"])]
-    proc, lines = _run(tmp_path, np=4, min_np=4, schedule=schedule,
+    schedule = [(None, ["localhost:1", "127.0.0.1:1"])]
+    proc, lines = _run(tmp_path, np=2, min_np=2, schedule=schedule,
                        exit_schedule={(1, 0): [0]}, extra=("--elastic-timeout", "1"))  # fmt: skip
     assert proc.returncode != 0, _explain(proc)
     assert (
         "Timed out waiting for minimum number of slots to become available. Please check that "
-        "you have enough resources to run at least 4 Horovod processes. Timeout after 1 seconds."
+        "you have enough resources to run at least 2 Horovod processes. Timeout after 1 seconds."
     ) in proc.stderr, _explain(proc)
     assert len(lines) == 1, _explain(proc)
 
 
 @pytest.mark.parametrize("limit", [1, 2])
 def test_reset_limit(tmp_path, limit):
+    # One slot per host (Horovod's test runs two): the resets counted do not depend on it.
     schedule = [
-        (0, ["localhost:2"]),
-        (1, ["localhost:2", "127.0.0.1:2"]),
-        (None, ["127.0.0.1:2"]),
+        (0, ["localhost:1"]),
+        (1, ["localhost:1", "127.0.0.1:1"]),
+        (None, ["127.0.0.1:1"]),
     ]
-    proc, lines = _run(tmp_path, schedule=schedule, extra=("--reset-limit", str(limit)))
+    proc, lines = _run(tmp_path, np=1, min_np=1, schedule=schedule,
+                       extra=("--reset-limit", str(limit)))  # fmt: skip
     if limit == 1:
         assert proc.returncode != 0, _explain(proc)
         assert (
@@ -282,7 +286,7 @@ def test_reset_limit(tmp_path, limit):
         assert len(lines) == 2, _explain(proc)
     else:
         assert proc.returncode == 0, _explain(proc)
-        assert [line["size"] for line in lines] == [2, 4, 2], _explain(proc)
+        assert [line["size"] for line in lines] == [1, 2, 1], _explain(proc)
         _replay(lines)
 
 
