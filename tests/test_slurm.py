@@ -279,6 +279,9 @@ def slurm():
             HOROVOD_GLOO_TIMEOUT_SECONDS="30",
             OMPI_ALLOW_RUN_AS_ROOT="1",
             OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+            # Open MPI's shared-memory segments of the tasks srun starts directly (no mpirun
+            # to remove them at the end) go to this cluster's directory, not /dev/shm.
+            OMPI_MCA_btl_sm_backing_directory=str(root),
         )
         cluster = Slurm(root=root, nodes=nodes, env=env)
 
