@@ -255,7 +255,7 @@ class WeightBuckets:
         self.labels: List[str] = []
         with torch.no_grad():
             for g in groups:
-                flat = torch.empty(sum(p.numel() for p in g), dtype=g[0].dtype)
+                flat = torch.empty(sum(p.numel() for p in g), dtype=g[0].dtype, device=g[0].device)
                 off = 0
                 for p in g:
                     n = p.numel()

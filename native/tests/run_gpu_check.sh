@@ -61,15 +61,16 @@ step() {  # step NAME TIMEOUT COMMAND...: runs it, keeps CHECK/FIGURE lines, cou
   timeout --kill-after=5 "$limit" "$@" >"$log" 2>&1
   rc=$?
   { echo "==== $name (exit $rc): $*"; cat "$log"; } >>"$logs"
-  grep -E '^(CHECK|FIGURE)' "$log" | sed "s/^/[$name] /" >>"$report"
+  # The launcher prefixes a rank's lines with "[rank]<stdout>:".
+  grep -E '^(\[[0-9]+\]<stdout>:)?(CHECK|FIGURE) ' "$log" | sed "s/^/[$name] /" >>"$report"
   local failed
-  failed=$(grep -c '^CHECK .* FAIL' "$log")
+  failed=$(grep -cE '^(\[[0-9]+\]<stdout>:)?CHECK [0-9]+ FAIL' "$log")
   if [ "$rc" != 0 ] || [ "$failed" != 0 ]; then
     fails=$((fails + 1))
     say "FAIL $name: exit $rc, $failed failed checks, $(($(date +%s) - start)) s (its output: $logs)"
     grep -E 'Error|error|Traceback' "$log" | head -n 8 | sed 's/^/    /' | tee -a "$report"
   else
-    say "PASS $name: $(grep -c '^CHECK' "$log") checks, $(($(date +%s) - start)) s"
+    say "PASS $name: $(grep -cE '^(\[[0-9]+\]<stdout>:)?CHECK ' "$log") checks, $(($(date +%s) - start)) s"
   fi
   rm -f "$log"
 }
