@@ -28,7 +28,8 @@ if compgen -G '.whl/*.whl' >/dev/null; then
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/gpu-check-site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gpu-check-site"
 fi
-say "# bagua_hvd GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || cat .gpu/commit 2>/dev/null || echo unknown)"
+# The commit prepare_gpu_check.sh recorded: the device tool's copy of the tree may carry an older .git.
+say "# bagua_hvd GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(cat .gpu/commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 say "$(nvidia-smi -L 2>&1 | head -n 2)"
 say "$($py -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())' 2>&1)"
 say "$(df -h /dev/shm | tail -n 1)"
@@ -61,8 +62,8 @@ step() {  # step NAME TIMEOUT COMMAND...: runs it, keeps CHECK/FIGURE lines, cou
   timeout --kill-after=5 "$limit" "$@" >"$log" 2>&1
   rc=$?
   { echo "==== $name (exit $rc): $*"; cat "$log"; } >>"$logs"
-  # The launcher prefixes a rank's lines with "[rank]<stdout>:".
-  grep -E '^(\[[0-9]+\]<stdout>:)?(CHECK|FIGURE) ' "$log" | sed "s/^/[$name] /" >>"$report"
+  # The launcher prefixes a rank's lines with "[rank]<stdout>:"; MinMaxUInt8's check counts cases.
+  grep -E '^(\[[0-9]+\]<stdout>:)?(CHECK|FIGURE) |^correctness: ' "$log" | sed "s/^/[$name] /" >>"$report"
   local failed
   failed=$(grep -cE '^(\[[0-9]+\]<stdout>:)?CHECK [0-9]+ FAIL' "$log")
   if [ "$rc" != 0 ] || [ "$failed" != 0 ]; then
