@@ -211,8 +211,7 @@ def _device_of_all(tensors: Sequence[torch.Tensor]) -> int:
     """The request's device for a grouped op, whose tensors must share one device."""
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        names = ", ".join(sorted(str(d) for d in devices))
-        raise ValueError(f"the tensors of a grouped operation must be on one device, got {names}")
+        raise RuntimeError("Tensors in list must be on same device.")  # Horovod's, from C++
     return _device_of(tensors[0])
 
 

@@ -77,6 +77,7 @@ const char* op_type_name(OpType t) {
 
 // ---- logging ------------------------------------------------------------------------------
 void log_message(LogLevel level, const std::string& msg) {
+  if (level < log_level()) return;  // HOROVOD_LOG_LEVEL holds for every caller, BHVD_LOG or not
   static const char* names[] = {"TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"};
   static std::mutex mu;
   static const bool hide_time = log_hide_time();

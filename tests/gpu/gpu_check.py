@@ -117,6 +117,21 @@ def collectives() -> None:
         name = f"allreduce {str(dtype)[6:]} Sum prescale {pre} postscale {post}"
         guarded(name, allreduce_case, name, x, hvd.Sum, exact, pre, post)
 
+    # float16 scaling: Horovod's GPU kernel multiplies by the factor rounded to half (its CPU
+    # path by the float factor; horovod/common/ops/cuda/cuda_kernels.cu). The reference: the CPU
+    # path given that rounded factor. The first check shows that the two rules differ here.
+    f = 0.3
+    fh = float(torch.tensor(f).half())
+    x16 = data(torch.float16, (777,), 4242)
+    check("float16 scaling: the factor rounded to half changes results on this data",
+          not torch.equal(hvd.allreduce(x16, op=hvd.Sum, prescale_factor=f, name="f16.f"),
+                          hvd.allreduce(x16, op=hvd.Sum, prescale_factor=fh, name="f16.fh")))  # fmt: skip
+    for kind in ("prescale_factor", "postscale_factor"):
+        name = f"allreduce float16 Sum {kind} {f}: Horovod's GPU rule"
+        guarded(name, lambda name=name, kind=kind: compare(
+            name, hvd.allreduce(x16.to(DEV), op=hvd.Sum, name=name, **{kind: f}),
+            hvd.allreduce(x16, op=hvd.Sum, name=name + ".cpu", **{kind: fh}), exact))  # fmt: skip
+
     xs = [data(torch.float32, (n,), 50 + n) for n in (10, 3000, 1)]
     guarded("grouped_allreduce (fused)", lambda: [compare(
         f"grouped_allreduce (fused) #{i}", g, c, exact) for i, (g, c) in enumerate(zip(

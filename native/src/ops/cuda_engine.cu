@@ -240,7 +240,7 @@ class CudaEngine final : public DeviceEngine {
         nccl_->comm_abort(kv.second.comm);
     }
     if (!drained)
-      log_message(LogLevel::WARNING, "NCCL operations still running at shutdown were aborted");
+      BHVD_LOG(WARNING, "NCCL operations still running at shutdown were aborted");
     comms_.clear();
   }
 
@@ -737,9 +737,8 @@ class CudaEngine final : public DeviceEngine {
       }
     }
     if (!sc.comm)
-      log_message(LogLevel::WARNING, "CUDA tensors of a process set of " +
-                                         std::to_string(comm.size()) +
-                                         " ranks go through host memory, not NCCL: " + sc.why);
+      BHVD_LOG(WARNING, "CUDA tensors of a process set of " + std::to_string(comm.size()) +
+                            " ranks go through host memory, not NCCL: " + sc.why);
     return comms_.emplace(comm.global_ranks(), sc).first->second;
   }
 
@@ -792,7 +791,7 @@ DeviceEngine* device_engine(int device, std::string* why) {
     return nullptr;
   }
   auto engine = std::make_unique<CudaEngine>(device);
-  log_message(LogLevel::DEBUG, "CUDA device " + std::to_string(device) + ": " + engine->path());
+  BHVD_LOG(DEBUG, "CUDA device " + std::to_string(device) + ": " + engine->path());
   return engines().emplace(device, std::move(engine)).first->second.get();
 }
 
