@@ -39,7 +39,7 @@ void execute_allreduce(ExecContext& ctx) {
     }
   }
   std::optional<TimelineActivity> collective(std::in_place, ctx, TlCollective::kAllreduce);
-  if (r.prescale != 1.0) eng.scale(buf, total, r.dtype, r.prescale);
+  if (r.prescale != 1.0) eng.scale_horovod(buf, total, r.dtype, r.prescale);
   if (Hierarchy* h = ctx.hierarchy; h && h->cross) {
     // The network carries one allreduce's worth per host, not per rank, spread over the host's
     // ranks (collectives/allreduce_hierarchical.cc).
@@ -54,7 +54,7 @@ void execute_allreduce(ExecContext& ctx) {
   }
   double post = r.postscale;
   if (r.reduce_op == ReduceOp::AVERAGE) post /= ctx.comm.size();
-  if (post != 1.0) eng.scale(buf, total, r.dtype, post);
+  if (post != 1.0) eng.scale_horovod(buf, total, r.dtype, post);
   collective.reset();
   if (!direct) {
     TimelineActivity memcpy_out(ctx, kTlMemcpyOut);

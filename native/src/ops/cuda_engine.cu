@@ -21,6 +21,7 @@
 #include "compression/minmax_uint8.h"
 #include "compression/minmax_uint8_cuda.h"
 #include "device/nccl_library.h"
+#include "float_bits.h"
 #include "ops/cuda_kernels.h"
 #include "ops/device_engine.h"
 
@@ -259,6 +260,14 @@ class CudaEngine final : public DeviceEngine {
     if (!count || factor == 1.0) return;
     DeviceGuard g(device_);
     cuda_scale(buf, count, dtype, factor, stream_);
+  }
+  // Horovod's GPU kernel multiplies float16 by the factor rounded to half (ScaleBufferCudaImpl:
+  // __float2half((float)f), then __hmul2), its CPU path by the float factor. A product of two
+  // halves is exact in float, so scale()'s one rounding of it gives __hmul's bits.
+  void scale_horovod(void* buf, size_t count, DataType dtype, double factor) override {
+    if (dtype == DataType::FLOAT16)
+      factor = fbits::half_to_float(fbits::float_to_half(static_cast<float>(factor)));
+    scale(buf, count, dtype, factor);
   }
 
   // ---- Horovod's collectives ----

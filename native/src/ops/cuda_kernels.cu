@@ -22,8 +22,7 @@ void check_launch(const char* what) {
     throw std::runtime_error(std::string(what) + "'s launch failed: " + cudaGetErrorString(e));
 }
 
-// ---- scaling, with the CPU engine's semantics bit for bit (collectives/reduce.cc), but for
-// float16's factor (below) ----
+// ---- scaling, with the CPU engine's semantics bit for bit (collectives/reduce.cc) ----
 // 8- to 32-bit integers (int64: below): in double, truncated, saturated; NaN becomes 0.
 template <typename T>
 __global__ void scale_int_kernel(T* p, size_t n, double f, double lo, double hi) {
@@ -107,14 +106,9 @@ void launch_scale(void* buf, size_t n, DataType dtype, double f, cudaStream_t s)
     case DataType::FLOAT64:
       scale_f64_kernel<<<blocks, 256, 0, s>>>(static_cast<double*>(buf), n, f);
       break;
-    // float16: Horovod's GPU kernel multiplies by the factor rounded to half first
-    // (__float2half((float)f), then __hmul2), where its CPU path uses the float factor; CUDA
-    // tensors follow the GPU rule, staged or not. The product of two halves is exact in float,
-    // so one rounding of it to half is __hmul's.
     case DataType::FLOAT16:
-      scale_f16_kernel<<<blocks, 256, 0, s>>>(
-          static_cast<uint16_t*>(buf), n,
-          fbits::half_to_float(fbits::float_to_half(static_cast<float>(f))));
+      scale_f16_kernel<<<blocks, 256, 0, s>>>(static_cast<uint16_t*>(buf), n,
+                                              static_cast<float>(f));
       break;
     case DataType::BFLOAT16:
       scale_bf16_kernel<<<blocks, 256, 0, s>>>(static_cast<uint16_t*>(buf), n,

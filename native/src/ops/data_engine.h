@@ -38,6 +38,11 @@ class DataEngine {
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void zero(void* dst, size_t bytes) = 0;
   virtual void scale(void* buf, size_t count, DataType dtype, double factor) = 0;
+  // Horovod's pre/postscale of an allreduce or reducescatter (Average's 1/size included): scale()
+  // here; a device engine applies its device's rule where Horovod's differs from the CPU's.
+  virtual void scale_horovod(void* buf, size_t count, DataType dtype, double factor) {
+    scale(buf, count, dtype, factor);
+  }
 
   // Collectives (semantics: collectives/collectives.h).
   virtual void allreduce(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op) = 0;

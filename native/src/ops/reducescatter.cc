@@ -24,11 +24,11 @@ void execute_reducescatter(ExecContext& ctx) {
       counts[k] = static_cast<size_t>(reducescatter_rows(dim0, n, k) * row);
     unsigned char* scratch = ctx.fusion.get(static_cast<size_t>(total) * esize);
     if (total) eng.copy(scratch, e->input, static_cast<size_t>(total) * esize);
-    if (r.prescale != 1.0) eng.scale(scratch, total, r.dtype, r.prescale);
+    if (r.prescale != 1.0) eng.scale_horovod(scratch, total, r.dtype, r.prescale);
     eng.reducescatterv(comm, scratch, e->output, counts, r.dtype, r.reduce_op);
     double post = r.postscale;
     if (r.reduce_op == ReduceOp::AVERAGE) post /= n;
-    if (post != 1.0) eng.scale(e->output, counts[comm.rank()], r.dtype, post);
+    if (post != 1.0) eng.scale_horovod(e->output, counts[comm.rank()], r.dtype, post);
   }
 }
 
