@@ -79,6 +79,9 @@ _id_to_process_sets: Dict[int, ProcessSet] = {0: global_process_set}
 # What init() passed to the core: whether sets may be added/removed after init.
 _dynamic_enabled = False
 
+# Horovod's message (horovod/common/basics.py) for a process set id the core does not know.
+UNKNOWN_SET_ERROR = "Process set does not exist or has not been registered."
+
 
 def _require_init() -> None:
     if not _native.lib().bhvd_is_initialized():
@@ -89,7 +92,7 @@ def _process_set_size(process_set_id: int) -> int:
     _require_init()
     n = _native.lib().bhvd_process_set_ranks(process_set_id, _native.ffi.NULL, 0)
     if n < 0:
-        raise ValueError("Process set is not known.")
+        raise ValueError(UNKNOWN_SET_ERROR)
     return int(n)
 
 
@@ -97,7 +100,7 @@ def _process_set_rank(process_set_id: int) -> int:
     _require_init()
     r = _native.lib().bhvd_process_set_rank(process_set_id)
     if r == -2:
-        raise ValueError("Process set is not known.")
+        raise ValueError(UNKNOWN_SET_ERROR)
     if r == -1:
         raise ValueError("Process is not part of provided process set.")
     return int(r)
@@ -107,7 +110,7 @@ def _process_set_included(process_set_id: int) -> bool:
     _require_init()
     r = _native.lib().bhvd_process_set_rank(process_set_id)
     if r == -2:
-        raise ValueError("Process set is not known.")
+        raise ValueError(UNKNOWN_SET_ERROR)
     return r >= 0
 
 

@@ -136,6 +136,7 @@ def allreduce(
         )
         return _sparse_result(values, indices, tensor.dense_shape, op, process_set)
     tensor = as_tensor(tensor)
+    process_set.size()  # Horovod reads it here: an unknown set is a ValueError at once
     if compression is NoneCompressor:
         return allreduce_dense(
             tensor, op, prescale_factor, postscale_factor, name, process_set, ignore_name_scope
@@ -190,6 +191,7 @@ def grouped_allreduce(
         for i, v, ix in zip(sparse_idx, values, indices):
             results[i] = _sparse_result(v, ix, tensors[i].dense_shape, op, process_set)
     if dense_idx:
+        process_set.size()  # as in allreduce
         compressed, ctxs = zip(*[compression.compress(as_tensor(tensors[i])) for i in dense_idx])
         reduced = grouped_allreduce_dense(
             list(compressed), op, prescale_factor, postscale_factor, name, process_set,

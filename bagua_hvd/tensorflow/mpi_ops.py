@@ -9,8 +9,10 @@ collectives are stateful ops, so ``tf.function``'s automatic control dependencie
 program order on every rank. Every op is complete when its result can be read.
 
 Names: an op given ``name=`` is ``"<op>.<name>"`` in the core (inside a graph the name is
-made unique and prefixed by the name scope unless ``ignore_name_scope``). Unnamed eager ops use
-the core's ``"<op>.noname.<handle>"`` numbering; unnamed graph ops are named at trace time
+made unique and prefixed by the name scope unless ``ignore_name_scope``). Unnamed eager ops are
+numbered per op type and process set (``"allreduce.HorovodAllreduce.eager.<n>"``): Horovod's
+eager kernels all carry their op type's name, so they match in call order within a set, also
+where a rank skips the ops of a set it is not in; unnamed graph ops are named at trace time
 ``HorovodAllreduce``, ``HorovodAllreduce_1``, ... (unique in the graph, in trace order), so
 every rank that traced the same function uses the same names. (Horovod appends the input
 tensor's name, but tensors that a tf.function captures have process-dependent names.)
@@ -38,6 +40,7 @@ from tensorflow.python.eager import record as _record
 from bagua_hvd.common import config
 from bagua_hvd.common import frontend as _frontend
 from bagua_hvd.common import ops as _ops
+from bagua_hvd.common.basics import after_init as _after_init
 from bagua_hvd.common.exceptions import HorovodInternalError
 from bagua_hvd.common.primitives import Errors
 from bagua_hvd.common.process_sets import (
@@ -63,6 +66,7 @@ __all__ = [
 ]  # fmt: skip
 
 from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics, re-exported)
+from bagua_hvd.common.frontend import basics as _basics  # noqa: F401  (Horovod's tests read it)
 from bagua_hvd.common.frontend import (  # noqa: F401  (Horovod's mpi_ops exports)
     check_num_rank_power_of_2,
     handle_average_backwards_compatibility,
@@ -439,14 +443,34 @@ def _graph_paths(
     return fn, kernel
 
 
+# Unnamed eager ops per (process set's ranks, op label), counted from hvd.init() (an elastic
+# reset starts every rank's count again).
+_eager_counts: Dict[Tuple[Tuple[int, ...], str], int] = {}
+_after_init(_eager_counts.clear)
+
+
 def _core_name(
-    prefix: str, name: str | None, tensor: Any, op_label: str, ignore_name_scope: bool
+    prefix: str,
+    name: str | None,
+    tensor: Any,
+    op_label: str,
+    ignore_name_scope: bool,
+    process_set: ProcessSet,
 ) -> str | None:
     """The core's name for an op (see the module docstring)."""
     if name is not None and not isinstance(name, str):
         raise ValueError(f"name must be a str, got {type(name).__name__}")
     if tf.executing_eagerly():
-        return None if name is None else f"{prefix}.{name}"
+        if name is not None:
+            return f"{prefix}.{name}"
+        # Horovod's eager kernels are all named after their op type (TensorFlow names an eager
+        # node after its op), so unnamed eager ops match in call order per op type and process
+        # set: a rank that skips an op of a set it is not in stays in step with the others.
+        # Keyed by the set's ranks, not its id: Horovod reuses a removed set's id.
+        key = (tuple(process_set.ranks or ()), op_label)
+        n = _eager_counts.get(key, 0)
+        _eager_counts[key] = n + 1
+        return f"{prefix}.{op_label}.eager.{n}"
     # Not Horovod's "<label>_<tensor name>": names of tensors captured by a tf.function
     # differ between processes; the trace order, and so graph.unique_name, does not.
     base = name if name is not None else op_label
@@ -530,8 +554,8 @@ def grouped_allreduce_dense(
     label = "HorovodAllreduce" if prefix == "allreduce" else "HorovodGroupedAllreduce"
 
     def forward(xs: List[tf.Tensor]) -> Tuple[List[tf.Tensor], Callable[..., Any]]:
-        core_name = _core_name(prefix, name, xs[0], label, ignore_name_scope)
         ps_id = _ps_id(process_set)
+        core_name = _core_name(prefix, name, xs[0], label, ignore_name_scope, process_set)
 
         fn, kernel = _graph_paths(
             _ops.OP_ALLREDUCE, prefix, core_name, ps_id, reduce_op=op,
@@ -592,8 +616,8 @@ def grouped_allgather(
     label = "HorovodAllgather" if _prefix == "allgather" else "HorovodGroupedAllgather"
 
     def forward(xs: List[tf.Tensor]) -> Tuple[List[tf.Tensor], Callable[..., Any]]:
-        core_name = _core_name(_prefix, name, xs[0], label, ignore_name_scope)
         ps_id = _ps_id(process_set)
+        core_name = _core_name(_prefix, name, xs[0], label, ignore_name_scope, process_set)
 
         fn, kernel = _graph_paths(_ops.OP_ALLGATHER, _prefix, core_name, ps_id)
         shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None
@@ -646,8 +670,10 @@ def _broadcast_tensor(
         raise tf.errors.InvalidArgumentError(None, None, str(e)) from None
 
     def forward(xs: List[tf.Tensor]) -> Tuple[List[tf.Tensor], Callable[..., Any]]:
-        core_name = _core_name("broadcast", name, xs[0], "HorovodBroadcast", ignore_name_scope)
         ps_id = _ps_id(process_set)
+        core_name = _core_name(
+            "broadcast", name, xs[0], "HorovodBroadcast", ignore_name_scope, process_set
+        )
 
         fn, kernel = _graph_paths(
             _ops.OP_BROADCAST, "broadcast", core_name, ps_id, root_rank=root_rank
@@ -763,8 +789,10 @@ def alltoall(
             splits_t = tf.convert_to_tensor(splits)
 
     def forward(xs: List[tf.Tensor]) -> Tuple[List[tf.Tensor], Callable[..., Any]]:
-        core_name = _core_name("alltoall", name, xs[0], "HorovodAlltoall", ignore_name_scope)
         ps_id = _ps_id(process_set)
+        core_name = _core_name(
+            "alltoall", name, xs[0], "HorovodAlltoall", ignore_name_scope, process_set
+        )
 
         def fn(a: np.ndarray, *sp: np.ndarray) -> List[np.ndarray]:
             split_list = [int(v) for v in sp[0]] if sp else None
@@ -822,8 +850,8 @@ def grouped_reducescatter_dense(
     label = "HorovodReducescatter" if _prefix == "reducescatter" else "HorovodGroupedReducescatter"
 
     def forward(xs: List[tf.Tensor]) -> Tuple[List[tf.Tensor], Callable[..., Any]]:
-        core_name = _core_name(_prefix, name, xs[0], label, ignore_name_scope)
         ps_id = _ps_id(process_set)
+        core_name = _core_name(_prefix, name, xs[0], label, ignore_name_scope, process_set)
 
         fn, kernel = _graph_paths(
             _ops.OP_REDUCESCATTER, _prefix, core_name, ps_id, reduce_op=op,

@@ -369,6 +369,36 @@ TEST_F(Negotiation, AProcessSetWithARankOutsideTheJobIsRefused) {
   EXPECT_EQ(out.responses[0].set_ranks, (std::vector<int32_t>{0, 2}));
 }
 
+// Set ids as Horovod gives them (process_set.cc, ProcessSetTable::RegisterProcessSet): a removed
+// set's id is given again, the oldest freed first, before a new id; 0 is the global set's.
+TEST_F(Negotiation, RemovedProcessSetIdsAreGivenAgainOldestFirst) {
+  start();
+  int change = 0;
+  const auto apply = [&](int32_t type, std::vector<int32_t> splits) {
+    Request r = req("__process_set_change." + std::to_string(change++), type, DataType::INT32, {});
+    r.splits = std::move(splits);
+    submit_all(r);
+    ResponseList out = build();
+    EXPECT_EQ(out.responses.size(), 1u);
+    if (out.responses.empty()) return -1;
+    EXPECT_EQ(out.responses[0].kind, Response::OP) << out.responses[0].error;
+    const int32_t id = out.responses[0].new_set_id;
+    if (type == kOpAddProcessSet)
+      sets_[id] = out.responses[0].set_ranks;  // as the runtime registers it
+    else
+      sets_.erase(id);
+    return static_cast<int>(id);
+  };
+  EXPECT_EQ(apply(kOpAddProcessSet, {0}), 1);
+  EXPECT_EQ(apply(kOpAddProcessSet, {1, 2}), 2);
+  EXPECT_EQ(apply(kOpAddProcessSet, {0, 2}), 3);
+  EXPECT_EQ(apply(kOpRemoveProcessSet, {2}), 2);
+  EXPECT_EQ(apply(kOpRemoveProcessSet, {1}), 1);
+  EXPECT_EQ(apply(kOpAddProcessSet, {2}), 2);     // freed first
+  EXPECT_EQ(apply(kOpAddProcessSet, {1}), 1);
+  EXPECT_EQ(apply(kOpAddProcessSet, {0, 1}), 4);  // none free: a new id
+}
+
 // Ready tensors whose sizes sum past int64 (each one counts): the sum decides when to stop holding
 // them for fusion, and must not wrap around to "nothing to flush yet".
 TEST_F(Negotiation, ReadyTensorsSummingPastInt64AreFlushed) {

@@ -343,13 +343,21 @@ Response Coordinator::construct(const std::string& key, Pending& p) {
         return fail(os.str());
       }
     }
-    resp.new_set_id = next_set_id_++;
+    // Horovod's ids: a removed set's id is given again, oldest first (ProcessSetTable's
+    // free_ids_ queue), before a new one.
+    if (!free_set_ids_.empty()) {
+      resp.new_set_id = free_set_ids_.front();
+      free_set_ids_.pop_front();
+    } else {
+      resp.new_set_id = next_set_id_++;
+    }
     resp.set_ranks = ranks;
   } else if (t == kOpRemoveProcessSet) {
     int32_t id = a.splits.empty() ? -1 : a.splits[0];
     if (id <= 0 || !set_ranks(id))
       return fail("Process set " + std::to_string(id) + " does not exist or cannot be removed.");
     resp.new_set_id = id;
+    free_set_ids_.push_back(id);
   }
   return resp;
 }

@@ -4,6 +4,7 @@
 // (core/response_cache.cc), and emits one totally ordered ResponseList.
 #pragma once
 
+#include <deque>
 #include <map>
 #include <string>
 #include <unordered_map>
@@ -86,6 +87,7 @@ class Coordinator {
   bool shutdown_requested_ = false;
   uint64_t seq_ = 0;
   int32_t next_set_id_ = 1;
+  std::deque<int32_t> free_set_ids_;  // removed sets' ids, given again first (Horovod's rule)
 
   ResponseCache cache_;
   Timeline& timeline_;
