@@ -784,6 +784,25 @@ def test_process_sets():
         hvd.init()
 
 
+def test_util_helpers():
+    """horovod.tensorflow.util's helpers, which scripts and Horovod's tests use."""
+    import keras
+
+    from bagua_hvd.tensorflow import util
+
+    assert hvd.util is util and util._executing_eagerly() is True
+    assert tf.function(lambda: tf.constant(util._executing_eagerly()))().numpy() == False  # noqa: E712
+    v, k = tf.Variable(1.0), keras.Variable(2.0)
+    refs = util.vars_to_refs([v, [k]])
+    hash(refs)
+    back = util.refs_to_vars(refs)
+    assert back[0] is v and float(back[1][0].numpy()) == 2.0
+    calls = []
+    cached = util._cache(lambda x: calls.append(x) or [x])
+    assert cached(1) is cached(1) and calls == [1]
+    assert float(util._make_subgraph(lambda: tf.constant(3.0))()) == 3.0
+
+
 @pytest.mark.handles_may_diverge
 def test_unnamed_eager_ops_match_per_process_set():
     """Unnamed eager ops match in call order per op type and process set, as Horovod's eager
