@@ -226,8 +226,9 @@ def test_bagua_primitives_on_cuda_buffers_say_what_they_need() -> None:
 def test_grouped_operations_refuse_tensors_of_two_devices() -> None:
     # The core takes one device per request: a group mixing devices is refused before it
     # (here a CPU and a "meta" tensor, which no machine needs a GPU for), with Horovod's error
-    # (a std::logic_error in horovod/torch/mpi_ops_v2.cc: RuntimeError in Python; Horovod's
-    # test_horovod_grouped_allreduce_cpu_gpu_error catches RuntimeError).
+    # (a std::logic_error in horovod/torch/mpi_ops_v2.cc, re-raised by its Python wrapper as
+    # HorovodInternalError, a RuntimeError: Horovod's test_horovod_grouped_allreduce_cpu_gpu_error
+    # catches RuntimeError).
     code = (
         "import torch, bagua_hvd.torch as hvd; hvd.init()\n"
         "for name, fn in [('grouped_allreduce', hvd.grouped_allreduce),\n"
@@ -241,5 +242,5 @@ def test_grouped_operations_refuse_tensors_of_two_devices() -> None:
     )
     text = run_command([sys.executable, "-c", code], "grouped ops on two devices")
     for name in ("grouped_allreduce", "grouped_allgather", "grouped_reducescatter"):
-        assert f"{name}: RuntimeError Tensors in list must be on same device." in text, text
+        assert f"{name}: HorovodInternalError Tensors in list must be on same device." in text, text
     assert "after: [1.0, 1.0]" in text, text

@@ -211,7 +211,9 @@ def _device_of_all(tensors: Sequence[torch.Tensor]) -> int:
     """The request's device for a grouped op, whose tensors must share one device."""
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        raise RuntimeError("Tensors in list must be on same device.")  # Horovod's, from C++
+        # Horovod's: a std::logic_error of its C++ op, which its Python wrapper re-raises as
+        # HorovodInternalError (a RuntimeError).
+        raise HorovodInternalError("Tensors in list must be on same device.")
     return _device_of(tensors[0])
 
 
