@@ -16,6 +16,7 @@ from typing import Any, Callable, List, Sequence
 import numpy as np
 import tensorflow as tf
 
+from bagua_hvd.common import config
 from bagua_hvd.common.exceptions import HorovodInternalError  # noqa: F401
 from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics)
 from bagua_hvd.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
@@ -100,6 +101,14 @@ def _sparse_result(
     return tf.IndexedSlices(values, indices, dense_shape=dense_shape)
 
 
+def _check_set(process_set: ProcessSet) -> None:
+    """Horovod's allreduce reads the set's size in Python first (an unknown set, or a call
+    before init, is a ValueError at once), except under HOROVOD_ELASTIC=1, where it reads it
+    with size_op when the op runs (a reset may change it)."""
+    if not config.elastic():
+        process_set.size()
+
+
 def allreduce(
     tensor: Any,
     average: bool | None = None,
@@ -136,7 +145,7 @@ def allreduce(
         )
         return _sparse_result(values, indices, tensor.dense_shape, op, process_set)
     tensor = as_tensor(tensor)
-    process_set.size()  # Horovod reads it here: an unknown set is a ValueError at once
+    _check_set(process_set)
     if compression is NoneCompressor:
         return allreduce_dense(
             tensor, op, prescale_factor, postscale_factor, name, process_set, ignore_name_scope
@@ -191,7 +200,7 @@ def grouped_allreduce(
         for i, v, ix in zip(sparse_idx, values, indices):
             results[i] = _sparse_result(v, ix, tensors[i].dense_shape, op, process_set)
     if dense_idx:
-        process_set.size()  # as in allreduce
+        _check_set(process_set)
         compressed, ctxs = zip(*[compression.compress(as_tensor(tensors[i])) for i in dense_idx])
         reduced = grouped_allreduce_dense(
             list(compressed), op, prescale_factor, postscale_factor, name, process_set,
