@@ -7,6 +7,9 @@ numpy (tests/reference.py) and check its own result.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
 import pytest
 
@@ -719,16 +722,26 @@ def test_object_helpers_in_tf_function_and_tf1_graphs():
     assert hvd.allgather_object(r) == list(range(n))  # eagerly again
 
 
-@pytest.mark.handles_may_diverge
-def test_process_sets():
-    n, r = size(), rank()
-    import os
-
+@contextlib.contextmanager
+def dynamic_process_sets():
+    """Horovod re-initialized with HOROVOD_DYNAMIC_PROCESS_SETS=1 for the block, then as before."""
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     hvd.mpi_ops.barrier()
     hvd.shutdown()
     hvd.init()
     try:
+        yield
+    finally:
+        os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)
+        hvd.mpi_ops.barrier()
+        hvd.shutdown()
+        hvd.init()
+
+
+@pytest.mark.handles_may_diverge
+def test_process_sets():
+    n, r = size(), rank()
+    with dynamic_process_sets():
         if n == 1:
             with pytest.raises(ValueError, match="Attempted to add a duplicate process set"):
                 hvd.add_process_set([0])
@@ -777,11 +790,6 @@ def test_process_sets():
                     tf.function(fn)()
         hvd.mpi_ops.barrier()
         assert hvd.remove_process_set(evens)
-    finally:
-        os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)
-        hvd.mpi_ops.barrier()
-        hvd.shutdown()
-        hvd.init()
 
 
 def test_util_helpers():
@@ -809,16 +817,10 @@ def test_unnamed_eager_ops_match_per_process_set():
     kernels (all named after their op type) do: ranks that skip an op of a set they are not in
     (Horovod's DistributedOptimizer does, for example) still meet the others in the next
     global op. (Numbered per process, the global op's names would differ: a stall.)"""
-    import os
-
     n, r = size(), rank()
     if n == 1:
         pytest.skip("needs ranks outside the set")
-    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
-    hvd.mpi_ops.barrier()
-    hvd.shutdown()
-    hvd.init()
-    try:
+    with dynamic_process_sets():
         evens = hvd.add_process_set(list(range(0, n, 2)))
         # Horovod's internal view (its process-set tests read it), and its error for an id
         # the core does not know, raised by allreduce before any op.
@@ -846,11 +848,6 @@ def test_unnamed_eager_ops_match_per_process_set():
             assert got.numpy().tolist() == list(range(n))
         hvd.mpi_ops.barrier()
         assert hvd.remove_process_set(evens)
-    finally:
-        os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)
-        hvd.mpi_ops.barrier()
-        hvd.shutdown()
-        hvd.init()
 
 
 @pytest.mark.parametrize("mode", MODES)
