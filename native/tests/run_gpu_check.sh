@@ -63,15 +63,16 @@ step() {  # step NAME TIMEOUT COMMAND...: runs it, keeps CHECK/FIGURE lines, cou
   rc=$?
   { echo "==== $name (exit $rc): $*"; cat "$log"; } >>"$logs"
   # The launcher prefixes a rank's lines with "[rank]<stdout>:"; MinMaxUInt8's check counts cases.
-  grep -E '^(\[[0-9]+\]<stdout>:)?(CHECK|FIGURE) |^correctness: ' "$log" | sed "s/^/[$name] /" >>"$report"
+  local ranked='^(\[[0-9]+\]<stdout>:)?'
+  grep -E "${ranked}(CHECK|FIGURE) |^correctness: " "$log" | sed "s/^/[$name] /" >>"$report"
   local failed
-  failed=$(grep -cE '^(\[[0-9]+\]<stdout>:)?CHECK [0-9]+ FAIL' "$log")
+  failed=$(grep -cE "${ranked}CHECK [0-9]+ FAIL" "$log")
   if [ "$rc" != 0 ] || [ "$failed" != 0 ]; then
     fails=$((fails + 1))
     say "FAIL $name: exit $rc, $failed failed checks, $(($(date +%s) - start)) s (its output: $logs)"
     grep -E 'Error|error|Traceback' "$log" | head -n 8 | sed 's/^/    /' | tee -a "$report"
   else
-    say "PASS $name: $(grep -cE '^(\[[0-9]+\]<stdout>:)?CHECK ' "$log") checks, $(($(date +%s) - start)) s"
+    say "PASS $name: $(grep -cE "${ranked}CHECK " "$log") checks, $(($(date +%s) - start)) s"
   fi
   rm -f "$log"
 }

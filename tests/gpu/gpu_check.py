@@ -126,11 +126,19 @@ def collectives() -> None:
     check("float16 scaling: the factor rounded to half changes results on this data",
           not torch.equal(hvd.allreduce(x16, op=hvd.Sum, prescale_factor=f, name="f16.f"),
                           hvd.allreduce(x16, op=hvd.Sum, prescale_factor=fh, name="f16.fh")))  # fmt: skip
+    # At 1 rank also against torch's own arithmetic: the half product of x and the half factor
+    # (exact in float, rounded once), independent of bagua_hvd.
+    alone = (x16.float() * fh).half()
     for kind in ("prescale_factor", "postscale_factor"):
         name = f"allreduce float16 Sum {kind} {f}: Horovod's GPU rule"
         guarded(name, lambda name=name, kind=kind: compare(
             name, hvd.allreduce(x16.to(DEV), op=hvd.Sum, name=name, **{kind: f}),
             hvd.allreduce(x16, op=hvd.Sum, name=name + ".cpu", **{kind: fh}), exact))  # fmt: skip
+        if SIZE == 1:
+            guarded(name, lambda name=name, kind=kind: compare(
+                name + " (torch's half product)",
+                hvd.allreduce(x16.to(DEV), op=hvd.Sum, name=name + ".t", **{kind: f}), alone,
+                True))  # fmt: skip
 
     xs = [data(torch.float32, (n,), 50 + n) for n in (10, 3000, 1)]
     guarded("grouped_allreduce (fused)", lambda: [compare(
