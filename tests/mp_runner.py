@@ -88,17 +88,18 @@ SHARED_JOBS = {
     1: [
         "test_torch_ops.py", "test_torch_process_sets.py", "test_torch_lifecycle.py",
         "test_torch_functions.py", "test_torch_optimizer.py", "test_torch_algorithms.py",
-        "test_torch_elastic.py", "test_tf_tape.py", "test_tf_elastic.py",
+        "test_torch_elastic.py", "test_tf_tape.py", "test_tf_elastic.py", "test_torch_adasum.py",
     ],
     2: [
         "test_torch_ops.py", "test_torch_algorithms.py", "test_tf_algorithms.py",
-        "test_keras.py", "test_keras_callbacks.py", "test_tf_elastic.py",
+        "test_keras.py", "test_keras_callbacks.py", "test_tf_elastic.py", "test_torch_adasum.py",
+        "test_tf_adasum.py",
     ],
     3: [
         "test_torch_ops.py", "test_torch_process_sets.py", "test_torch_lifecycle.py",
         "test_torch_functions.py", "test_torch_optimizer.py", "test_torch_algorithms.py",
         "test_scale_factors.py", "test_torch_elastic.py", "test_tf_ops.py",
-        "test_tf_algorithms.py", "test_tf_tape.py",
+        "test_tf_algorithms.py", "test_tf_tape.py", "test_torch_adasum.py", "test_tf_adasum.py",
     ],
 }  # fmt: skip
 _shared_output: dict = {}

@@ -151,6 +151,26 @@ def join_allreduce(
     return allreduce(contrib, op, dtype)
 
 
+def adasum(arrays: Sequence[np.ndarray], dtype: str = "float64") -> np.ndarray:
+    """Horovod's Adasum of one tensor from every rank (a power-of-2 number of them), from its
+    definition (Maleki et al., MLSys 2021): a binary tree, ranks (0, 1), (2, 3), ... then pairs
+    of subtrees, each pair combined as (1 - a.b / (2|a|^2)) a + (1 - a.b / (2|b|^2)) b with a
+    coefficient of 1 where that norm is 0. Each combination is rounded to ``dtype`` (a rank
+    stores it so); float64 results."""
+    level = [np.asarray(a, dtype=np.float64).ravel() for a in arrays]
+    shape = np.shape(arrays[0])
+    assert len(level) & (len(level) - 1) == 0, "Adasum needs a power-of-2 number of ranks"
+    while len(level) > 1:
+        nxt = []
+        for a, b in zip(level[0::2], level[1::2]):
+            dot, a2, b2 = float(a @ b), float(a @ a), float(b @ b)
+            ac = 1.0 - dot / a2 * 0.5 if a2 != 0 else 1.0
+            bc = 1.0 - dot / b2 * 0.5 if b2 != 0 else 1.0
+            nxt.append((ac * a + bc * b).astype(numpy_dtype(dtype)).astype(np.float64))
+        level = nxt
+    return level[0].reshape(shape)
+
+
 def tolerance(dtype: str, op: int, size: int, postscale: float | None = None) -> float:
     """Absolute tolerance for comparing a float result with the float64 reference."""
     if dtype in INT_TYPES or dtype == "bool":

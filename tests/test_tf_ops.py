@@ -21,6 +21,12 @@ def test_tf_multiprocess() -> None:
     assert sum(skipped) == 0, text
 
 
+@pytest.mark.parametrize("np", [2, 3])
+def test_tf_adasum(np: int) -> None:
+    """op=hvd.Adasum at 2 ranks (a power of 2) and at 3 (Horovod's error)."""
+    run_inner("test_tf_adasum.py", np)
+
+
 def test_kernels_build_command(tmp_path) -> None:
     """``python -m bagua_hvd.tensorflow.build_kernels`` prints the kernels' library, built in the
     user's cache (the same build the first TensorFlow op runs: the other tests' ranks share that

@@ -19,6 +19,7 @@ INNER = [
     "test_torch_optimizer.py",
     "test_torch_algorithms.py",
     "test_scale_factors.py",
+    "test_torch_adasum.py",
 ]
 
 
@@ -31,6 +32,9 @@ CASES = [
     ("test_torch_ops.py", 2),
     ("test_torch_algorithms.py", 2),
     ("test_torch_algorithms.py", 4),
+    # Adasum's tree has one level at 2 ranks and two at 4 (3: Horovod's error).
+    ("test_torch_adasum.py", 2),
+    ("test_torch_adasum.py", 4),
 ]
 
 

@@ -26,7 +26,7 @@ Semantics are Horovod's (names, defaults, messages, hooks, ``synchronize``/``ski
 * A ``.grad`` tensor is reused from step to step (it is a view of the bucket): code that keeps a
   reference to last step's ``p.grad`` sees it overwritten by the next backward, as with DDP's
   ``gradient_as_bucket_view``. Code that assigns ``p.grad`` is fine (the hook copies it in).
-* ``op=Adasum`` with more than one rank raises NotImplementedError (the core has no Adasum).
+* ``op=Adasum`` with more than one rank is Horovod's delta optimizer (``torch/adasum.py``).
 """
 
 from __future__ import annotations
@@ -158,6 +158,72 @@ def _hook(ref: Callable[[], Any], p: torch.Tensor) -> None:
         self._grad_ready(p)
 
 
+def _find_duplicates(lst: Sequence[Any]) -> set:
+    seen = set()
+    dups = set()
+    for el in lst:
+        if el in seen:
+            dups.add(el)
+        seen.add(el)
+    return dups
+
+
+def register_grad_hooks(owner: Any, params: List[torch.Tensor]) -> None:
+    """Calls ``owner._grad_ready(p)`` once ``p``'s gradient has been accumulated (a backward
+    pass), through a weak reference; the hooks go away with ``owner`` (Horovod's
+    grad-accumulator hooks do as well)."""
+    ref = weakref.ref(owner)
+    handles = []
+    for p in params:
+        if hasattr(p, "register_post_accumulate_grad_hook"):
+            handles.append(p.register_post_accumulate_grad_hook(lambda t, r=ref: _hook(r, t)))
+        else:  # torch < 2.1: Horovod's grad accumulator hook
+            p_tmp = p.expand_as(p)
+            grad_acc = p_tmp.grad_fn.next_functions[0][0]
+            handles.append(grad_acc.register_hook(lambda *_, r=ref, t=p: _hook(r, t)))
+            owner._grad_accs.append(grad_acc)
+    weakref.finalize(owner, _remove_hooks, handles)
+
+
+def checked_named_parameters(
+    param_groups: List[Dict[str, Any]], named_parameters: Optional[Iterable[Tuple[str, Any]]]
+) -> List[Tuple[str, Any]]:
+    """``named_parameters`` as a list, checked as Horovod does (tuples, unique names, every
+    parameter of ``param_groups`` named); None names them ``allreduce.noname.<group>.<index>``."""
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    else:
+        named_parameters = [
+            (f"allreduce.noname.{i}.{j}", v)
+            for i, param_group in enumerate(param_groups)
+            for j, v in enumerate(param_group["params"])
+        ]
+    # make sure that named_parameters are tuples
+    if any(not isinstance(p, tuple) for p in named_parameters):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually "
+            "produced by model.named_parameters()."
+        )
+
+    dups = _find_duplicates([k for k, _ in named_parameters])
+    if len(dups) > 0:
+        raise ValueError(
+            "Parameter names in named_parameters must be unique. Found duplicates: "
+            f"{', '.join(dups)}"
+        )
+
+    all_param_ids = {id(v) for param_group in param_groups for v in param_group["params"]}
+    named_param_ids = {id(v) for k, v in named_parameters}
+    unnamed_param_ids = all_param_ids - named_param_ids
+    if len(unnamed_param_ids):
+        raise ValueError(
+            "named_parameters was specified, but one or more model parameters were not "
+            f"named. Python object ids: {', '.join(str(i) for i in unnamed_param_ids)}"
+        )
+
+    return named_parameters
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     # Methods are copied into a class derived from the wrapped optimizer's class (Horovod's
     # construction); ``_hvd_cls`` is that class, so ``super(self._hvd_cls, self)`` is the
@@ -184,37 +250,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             algorithm.prepare_optimizer(self)  # e.g. QAdam: the stage of its optimizer
         self._compression = compression
 
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-        else:
-            named_parameters = [
-                (f"allreduce.noname.{i}.{j}", v)
-                for i, param_group in enumerate(self.param_groups)
-                for j, v in enumerate(param_group["params"])
-            ]
-        # make sure that named_parameters are tuples
-        if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError(
-                "named_parameters should be a sequence of tuples (name, parameter), usually "
-                "produced by model.named_parameters()."
-            )
-
-        dups = _DistributedOptimizer.find_duplicates([k for k, _ in named_parameters])
-        if len(dups) > 0:
-            raise ValueError(
-                "Parameter names in named_parameters must be unique. Found duplicates: "
-                f"{', '.join(dups)}"
-            )
-
-        all_param_ids = {id(v) for param_group in self.param_groups for v in param_group["params"]}
-        named_param_ids = {id(v) for k, v in named_parameters}
-        unnamed_param_ids = all_param_ids - named_param_ids
-        if len(unnamed_param_ids):
-            raise ValueError(
-                "named_parameters was specified, but one or more model parameters were not "
-                f"named. Python object ids: {', '.join(str(i) for i in unnamed_param_ids)}"
-            )
-
+        named_parameters = checked_named_parameters(self.param_groups, named_parameters)
         self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda t: t[0])}
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {
@@ -325,13 +361,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def find_duplicates(lst: Sequence[Any]) -> set:
-        seen = set()
-        dups = set()
-        for el in lst:
-            if el in seen:
-                dups.add(el)
-            seen.add(el)
-        return dups
+        return _find_duplicates(lst)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Sets how many backward passes accumulate locally before gradients are reduced."""
@@ -527,19 +557,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._set_buckets(p_groups)
         self._flatten_all()
 
-        ref = weakref.ref(self)
-        handles = []
-        for p in p_list:
-            self._requires_update.add(p)
-            if hasattr(p, "register_post_accumulate_grad_hook"):
-                handles.append(p.register_post_accumulate_grad_hook(lambda t, r=ref: _hook(r, t)))
-            else:  # torch < 2.1: Horovod's grad accumulator hook
-                p_tmp = p.expand_as(p)
-                grad_acc = p_tmp.grad_fn.next_functions[0][0]
-                handles.append(grad_acc.register_hook(lambda *_, r=ref, t=p: _hook(r, t)))
-                self._grad_accs.append(grad_acc)
-        # Hooks go away with the optimizer (Horovod's grad-accumulator hooks do as well).
-        weakref.finalize(self, _remove_hooks, handles)
+        self._requires_update.update(p_list)
+        register_grad_hooks(self, p_list)
         self._observed = []
         self._hooks_registered = True
 
@@ -1020,7 +1039,8 @@ def DistributedOptimizer(
             ``step()``/``synchronize()``. This allows accumulating gradients over multiple
             mini-batches before reducing and applying them. Default: 1.
         op: The reduction operation to use when combining gradients across different ranks.
-            Default: ``Average``. ``Adasum`` is not supported with more than one rank.
+            Default: ``Average``. ``Adasum`` with more than one rank: Horovod's delta optimizer
+            (each rank's update, combined with Adasum; ``bagua_hvd.torch.adasum``).
         gradient_predivide_factor: If op == Average, gradient_predivide_factor splits the
             averaging before and after the sum. Gradients are scaled by
             1.0 / gradient_predivide_factor before the sum and gradient_predivide_factor /
@@ -1059,16 +1079,28 @@ def DistributedOptimizer(
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
 
-    if op == Adasum and size() > 1:
-        raise NotImplementedError(
-            "DistributedOptimizer with op=hvd.Adasum is not supported by bagua_hvd yet (the core "
-            "has no Adasum reduction); use op=hvd.Average (the default) or op=hvd.Sum."
-        )
-
     from bagua_hvd.torch import algorithms as _alg
 
     if algorithm is None:
         algorithm = _alg.from_environment()
+    if op == Adasum and size() > 1:
+        if algorithm is not None:
+            raise ValueError(
+                "op=hvd.Adasum is Horovod's reduction of the updates; it does not combine with "
+                f"BAGUA's algorithm {type(algorithm).__name__} (BAGUA_HVD_ALGORITHM or "
+                "algorithm=)"
+            )
+        if _ops.process_set_id(process_set) != 0:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        from bagua_hvd.torch.adasum import _DistributedAdasumOptimizer
+
+        cls = type(
+            optimizer.__class__.__name__,
+            (optimizer.__class__,),
+            dict(_DistributedAdasumOptimizer.__dict__),
+        )
+        cls._hvd_cls = cls
+        return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step)
     if algorithm is not None:
         _alg_common.check_algorithm(algorithm, "torch")
         op = algorithm.reduce_op(op)

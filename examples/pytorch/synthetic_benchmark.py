@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--use-adasum",
         action="store_true",
         default=False,
-        help="use adasum algorithm to do reduction (not supported by bagua_hvd)",
+        help="use adasum algorithm to do reduction",
     )
     # Not in Horovod's script: the size of the synthetic images and the torch threads per rank.
     parser.add_argument("--image-size", type=int, default=32, help="height and width of inputs")
@@ -141,11 +141,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch threads per rank; 0: this host's cores divided by the ranks on it",
     )
     args = parser.parse_args(argv)
-    if args.use_adasum:
-        parser.error(
-            "--use-adasum: bagua_hvd does not implement Adasum reduction yet; "
-            "run without --use-adasum (gradients are averaged)"
-        )
     for name in ("batch_size", "num_batches_per_iter", "num_iters", "image_size", "num_classes"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
@@ -169,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # Set up the standard model.
     model = MODELS[args.model](args)
-    # Horovod: scale the learning rate by the number of ranks (the global batch grows).
-    lr_scaler = hvd.size()
+    # Horovod: scale the learning rate by the number of ranks (the global batch grows); Adasum
+    # needs no scaling.
+    lr_scaler = hvd.size() if not args.use_adasum else 1
     if args.cuda:
         model.cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
@@ -183,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer,
         named_parameters=model.named_parameters(),
         compression=compression,
-        op=hvd.Average,
+        op=hvd.Adasum if args.use_adasum else hvd.Average,
     )
 
     # Horovod: broadcast parameters & optimizer state.

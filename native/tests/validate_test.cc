@@ -205,10 +205,47 @@ TEST(Validate, AllreduceKindsShareHorovodsChecks) {
                            {BHVD_OP_COMPRESSED_ALLREDUCE, &p}}) {
     Call c(t, params, x);
     c.req.reduce_op = BHVD_ADASUM;
-    EXPECT_EQ(c.run().type, StatusType::NOT_IMPLEMENTED) << t;
+    if (t == BHVD_OP_ALLREDUCE) {  // the set has 3 ranks
+      EXPECT_EQ(c.run().type, StatusType::NOT_IMPLEMENTED);
+      EXPECT_EQ(c.run().reason, "Running Adasum with non-power of 2 ranks is not supported yet.");
+    } else {
+      EXPECT_EQ(c.run().type, StatusType::INVALID_ARGUMENT) << t;
+      EXPECT_EQ(c.run().reason, op_title(t) + ": Adasum runs as a plain allreduce only (not " +
+                                    op_type_name(static_cast<OpType>(t)) + ")");
+    }
     c.req.reduce_op = 9;
     EXPECT_EQ(c.run().reason, op_title(t) + ": unknown reduce op 9");
   }
+}
+
+TEST(Validate, AdasumTakesFloatingPointHostTensorsOnAPowerOf2OfRanks) {
+  Buf x(4), ints(4, BHVD_INT32);
+  auto run = [](Call& c, std::vector<int32_t> ranks) {
+    const std::string title = op_title(c.req.op_type);
+    if (Status s = validate_request(c.req, title); !s.ok()) return s;
+    return validate_for_set(
+        c.req, title, ranks, 1, [&](bool) { return static_cast<int>(ranks.size()); }, &c.params,
+        &c.state);
+  };
+  Call ok(BHVD_OP_ALLREDUCE, nullptr, x);
+  ok.req.reduce_op = BHVD_ADASUM;
+  EXPECT_TRUE(run(ok, {0, 1}).ok());
+  EXPECT_TRUE(run(ok, {0, 1, 2, 3}).ok());
+  EXPECT_EQ(run(ok, {0, 1, 2, 3, 4, 5}).reason,
+            "Running Adasum with non-power of 2 ranks is not supported yet.");
+  Call bad(BHVD_OP_ALLREDUCE, nullptr, ints);
+  bad.req.reduce_op = BHVD_ADASUM;
+  EXPECT_EQ(run(bad, {0, 1}).type, StatusType::INVALID_ARGUMENT);
+  EXPECT_EQ(run(bad, {0, 1}).reason,
+            "Allreduce: Adasum reduces float16, float32 and float64 tensors, not int32");
+  ok.req.device = 0;
+  EXPECT_EQ(run(ok, {0, 1}).type, StatusType::NOT_IMPLEMENTED);
+  Call rs(BHVD_OP_REDUCESCATTER, nullptr, x);
+  rs.req.reduce_op = BHVD_ADASUM;
+  EXPECT_EQ(run(rs, {0, 1}).type, StatusType::NOT_IMPLEMENTED);
+  EXPECT_EQ(run(rs, {0, 1}).reason, "Reducescatter currently only supports AVERAGE and SUM.");
+  Call op4(BHVD_OP_ADASUM, nullptr, x);
+  EXPECT_EQ(run(op4, {0, 1}).type, StatusType::INVALID_ARGUMENT);
 }
 
 }  // namespace

@@ -595,12 +595,6 @@ def test_handle_errors():
         hvd.poll(987654321)
 
 
-def test_adasum_not_implemented():
-    with pytest.raises(NotImplementedError):
-        hvd.allreduce(torch.ones(4), op=hvd.Adasum)
-    assert_job_works("adasum")
-
-
 def test_rank_zero_tensor_errors():
     with pytest.raises(
         HorovodInternalError, match="Process-set rank zero tried to ALLGATHER a rank-zero tensor."

@@ -198,16 +198,6 @@ def test_num_groups_is_deprecated_for_groups():
     assert opt._groups == 2
 
 
-def test_adasum():
-    model = ref.make_model(5)
-    if hvd.size() > 1:
-        with pytest.raises(NotImplementedError, match="Adasum"):
-            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
-    else:  # Horovod builds the ordinary optimizer at size 1
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
-        assert isinstance(opt, torch.optim.SGD)
-
-
 # ---- equivalence with one process on the concatenated batches -------------------------------
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("bucket_mb", ["default", "0.0005", "0"])

@@ -51,6 +51,13 @@ void reducescatterv(Comm& comm, void* buf, void* out, const std::vector<size_t>&
 
 void barrier(Comm& comm);
 
+// Horovod's Adasum over the set (collectives/allreduce_adasum.cc), in place: buf holds the
+// tensors one after the other, counts[i] elements each, and each tensor is combined with its own
+// coefficients. float16, float32 or float64; a power-of-2 number of ranks (check_adasum throws
+// std::invalid_argument otherwise, naming the problem).
+void allreduce_adasum(Comm& comm, void* buf, const std::vector<size_t>& counts, DataType dtype);
+void check_adasum(DataType dtype, int ranks);
+
 // ---- BAGUA's primitives (docs/algorithms.md) --------------------------------------------------
 // ByteGrad: MinMaxUInt8-compressed alltoall, mean (average) or sum in float32, re-compression of
 // this rank's chunk, compressed allgather. buf holds count elements (float32/16/bfloat16), in and

@@ -258,11 +258,29 @@ Status validate_request(const bhvd_request& req, const std::string& title) {
   const bool tensor_op = t != BHVD_OP_JOIN && t != BHVD_OP_BARRIER;
   if (tensor_op && (req.num_tensors < 1 || !req.inputs))
     return Status::InvalidArgument(title + ": at least one tensor is required");
-  if (t == BHVD_OP_ADASUM ||
-      ((is_allreduce(t) || t == BHVD_OP_REDUCESCATTER) && req.reduce_op == BHVD_ADASUM))
+  if (t == BHVD_OP_ADASUM)
+    return Status::InvalidArgument(title + ": an Adasum is requested as BHVD_OP_ALLREDUCE with "
+                                           "reduce_op BHVD_ADASUM");
+  // Horovod refuses it with an error its torch frontend raises as RuntimeError (which
+  // NotImplementedError is).
+  if (t == BHVD_OP_REDUCESCATTER && req.reduce_op == BHVD_ADASUM)
     return Status::Error(StatusType::NOT_IMPLEMENTED,
-                         "Adasum is not supported by bagua_hvd yet; use op=hvd.Average or "
-                         "op=hvd.Sum.");
+                         "Reducescatter currently only supports AVERAGE and SUM.");
+  if (req.reduce_op == BHVD_ADASUM && is_allreduce(t) && t != BHVD_OP_ALLREDUCE)
+    return Status::InvalidArgument(title + ": Adasum runs as a plain allreduce only (not " +
+                                   op_type_name(static_cast<OpType>(t)) + ")");
+  if (t == BHVD_OP_ALLREDUCE && req.reduce_op == BHVD_ADASUM) {
+    if (req.device >= 0)
+      return Status::Error(StatusType::NOT_IMPLEMENTED,
+                           "Adasum of CUDA tensors is not supported by bagua_hvd yet; reduce "
+                           "CPU tensors (op=hvd.Adasum) or use op=hvd.Average on the GPU.");
+    for (int32_t i = 0; i < req.num_tensors; ++i) {
+      const auto dt = static_cast<DataType>(req.inputs[i].dtype);
+      if (dt != DataType::FLOAT16 && dt != DataType::FLOAT32 && dt != DataType::FLOAT64)
+        return Status::InvalidArgument(title + ": Adasum reduces float16, float32 and float64 "
+                                               "tensors, not " + dtype_name(dt));
+    }
+  }
   if (is_allreduce(t) && (req.reduce_op < BHVD_AVERAGE || req.reduce_op > BHVD_PRODUCT))
     return Status::InvalidArgument(title + ": unknown reduce op " + std::to_string(req.reduce_op));
   if (t == BHVD_OP_REDUCESCATTER && req.reduce_op != BHVD_SUM && req.reduce_op != BHVD_AVERAGE)
@@ -284,6 +302,10 @@ Status validate_for_set(const bhvd_request& req, const std::string& title,
     return Status::InvalidArgument(title + ": Rank " + std::to_string(me) +
                                    " is not a member of the provided process set.");
   if (Status s = validate_params(req, title, group_size, params, state); !s.ok()) return s;
+  const size_t n = ranks.size();
+  if (t == BHVD_OP_ALLREDUCE && req.reduce_op == BHVD_ADASUM && (n & (n - 1)) != 0)
+    return Status::Error(StatusType::NOT_IMPLEMENTED,
+                         "Running Adasum with non-power of 2 ranks is not supported yet.");
   // A NaN factor would also never match itself in negotiation: refuse it here, on every path.
   for (auto [what, f] : {std::pair<const char*, double>{"prescale_factor", req.prescale_factor},
                          {"postscale_factor", req.postscale_factor}}) {

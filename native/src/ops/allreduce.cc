@@ -40,7 +40,11 @@ void execute_allreduce(ExecContext& ctx) {
   }
   std::optional<TimelineActivity> collective(std::in_place, ctx, TlCollective::kAllreduce);
   if (r.prescale != 1.0) eng.scale_horovod(buf, total, r.dtype, r.prescale);
-  if (Hierarchy* h = ctx.hierarchy; h && h->cross) {
+  if (r.reduce_op == ReduceOp::ADASUM) {
+    // Per tensor of the fused buffer, flat over the set's ranks as Horovod's CPU Adasum
+    // (HOROVOD_HIERARCHICAL_ALLREDUCE does not apply to it there either).
+    eng.allreduce_adasum(ctx.comm, buf, counts, r.dtype);
+  } else if (Hierarchy* h = ctx.hierarchy; h && h->cross) {
     // The network carries one allreduce's worth per host, not per rank, spread over the host's
     // ranks (collectives/allreduce_hierarchical.cc).
     eng.allreduce_hierarchical(ctx.comm, *h->intra, *h->cross, buf, total, r.dtype, r.reduce_op);

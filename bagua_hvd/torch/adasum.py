@@ -1,0 +1,127 @@
+"""``hvd.DistributedOptimizer(..., op=hvd.Adasum)`` with more than one rank: Horovod's delta
+optimizer (``horovod.torch.optimizer._DistributedAdasumOptimizer``).
+
+Each rank applies the wrapped optimizer to a parameter as soon as its gradient is ready (in the
+backward hook, the optimizer stepping that parameter alone), takes the change of the parameter
+(delta = new - start) and reduces the deltas with Adasum; ``step()`` then sets every parameter
+to start + Adasum(deltas). So the optimizer's own update (momentum, Adam's moments, ...) runs
+on the local gradient, and Adasum combines the updates (docs/adasum.md).
+
+As Horovod: no averaging of gradients, ``synchronize()`` does nothing and ``skip_synchronize()``
+raises; the wrapped optimizer starts with fresh state; global process set only; a power-of-2
+number of ranks; float16/32/64 parameters on the CPU.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+
+import torch
+
+from bagua_hvd.torch.mpi_ops import Adasum, allreduce_async_, synchronize
+from bagua_hvd.torch.optimizer import (
+    _TOO_MANY_PASSES_MESSAGE,
+    _ZERO_GRAD_MESSAGE,
+    checked_named_parameters,
+    register_grad_hooks,
+)
+
+
+class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+    # As _DistributedOptimizer: the methods are copied into a class derived from the wrapped
+    # optimizer's class, which is ``_hvd_cls``.
+    _hvd_cls: type
+
+    def __init__(
+        self,
+        params: Any,
+        named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]],
+        compression: Any,
+        backward_passes_per_step: int = 1,
+    ) -> None:
+        super(self._hvd_cls, self).__init__(params)
+        self._compression = compression
+        named = checked_named_parameters(self.param_groups, named_parameters)
+        self._parameter_names = {v: k for k, v in sorted(named, key=lambda t: t[0])}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {v: backward_passes_per_step for _, v in named}
+        self._handles: Dict[torch.Tensor, Tuple[Any, Any]] = {}
+        self._grad_accs: list = []
+        self._requires_update: set = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._starting_models = {p: torch.zeros_like(p, requires_grad=False) for _, p in named}
+        p_list = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        for p in p_list:
+            p.grad = p.data.new(p.size()).zero_()
+        self._requires_update.update(p_list)
+        register_grad_hooks(self, p_list)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def _allreduce_grad_async(self, p: torch.Tensor) -> Tuple[Any, Any]:
+        # delta = (start - lr * f(g)) - start: the wrapped optimizer steps p alone from start.
+        start = self._starting_models[p]
+        stashed = []
+        for group in self.param_groups:
+            stashed.append(group["params"])
+            group["params"] = [p] if any(p is v for v in group["params"]) else []
+        try:
+            start.data.copy_(p)
+            super(self._hvd_cls, self).step()
+            p.data.sub_(start)
+            compressed, ctx = self._compression.compress(p)
+            handle = allreduce_async_(compressed.data, name=self._parameter_names.get(p), op=Adasum)
+        finally:
+            for params, group in zip(stashed, self.param_groups):
+                group["params"] = params
+        return handle, ctx
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if p in self._handles and self._handles[p][0] is not None:
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(_TOO_MANY_PASSES_MESSAGE)
+        assert not p.grad.requires_grad
+        assert self._allreduce_delay[p] > 0
+        handle, ctx = None, None
+        self._allreduce_delay[p] -= 1
+        if self._allreduce_delay[p] == 0:
+            handle, ctx = self._allreduce_grad_async(p)
+        self._handles[p] = (handle, ctx)
+
+    def synchronize(self) -> None:
+        pass
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        raise AssertionError(
+            "Skipping synchronization is not supported when using Adasum optimizer."
+        )
+        yield  # pragma: no cover - a generator for contextmanager
+
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            loss = closure()
+        for p in self._requires_update - set(self._handles):
+            self._handles[p] = self._allreduce_grad_async(p)
+        for p, (handle, ctx) in self._handles.items():
+            if handle is None:  # step() before backward_passes_per_step passes: reduce now
+                handle, ctx = self._allreduce_grad_async(p)
+                self._handles[p] = (handle, ctx)
+            delta = self._compression.decompress(synchronize(handle), ctx)
+            start = self._starting_models[p]
+            start.data.add_(delta.data)
+            p.data.copy_(start)
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        return loss
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        if self._handles:
+            raise AssertionError(_ZERO_GRAD_MESSAGE)
+        return super(self._hvd_cls, self).zero_grad(*args, **kwargs)
