@@ -68,7 +68,8 @@ def mpi_command(
     spec = ",".join(f"{h}:{n}" for h, n in hosts) if hosts else None
     names = sorted(set(env) | _PASSED_ON & set(os.environ))
     if kind == "openmpi":
-        cmd = [mpirun, "-np", str(np), "--tag-output"]
+        # As horovodrun: jobs in containers often run as root, which Open MPI refuses unless told.
+        cmd = [mpirun, "--allow-run-as-root", "-np", str(np), "--tag-output"]
         if spec:
             cmd += ["-H", spec]
         if timestamp:
