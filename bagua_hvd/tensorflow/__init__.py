@@ -20,7 +20,7 @@ from bagua_hvd.common import config
 from bagua_hvd.common.exceptions import HorovodInternalError  # noqa: F401
 from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics)
 from bagua_hvd.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
-from bagua_hvd.common.util import check_extension  # noqa: F401
+from bagua_hvd.common.util import check_extension, gpu_available, split_list  # noqa: F401
 from bagua_hvd.tensorflow import elastic, mpi_ops, util  # noqa: F401  (hvd.elastic, hvd.util)
 from bagua_hvd.tensorflow.compression import Compression, NoneCompressor
 from bagua_hvd.tensorflow.mpi_ops import (  # noqa: F401

@@ -809,6 +809,10 @@ def test_util_helpers():
     cached = util._cache(lambda x: calls.append(x) or [x])
     assert cached(1) is cached(1) and calls == [1]
     assert float(util._make_subgraph(lambda: tf.constant(3.0))()) == 3.0
+    # horovod.tensorflow also exports horovod.common.util's helpers (Horovod's Adasum tests call
+    # hvd.gpu_available("tensorflow")).
+    assert hvd.gpu_available("tensorflow") == bool(tf.config.list_physical_devices("GPU"))
+    assert hvd.split_list([1, 2, 3, 4, 5], 2) == [[1, 2, 3], [4, 5]]
 
 
 @pytest.mark.handles_may_diverge
