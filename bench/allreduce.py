@@ -3,6 +3,7 @@
     python bench/allreduce.py                   # 2 ranks on this host, default transport (shm)
     python bench/allreduce.py --transport tcp   # BAGUA_HVD_TRANSPORT=tcp for bagua_hvd
     python bench/allreduce.py --np 2 --sizes 4K,1M --backends gloo
+    python bench/allreduce.py --op adasum --np 4 # bagua_hvd's Adasum beside gloo's sum
 
 The script launches itself through bagua-run (`python -m bagua_hvd.runner.launch`). Every rank
 then initializes bagua_hvd and a gloo process group on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), so the
@@ -13,6 +14,11 @@ timed iterations, in A-B-B-A order over two halves; each timed iteration is prec
 is refilled outside the timed region; the iteration's time is the max over ranks; the table shows
 the median over iterations. Every result is checked against the exact expected sum.
 busbw = 2(n-1)/n * bytes / time (MB = 1e6 B).
+
+--op adasum: bagua_hvd runs op=hvd.Adasum (Horovod's; a power-of-2 number of ranks), gloo has no
+Adasum and runs the sum of the same tensor: the ratio is what Adasum costs over a plain
+allreduce of the same bytes. Rank r's input is (r + 1) times one vector, whose Adasum is the
+mean (parallel vectors), so the check stays exact.
 """
 
 from __future__ import annotations
@@ -96,6 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--backends",
         default=",".join(BACKENDS),
         help="comma-separated subset of bagua_hvd,gloo (default both)",
+    )
+    parser.add_argument(
+        "--op",
+        choices=("sum", "adasum"),
+        default="sum",
+        help="bagua_hvd's reduction (gloo always sums; default sum)",
     )
     parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations per size")
     parser.add_argument(
@@ -217,7 +229,7 @@ class Bench:
         except Exception as exc:  # informative only; the env var is what was asked for
             return f"{os.environ.get('BAGUA_HVD_TRANSPORT', 'default')} ({exc.__class__.__name__})"
 
-    def run_one(self, backend: str, buf, src, expected, name: str) -> float:
+    def run_one(self, backend: str, buf, src, expected: dict, name: str) -> float:
         """One iteration: refill, barrier, timed allreduce, check. Returns this rank's seconds."""
         torch, dist = self.torch, self.dist
         buf.copy_(src)
@@ -232,8 +244,10 @@ class Bench:
         if backend == "gloo":
             dist.all_reduce(buf, op=dist.ReduceOp.SUM)
         else:
-            self.hvd.allreduce_(buf, name=name, op=self.hvd.Sum)
+            op = self.hvd.Adasum if self.args.op == "adasum" else self.hvd.Sum
+            self.hvd.allreduce_(buf, name=name, op=op)
         elapsed = time.perf_counter() - start
+        expected = expected[backend]
         if not torch.equal(buf, expected):
             bad = (buf != expected).nonzero()[0].item()
             raise RuntimeError(
@@ -248,7 +262,10 @@ class Bench:
         # Small integers: every partial sum is exact in float32, so the check can be exact.
         base = (torch.arange(n, dtype=torch.int64) % 251).to(torch.float32)
         src = base * (self.rank + 1)
-        expected = base * (self.size * (self.size + 1) // 2)
+        total = base * (self.size * (self.size + 1) // 2)
+        # Adasum of parallel vectors is their mean.
+        adasum = base * ((self.size + 1) / 2)
+        expected = {"gloo": total, "bagua_hvd": adasum if self.args.op == "adasum" else total}
         buf = torch.empty_like(src)
         iters = self.args.iters or iterations_for(nbytes)
         name = f"bench.allreduce.{nbytes}"
@@ -317,7 +334,7 @@ def worker(args: argparse.Namespace) -> int:
 def print_table(args: argparse.Namespace, result: dict) -> None:
     size, transport, rows = result["size"], result["transport"], result["rows"]
     print(
-        f"\nallreduce float32 sum, {size} ranks on one host, bagua_hvd transport: {transport}, "
+        f"\nallreduce float32 {'Adasum (bagua_hvd) / sum (gloo)' if args.op == 'adasum' else 'sum'}, {size} ranks on one host, bagua_hvd transport: {transport}, "
         f"torch {result['torch']}, 1 torch thread per rank; median over iterations of the max "
         f"over ranks; busbw in MB/s (1e6 B/s)"
     )
@@ -341,7 +358,7 @@ def print_table(args: argparse.Namespace, result: dict) -> None:
             ratio = f"{r:.2f}x"
             goals.append((nbytes, medians["bagua_hvd"], r))
         print(f"| {human(nbytes)} | {bt} | {bb} | {gt} | {gb} | {ratio} |")
-    if not goals or size < 2:
+    if not goals or size < 2 or args.op != "sum":  # the goals are the sum's
         return
     print()
     if args.transport == "tcp" or transport.startswith("tcp"):
