@@ -107,6 +107,9 @@ def test_timeline_from_environment(tmp_path):
     # The tensors of one fused response share its activities' timestamps.
     g0, g1 = rows["grouped_allreduce.grouped_0"], rows["grouped_allreduce.grouped_1"]
     assert [e["ts"] for e in g0[4:]] == [e["ts"] for e in g1[4:]]
+    # Horovod's request and response type of an Adasum is ADASUM.
+    p = phases(rows["allreduce.test_adasum"])
+    assert p[0] == (0, "NEGOTIATE_ADASUM") and p[3:5] == [(0, "ADASUM"), (1, "QUEUE")], p
     for kind, collective in (("ALLGATHER", "GLOO_ALLGATHER"), ("BROADCAST", "GLOO_BCAST")):
         p = phases(rows[f"{kind.lower()}.test_{kind.lower()}"])
         assert p[0] == (0, f"NEGOTIATE_{kind}")

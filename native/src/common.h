@@ -55,6 +55,12 @@ enum class OpType : int32_t {
 
 // The allreduce op types (plain, hierarchical, compressed): the checks of Horovod's allreduce
 // (reduce op, scale factors) apply to each.
+// Horovod's request type of an op: an allreduce with reduce op Adasum is its own (ADASUM), which
+// the timeline shows (NEGOTIATE_ADASUM, ADASUM).
+inline int32_t horovod_request_type(int32_t type, int32_t reduce_op) {
+  return type == BHVD_OP_ALLREDUCE && reduce_op == BHVD_ADASUM ? BHVD_OP_ADASUM : type;
+}
+
 inline bool is_allreduce(int32_t type) {
   return type == BHVD_OP_ALLREDUCE || type == BHVD_OP_HIERARCHICAL_ALLREDUCE ||
          type == BHVD_OP_COMPRESSED_ALLREDUCE;

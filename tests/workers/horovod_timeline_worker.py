@@ -23,6 +23,7 @@ def collectives() -> None:
     hvd.grouped_allreduce([torch.ones(5), torch.ones(6)], name="grouped")
     hvd.allgather(torch.ones(2, 3) * hvd.rank(), name="test_allgather")
     hvd.broadcast(torch.arange(4.0), root_rank=0, name="test_broadcast")
+    hvd.allreduce(torch.ones(3), name="test_adasum", op=hvd.Adasum)
     model = torch.nn.Linear(4, 2)
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()

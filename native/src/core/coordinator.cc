@@ -152,7 +152,9 @@ void Coordinator::add_request(Request r) {
     sr = 0;
   }
   if (timeline_.active()) {
-    if (p.count == 0) timeline_.negotiate_begin(key, r.type);
+    if (p.count == 0)
+      timeline_.negotiate_begin(
+          key, horovod_request_type(r.type, static_cast<int32_t>(r.reduce_op)));
     timeline_.negotiate_rank(key, r.rank);
   }
   if (!p.have[sr]) {
