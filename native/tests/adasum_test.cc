@@ -2,9 +2,10 @@
 // written here from the definition: per tensor, a and b combine as
 // (1 - a.b / (2|a|^2)) a + (1 - a.b / (2|b|^2)) b over the tree (0,1), (2,3), ... then pairs of
 // subtrees. At 2 ranks the reference follows Horovod's arithmetic step by step (each rank's
-// half, its partial sums in double, their sum, the scaled add), so the result must be the same
-// bits; at 4 and 8 ranks the partial sums are grouped differently from a whole-tensor reference,
-// so the comparison allows a few units in the last place. Every rank must hold the same bits.
+// half, its partial sums in double, their sum, the scaled add, with the fused multiply-adds its
+// compiler makes of them), so the result must be the same bits; at 4 and 8 ranks the partial sums
+// are grouped differently from a whole-tensor reference, so the comparison allows a few units in
+// the last place. Every rank must hold the same bits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -95,9 +96,10 @@ std::vector<std::vector<double>> tree_reference(DataType dt, int n,
   return v[0];
 }
 
-// 2 ranks, Horovod's steps: rank 0 holds the first half of the packed tensors, rank 1 the rest;
-// per tensor, each half's sums in double (float16: four lanes), added rank 0's first; the scaled
-// add in double (float16: in float32, the product of the second coefficient fused).
+// 2 ranks, Horovod's steps as its kernels compile (fused multiply-adds): rank 0 holds the first
+// half of the packed tensors, rank 1 the rest; per tensor, each half's sums in double (float16:
+// four lanes), added rank 0's first; the scaled add fma(own coefficient, own value, other
+// coefficient * other value) in double (float16: in float32).
 std::vector<double> two_rank_reference(DataType dt, const std::vector<size_t>& counts) {
   auto a = tensors_of(0, counts), b = tensors_of(1, counts);
   std::vector<double> x, y;
@@ -118,7 +120,9 @@ std::vector<double> two_rank_reference(DataType dt, const std::vector<size_t>& c
       double d[4] = {}, p[4] = {}, q[4] = {};
       for (size_t i = lo; i < hi; ++i) {
         const size_t lane = dt == DataType::FLOAT16 ? (i - lo) & 3 : 0;
-        d[lane] += x[i] * y[i], p[lane] += x[i] * x[i], q[lane] += y[i] * y[i];
+        d[lane] = std::fma(x[i], y[i], d[lane]);
+        p[lane] = std::fma(x[i], x[i], p[lane]);
+        q[lane] = std::fma(y[i], y[i], q[lane]);
       }
       sums[0] += (d[0] + d[2]) + (d[1] + d[3]);
       sums[1] += (p[0] + p[2]) + (p[1] + p[3]);
@@ -135,7 +139,7 @@ std::vector<double> two_rank_reference(DataType dt, const std::vector<size_t>& c
         out[i] = round_to(
             dt, static_cast<float>(static_cast<double>(static_cast<float>(c_other)) * other + s));
       } else {
-        out[i] = round_to(dt, c_own * own + c_other * other);
+        out[i] = round_to(dt, std::fma(c_own, own, c_other * other));
       }
     }
     begin = end;

@@ -13,9 +13,9 @@
 // with the same coefficients. After the last level every element has been combined by exactly
 // one rank, and the halves are gathered back in reverse order.
 //
-// Arithmetic as Horovod's: sums of products in double, float16 in four lanes (its AVX kernel),
-// the scaled add in double (float32, float64) or float32 (float16). Horovod's bits for float64
-// and for the scaled add depend on whether its compiler fused multiply-adds; here none is.
+// Arithmetic as Horovod's kernels compile: sums of products in double with fused multiply-adds,
+// float16 in four lanes (its AVX kernel), the scaled add fused in double (float32, float64) or
+// in float32 (float16). Compared bit for bit with Horovod 0.28.1 built here (docs/adasum.md).
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -30,22 +30,63 @@
 namespace bagua_hvd {
 namespace {
 
+// float32 and float64 as Horovod's loops compile (x86 with -mfma, aarch64): every a * b + c fused
+// (dot += a * b; a = fma(ac, a, bc * b)). For float32 inputs the products are exact in double,
+// so only the scaled add's rounding depends on it; for float64 both do. Explicit fma calls are
+// immune to -ffp-contract=off; the FMA-target copies make them instructions where the CPU has
+// them (checked at run time), the plain ones call the C library's.
 template <typename T>
-void dot_and_norms(const T* a, const T* b, size_t n, double* dot, double* aa, double* bb) {
+inline __attribute__((always_inline)) void dot_and_norms_body(const T* a, const T* b, size_t n,
+                                                              double* dot, double* aa, double* bb) {
   double d = 0, x = 0, y = 0;
   for (size_t i = 0; i < n; ++i) {
     const double ai = static_cast<double>(a[i]), bi = static_cast<double>(b[i]);
-    d += ai * bi;
-    x += ai * ai;
-    y += bi * bi;
+    d = std::fma(ai, bi, d);
+    x = std::fma(ai, ai, x);
+    y = std::fma(bi, bi, y);
   }
   *dot = d, *aa = x, *bb = y;
 }
 
 template <typename T>
-void scaled_add(T* a, double ac, const T* b, double bc, size_t n) {
+inline __attribute__((always_inline)) void scaled_add_body(T* a, double ac, const T* b, double bc,
+                                                           size_t n) {
   for (size_t i = 0; i < n; ++i)
-    a[i] = static_cast<T>(ac * static_cast<double>(a[i]) + bc * static_cast<double>(b[i]));
+    a[i] = static_cast<T>(std::fma(ac, static_cast<double>(a[i]), bc * static_cast<double>(b[i])));
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define BHVD_FMA_VARIANTS 1
+template <typename T>
+__attribute__((target("fma"))) void dot_and_norms_fma(const T* a, const T* b, size_t n, double* dot,
+                                                      double* aa, double* bb) {
+  dot_and_norms_body(a, b, n, dot, aa, bb);
+}
+template <typename T>
+__attribute__((target("fma"))) void scaled_add_fma(T* a, double ac, const T* b, double bc,
+                                                   size_t n) {
+  scaled_add_body(a, ac, b, bc, n);
+}
+bool cpu_has_fma() {
+  static const bool has = __builtin_cpu_supports("fma");
+  return has;
+}
+#endif
+
+template <typename T>
+void dot_and_norms(const T* a, const T* b, size_t n, double* dot, double* aa, double* bb) {
+#ifdef BHVD_FMA_VARIANTS
+  if (cpu_has_fma()) return dot_and_norms_fma(a, b, n, dot, aa, bb);
+#endif
+  dot_and_norms_body(a, b, n, dot, aa, bb);
+}
+
+template <typename T>
+void scaled_add(T* a, double ac, const T* b, double bc, size_t n) {
+#ifdef BHVD_FMA_VARIANTS
+  if (cpu_has_fma()) return scaled_add_fma(a, ac, b, bc, n);
+#endif
+  scaled_add_body(a, ac, b, bc, n);
 }
 
 // float16: lane k & 3 sums element k's products, lanes folded as (0 + 2) + (1 + 3). Products of
