@@ -146,6 +146,45 @@ def test_init_takes_an_mpi_communicator_of_every_rank():
         assert f"[1,{r}]<stdout>: joined {r} 2" in text, text
 
 
+def test_process_sets_of_mpi_communicators():
+    # Horovod's hvd.ProcessSet(mpi4py communicator) (test_process_sets_multi_comm.py): each
+    # rank's communicator after Split may differ; every distinct one becomes a set, in the order
+    # of their sorted ranks, before the sets of ranks; a duplicate entry raises after the runtime
+    # started, and a later init() maps its list onto what was registered.
+    pytest.importorskip("mpi4py")
+    script = (
+        "from mpi4py import MPI\n"
+        "import torch, bagua_hvd.torch as hvd\n"
+        "world = MPI.COMM_WORLD\n"
+        "r = world.Get_rank()\n"
+        "sets = [hvd.ProcessSet(world.Split(r % 2, r)), hvd.ProcessSet([0])]\n"
+        "try:\n"
+        "    hvd.init(comm=world, process_sets=[hvd.ProcessSet(world.Dup())] + sets)\n"
+        "except ValueError as e:\n"
+        "    print('duplicate', hvd.is_initialized(), e, flush=True)\n"
+        "hvd.init(comm=world, process_sets=sets)\n"
+        "print('ids', sets[0].process_set_id, sets[0].ranks, sets[1].process_set_id,\n"
+        "      hvd.global_process_set.mpi_comm is world, flush=True)\n"
+        "print('table', sorted(hvd.mpi_ops._basics._get_process_set_ids_and_ranks().items()),\n"
+        "      flush=True)\n"
+        "got = hvd.allreduce(torch.ones(2) * r, op=hvd.Sum, process_set=sets[0], name='half')\n"
+        "print('sum', got.tolist(), flush=True)\n"
+    )
+    proc = _run(4, sys.executable, "-c", script, timeout=180)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    table = "[(0, [0, 1, 2, 3]), (1, [0, 2]), (2, [1, 3]), (3, [0])]"
+    for r in range(4):
+        half, total = ([0, 2], 2.0) if r % 2 == 0 else ([1, 3], 4.0)
+        assert (
+            f"[1,{r}]<stdout>: duplicate True Horovod could not be initialized because "
+            "process_sets entry number 0 is a duplicate" in text
+        ), text
+        assert f"[1,{r}]<stdout>: ids {1 + r % 2} {half} 3 True" in text, text
+        assert f"[1,{r}]<stdout>: table {table}" in text, text
+        assert f"[1,{r}]<stdout>: sum [{total}, {total}]" in text, text
+
+
 def test_a_single_process_stays_a_job_of_size_1():
     proc = _run(1, sys.executable, "-c", JOIN.format(setup=""), timeout=120)
     assert "joined as rank 0 of 1" in proc.stdout, proc.stdout + proc.stderr

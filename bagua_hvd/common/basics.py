@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, List, Sequence, Union
 
 from bagua_hvd.common import _native, bootstrap, config, elastic, ops
 from bagua_hvd.common import process_sets as _ps
@@ -77,9 +77,10 @@ def _env_true(name: str) -> bool:
     return config.flag(name)
 
 
-def _ranks_of_mpi_comm(comm: Any) -> list[int]:
+def _ranks_of_mpi_comm(comm: Any, subset: bool = False) -> list[int]:
     """The MPI_COMM_WORLD ranks of an mpi4py communicator given to init(comm=...), as Horovod
-    takes one; init() then requires them to be every launched rank."""
+    takes one (init() then requires them to be every launched rank), or of a ProcessSet's
+    communicator (``subset``: sorted)."""
     try:
         from mpi4py import MPI
     except ImportError:
@@ -90,7 +91,34 @@ def _ranks_of_mpi_comm(comm: Any) -> list[int]:
             "communicator"
         )
     world = MPI.COMM_WORLD.Get_group()
-    return list(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), world))
+    ranks = list(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), world))
+    return sorted(ranks) if subset else ranks
+
+
+def _sets_to_register(
+    mpi_comm: Any, via_comm: Sequence[ProcessSet], process_sets: Sequence[ProcessSet]
+) -> List[List[int]]:
+    """The static sets the core registers at init, as Horovod's horovod_init_multi_comm: for
+    each set of an MPI communicator, every rank's communicator's ranks (gathered over
+    ``mpi_comm``; each rank may hold a different one), distinct ones in sorted order; then the
+    sets of ranks in the order given. The global set and repeats are left out (a repeat gets
+    the earlier id; init then reports the entry as a duplicate)."""
+    out: List[List[int]] = []
+    for ps in via_comm:
+        mine = _ranks_of_mpi_comm(ps.mpi_comm, subset=True)
+        if any(r < 0 for r in mine):  # MPI.UNDEFINED: a rank outside the global communicator
+            raise ValueError(
+                f"Group of processes in process set {ps} is not a subset of the assumed global "
+                "communicator."
+            )
+        out += sorted({tuple(r) for r in mpi_comm.allgather(mine)})
+    out += [tuple(ps.ranks) for ps in process_sets if ps.ranks is not None]
+    everyone = tuple(range(mpi_comm.Get_size())) if mpi_comm is not None else None
+    unique: List[List[int]] = []
+    for ranks in out:
+        if list(ranks) not in unique and ranks != everyone:
+            unique.append(list(ranks))
+    return unique
 
 
 class HorovodBasics:
@@ -126,16 +154,22 @@ class HorovodBasics:
 
         comm: None, a list of global ranks, or an mpi4py communicator (under mpirun); either
             must name every launched rank (a job on a subset of them is not supported).
-        process_sets: static ProcessSet objects (ids 1..k in order), or "dynamic" to allow
+        process_sets: static ProcessSet objects, or "dynamic" to allow
             add_process_set/remove_process_set after init (HOROVOD_DYNAMIC_PROCESS_SETS=1).
+            As Horovod: sets of MPI communicators (with comm an MPI communicator) are
+            registered first, every distinct one in the order of their sorted ranks, then the
+            sets of ranks in the order given (ids 1, 2, ...); a set whose ranks an earlier
+            entry or the global set has raises ValueError after the runtime started, which
+            then stays up, and a later init() maps its list onto the sets registered then.
         """
         global _atexit_registered
         with _atexit_lock:
             if not _atexit_registered:
                 atexit.register(self.shutdown)
                 _atexit_registered = True
+        mpi_comm = None
         if comm is not None and not isinstance(comm, (list, tuple, range)):
-            comm = _ranks_of_mpi_comm(comm)
+            mpi_comm, comm = comm, _ranks_of_mpi_comm(comm)
         if process_sets == "dynamic":
             process_sets = []
             config.set_dynamic_process_sets()
@@ -146,31 +180,43 @@ class HorovodBasics:
                 f'process_sets must be a list of ProcessSet or "dynamic", got {process_sets!r}'
             )
         process_sets = list(process_sets)
-        seen = []
         for ps_idx, ps in enumerate(process_sets):
             if not isinstance(ps, ProcessSet):
                 raise ValueError(f"process_sets entry number {ps_idx} is not a ProcessSet: {ps!r}")
-            if ps.ranks in seen:
-                raise ValueError(
-                    f"Horovod could not be initialized because process_sets entry number "
-                    f"{ps_idx} is a duplicate: {ps}"
-                )
-            seen.append(ps.ranks)
+        via_comm = [ps for ps in process_sets if ps.ranks is None and ps.mpi_comm is not None]
+        if via_comm and mpi_comm is None:
+            raise NotImplementedError(
+                "At this time process sets defined via MPI communicators are only supported "
+                "when calling hvd.init() with comm set to a global MPI communicator."
+            )
 
+        if not self.lib.bhvd_is_initialized():
+            self._start(comm, _sets_to_register(mpi_comm, via_comm, process_sets))
+        if mpi_comm is not None:
+            _ps.global_process_set.mpi_comm = mpi_comm
+        for ps in via_comm:
+            ps.ranks = _ranks_of_mpi_comm(ps.mpi_comm, subset=True)
+        _ps._init_process_sets(process_sets)
+
+    def _start(self, comm: Sequence[int] | None, sets: List[List[int]]) -> None:
+        """Starts the core with the static sets ``sets`` (ids 1, 2, ... in that order)."""
         lib = self.lib
-        if lib.bhvd_is_initialized():
-            return
         elastic.before_init()  # an elastic reset: this worker's place in the next generation
         bootstrap.prepare()  # started by mpirun/srun rather than bagua-run: join through MPI
+        # The global set's ranks are that set (id 0), not a new one (Horovod's FindId); without
+        # a launcher's variables the job has one rank.
+        size = os.environ.get("HOROVOD_SIZE", "1")
+        if size.isdigit():
+            sets = [s for s in sets if s != list(range(int(size)))]
         dynamic = _env_true("HOROVOD_DYNAMIC_PROCESS_SETS")
         self._load_nccl()  # before the core's first CUDA tensor, which uses the NCCL loaded
         ffi = _native.ffi
-        flat = [r for ps in process_sets for r in ps.ranks]
-        sizes = [len(ps.ranks) for ps in process_sets]
+        flat = [r for ranks in sets for r in ranks]
+        sizes = [len(ranks) for ranks in sets]
         status = lib.bhvd_init(
             ffi.new("int32_t[]", flat or [0]),
             ffi.new("int32_t[]", sizes or [0]),
-            len(process_sets),
+            len(sets),
             1 if dynamic else 0,
         )
         if status != ops.OK:
@@ -180,7 +226,7 @@ class HorovodBasics:
             raise ValueError(INIT_FAILED_ERROR + (f"\n{detail}" if detail else ""))
         elastic.after_init()
         try:
-            _ps._after_init(process_sets, dynamic)
+            _ps._after_init(dynamic)
             for fn in list(_after_init):
                 fn()
             if comm is not None and sorted(int(r) for r in comm) != list(range(self.size())):

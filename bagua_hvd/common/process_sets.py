@@ -7,7 +7,7 @@ dynamic sets are added and removed collectively after ``init`` when
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Union
+from typing import Any, Dict, List, Sequence, Union
 
 from bagua_hvd.common import _native
 from bagua_hvd.common.exceptions import NOT_INITIALIZED_ERROR
@@ -16,19 +16,25 @@ from bagua_hvd.common.exceptions import NOT_INITIALIZED_ERROR
 class ProcessSet:
     """A set of global ranks; registered sets have a ``process_set_id`` (0 is the global set).
 
-    ``ranks_or_comm`` is a sequence of global ranks (stored sorted). mpi4py communicators are
-    not supported: bagua_hvd does not use MPI.
+    ``ranks_or_comm`` is a sequence of global ranks (stored sorted) or an mpi4py communicator
+    (its ranks are found at ``hvd.init(comm=<global communicator>, process_sets=[...])``, as
+    Horovod does: each rank's communicator may differ, e.g. after ``Split``, and every distinct
+    one becomes a set).
     """
 
     process_set_id: int | None = None
     ranks: List[int] | None = None
     mpi_comm = None
 
-    def __init__(self, ranks_or_comm: Sequence[int]) -> None:
+    def __init__(self, ranks_or_comm: Any) -> None:
+        self.ranks, self.mpi_comm = None, None
         if type(ranks_or_comm).__module__.startswith("mpi4py"):
+            self.mpi_comm = ranks_or_comm
+            return
+        if not hasattr(ranks_or_comm, "__iter__"):
             raise ValueError(
-                "ProcessSet(mpi4py communicator) needs Horovod's MPI controller, which "
-                "bagua_hvd does not use; pass the list of global ranks instead"
+                "ProcessSet should be initialized with a list of process ranks or an mpi4py "
+                "Comm object"
             )
         ranks = []
         for r in ranks_or_comm:
@@ -132,23 +138,41 @@ def _core_process_sets() -> Dict[int, List[int]]:
     return out
 
 
-def _after_init(static_sets: Sequence[ProcessSet], dynamic: bool) -> None:
-    """Assigns ids 1..k to the static sets and fills in the global set's ranks."""
+def _after_init(dynamic: bool) -> None:
+    """The runtime started: the global set's ranks, and whether sets may change later."""
     global _dynamic_enabled
     _dynamic_enabled = dynamic
-    core = _core_process_sets()
     _id_to_process_sets.clear()
-    global_process_set.ranks = core.get(0, [])
+    global_process_set.ranks = _core_process_sets().get(0, [])
     global_process_set.process_set_id = 0
     _id_to_process_sets[0] = global_process_set
-    for i, ps in enumerate(static_sets, start=1):
-        if core.get(i) != ps.ranks:
+
+
+def _init_process_sets(process_sets: Sequence[ProcessSet]) -> None:
+    """Gives the ProcessSet objects passed to init() the ids of the registered sets with their
+    ranks (Horovod's _init_process_sets): a set whose id an earlier entry (or the global set)
+    already has is invalidated, and init() raises Horovod's duplicate error for it."""
+    by_ranks: Dict[tuple, int] = {}
+    for i, r in sorted(_core_process_sets().items()):
+        by_ranks.setdefault(tuple(r), i)
+    seen = {0}
+    for ps_idx, ps in enumerate(process_sets):
+        ps_id = by_ranks.get(tuple(ps.ranks or ()))
+        if ps_id is None:
             raise ValueError(
-                f"Horovod initialization failed: the core registered process set id {i} with "
-                f"ranks {core.get(i)}, expected {ps.ranks}"
+                f"process_sets entry number {ps_idx} ({ps}) was not registered when Horovod "
+                "was initialized; register it with hvd.add_process_set() "
+                "(HOROVOD_DYNAMIC_PROCESS_SETS=1)"
             )
-        ps.process_set_id = i
-        _id_to_process_sets[i] = ps
+        if ps_id in seen:
+            ps._invalidate()
+            raise ValueError(
+                f"Horovod could not be initialized because process_sets entry number {ps_idx} "
+                f"is a duplicate: {ps}"
+            )
+        seen.add(ps_id)
+        ps.process_set_id = ps_id
+        _id_to_process_sets[ps_id] = ps
 
 
 def _after_shutdown() -> None:
@@ -174,7 +198,12 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
             "Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding process sets after Horovod "
             "initialization."
         )
-    ranks = process_set.ranks or []
+    if process_set.ranks is None:
+        raise ValueError(
+            "add_process_set: a ProcessSet of an MPI communicator is registered by hvd.init("
+            "comm=..., process_sets=[...]); pass the list of global ranks here"
+        )
+    ranks = process_set.ranks
     if process_set.process_set_id is not None or any(
         r == ranks for r in _core_process_sets().values()
     ):
