@@ -169,6 +169,7 @@ def test_process_sets_of_mpi_communicators():
         "      flush=True)\n"
         "got = hvd.allreduce(torch.ones(2) * r, op=hvd.Sum, process_set=sets[0], name='half')\n"
         "print('sum', got.tolist(), flush=True)\n"
+        "hvd.barrier()  # a rank that exits shuts the job down: both sets finish first\n"
     )
     proc = _run(4, sys.executable, "-c", script, timeout=180)
     text = proc.stdout + proc.stderr

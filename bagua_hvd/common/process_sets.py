@@ -156,6 +156,7 @@ def _init_process_sets(process_sets: Sequence[ProcessSet]) -> None:
     for i, r in sorted(_core_process_sets().items()):
         by_ranks.setdefault(tuple(r), i)
     seen = {0}
+    duplicate = None
     for ps_idx, ps in enumerate(process_sets):
         ps_id = by_ranks.get(tuple(ps.ranks or ()))
         if ps_id is None:
@@ -164,15 +165,18 @@ def _init_process_sets(process_sets: Sequence[ProcessSet]) -> None:
                 "was initialized; register it with hvd.add_process_set() "
                 "(HOROVOD_DYNAMIC_PROCESS_SETS=1)"
             )
-        if ps_id in seen:
+        if ps_id in seen:  # the other entries still get their ids, as Horovod's
             ps._invalidate()
-            raise ValueError(
-                f"Horovod could not be initialized because process_sets entry number {ps_idx} "
-                f"is a duplicate: {ps}"
-            )
+            duplicate = (ps_idx, ps) if duplicate is None else duplicate
+            continue
         seen.add(ps_id)
         ps.process_set_id = ps_id
         _id_to_process_sets[ps_id] = ps
+    if duplicate is not None:
+        raise ValueError(
+            f"Horovod could not be initialized because process_sets entry number {duplicate[0]} "
+            f"is a duplicate: {duplicate[1]}"
+        )
 
 
 def _after_shutdown() -> None:
