@@ -151,6 +151,15 @@ def join_allreduce(
     return allreduce(contrib, op, dtype)
 
 
+def normal_inputs(case: object, size: int, shape: Sequence[int], dtype: str) -> List[np.ndarray]:
+    """Every rank's input for ``case``: standard normal values rounded to ``dtype`` (Adasum's
+    coefficients need directions that differ, which small integers rarely give)."""
+    return [
+        np.random.default_rng(seed_for(case, r)).standard_normal(shape).astype(dtype)
+        for r in range(size)
+    ]
+
+
 def adasum(arrays: Sequence[np.ndarray], dtype: str = "float64") -> np.ndarray:
     """Horovod's Adasum of one tensor from every rank (a power-of-2 number of them), from its
     definition (Maleki et al., MLSys 2021): a binary tree, ranks (0, 1), (2, 3), ... then pairs

@@ -15,7 +15,7 @@ number of ranks; float16/32/64 parameters on the CPU.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Iterable, Iterator, Optional, Tuple
 
 import torch
 
@@ -23,7 +23,8 @@ from bagua_hvd.torch.mpi_ops import Adasum, allreduce_async_, synchronize
 from bagua_hvd.torch.optimizer import (
     _TOO_MANY_PASSES_MESSAGE,
     _ZERO_GRAD_MESSAGE,
-    checked_named_parameters,
+    _DistributedOptimizer,
+    init_hook_state,
     register_grad_hooks,
 )
 
@@ -41,16 +42,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
     ) -> None:
         super(self._hvd_cls, self).__init__(params)
-        self._compression = compression
-        named = checked_named_parameters(self.param_groups, named_parameters)
-        self._parameter_names = {v: k for k, v in sorted(named, key=lambda t: t[0])}
-        self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {v: backward_passes_per_step for _, v in named}
-        self._handles: Dict[torch.Tensor, Tuple[Any, Any]] = {}
-        self._grad_accs: list = []
-        self._requires_update: set = set()
-        self._synchronized = False
-        self._should_synchronize = True
+        named = init_hook_state(self, named_parameters, compression, backward_passes_per_step)
         self._starting_models = {p: torch.zeros_like(p, requires_grad=False) for _, p in named}
         p_list = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         for p in p_list:
@@ -58,10 +50,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self._requires_update.update(p_list)
         register_grad_hooks(self, p_list)
 
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = passes
+    set_backward_passes_per_step = _DistributedOptimizer.set_backward_passes_per_step
 
     def _allreduce_grad_async(self, p: torch.Tensor) -> Tuple[Any, Any]:
         # delta = (start - lr * f(g)) - start: the wrapped optimizer steps p alone from start.

@@ -185,6 +185,28 @@ def register_grad_hooks(owner: Any, params: List[torch.Tensor]) -> None:
     weakref.finalize(owner, _remove_hooks, handles)
 
 
+def init_hook_state(
+    opt: Any,
+    named_parameters: Optional[Iterable[Tuple[str, Any]]],
+    compression: Any,
+    backward_passes_per_step: int,
+) -> List[Tuple[str, Any]]:
+    """The state both of Horovod's torch optimizers keep for their gradient hooks (names,
+    countdown of backward passes, handles, Horovod's flags); returns the checked
+    ``named_parameters``."""
+    named = checked_named_parameters(opt.param_groups, named_parameters)
+    opt._compression = compression
+    opt._parameter_names = {v: k for k, v in sorted(named, key=lambda t: t[0])}
+    opt.backward_passes_per_step = backward_passes_per_step
+    opt._allreduce_delay = {v: backward_passes_per_step for _, v in named}
+    opt._handles = {}
+    opt._grad_accs = []
+    opt._requires_update = set()
+    opt._synchronized = False
+    opt._should_synchronize = True
+    return named
+
+
 def checked_named_parameters(
     param_groups: List[Dict[str, Any]], named_parameters: Optional[Iterable[Tuple[str, Any]]]
 ) -> List[Tuple[str, Any]]:
@@ -248,25 +270,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._algo_impl: Any = None
         if algorithm is not None:
             algorithm.prepare_optimizer(self)  # e.g. QAdam: the stage of its optimizer
-        self._compression = compression
-
-        named_parameters = checked_named_parameters(self.param_groups, named_parameters)
-        self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda t: t[0])}
-        self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {
-            v: self.backward_passes_per_step
-            for _, v in sorted(named_parameters, key=lambda t: t[0])
-        }
+        init_hook_state(self, named_parameters, compression, backward_passes_per_step)
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-
-        self._handles: Dict[Any, Tuple[Any, Any]] = {}
-        self._grad_accs: List[Any] = []
-        self._requires_update: set = set()
-        self._synchronized = False
-        self._should_synchronize = True
 
         if groups is not None:
             if not (isinstance(groups, list) or (_is_int(groups) and groups > 0)):

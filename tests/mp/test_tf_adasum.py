@@ -23,11 +23,7 @@ power_of_2 = pytest.mark.skipif(not POWER_OF_2, reason="Adasum runs on 2^k ranks
 
 
 def inputs(case: str, shape: tuple, dtype: str) -> list:
-    out = []
-    for r in range(SIZE):
-        rng = np.random.default_rng(ref.seed_for("tf", case, r))
-        out.append(rng.standard_normal(shape).astype(dtype))
-    return out
+    return ref.normal_inputs(("tf", case), SIZE, shape, dtype)
 
 
 @power_of_2

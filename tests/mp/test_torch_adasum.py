@@ -30,12 +30,7 @@ not_power_of_2 = pytest.mark.skipif(POWER_OF_2, reason="the error of a size that
 
 
 def inputs(case: str, shape: tuple, dtype: str) -> list:
-    """Every rank's input (normal values rounded to dtype), the same on every rank."""
-    out = []
-    for r in range(SIZE):
-        rng = np.random.default_rng(ref.seed_for(case, r))
-        out.append(rng.standard_normal(shape).astype(dtype))
-    return out
+    return ref.normal_inputs(case, SIZE, shape, dtype)
 
 
 def assert_job_works(tag: str) -> None:
