@@ -76,7 +76,10 @@ ResponseList sample_responses() {
 std::map<std::string, std::vector<std::string>> seeds() {
   std::map<std::string, std::vector<std::string>> out;
   const std::string req = encode(sample_requests()), resp = encode(sample_responses());
-  out["message"] = {encode(RequestList{}), encode(ResponseList{}), req, resp};
+  RequestList notice;  // a failing rank's failure notice (Runtime::send_failure_notices)
+  notice.shutdown = true;
+  notice.failure = "connection to rank 2 (10.0.0.2:4000) closed: the peer exited or failed";
+  out["message"] = {encode(RequestList{}), encode(ResponseList{}), req, resp, encode(notice)};
 
   // World-size byte, then records: from-rank, clock advance, u16 length, a RequestList.
   auto record = [](int from, int advance, const RequestList& m) {

@@ -103,10 +103,17 @@ struct Status {
 };
 
 // Raised by transports and collectives when a peer fails, times out or sends garbage. The
-// background thread turns it into an ABORTED status on every pending handle.
+// background thread turns it into an ABORTED status on every pending handle. peer() is the global
+// rank whose connection closed or that stayed silent (-1: none in particular): that peer may have
+// stopped because of another rank's failure, and told us so first (Runtime::relayed_failure).
 class TransportError : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit TransportError(const std::string& what, int peer = -1)
+      : std::runtime_error(what), peer_(peer) {}
+  int peer() const { return peer_; }
+
+ private:
+  int peer_;
 };
 
 // ---- logging (HOROVOD_LOG_LEVEL / BAGUA_HVD_LOG_LEVEL; default warning) -------------------
@@ -117,10 +124,10 @@ LogLevel log_level();
 bool log_hide_time();
 std::string log_rank();
 void log_message(LogLevel level, const std::string& msg);
-#define BHVD_LOG(level, msg)                                                   \
-  do {                                                                         \
-    if (::bagua_hvd::LogLevel::level >= ::bagua_hvd::log_level())              \
-      ::bagua_hvd::log_message(::bagua_hvd::LogLevel::level, (msg));           \
+#define BHVD_LOG(level, msg)                                         \
+  do {                                                               \
+    if (::bagua_hvd::LogLevel::level >= ::bagua_hvd::log_level())    \
+      ::bagua_hvd::log_message(::bagua_hvd::LogLevel::level, (msg)); \
   } while (0)
 
 // The environment is read in one place: config.h.

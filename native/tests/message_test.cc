@@ -1,12 +1,12 @@
 // Negotiation messages (core/message.cc): encode/decode round trips, hand-picked and random
 // (seeded), and the rejection of truncated, extended and corrupted frames.
+#include "core/message.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <random>
 #include <string>
-
-#include "core/message.h"
 
 namespace bagua_hvd {
 namespace {
@@ -75,6 +75,7 @@ void expect_same(const RequestList& a, const RequestList& b) {
   EXPECT_EQ(a.cached, b.cached);
   EXPECT_EQ(a.cached_urgent, b.cached_urgent);
   EXPECT_EQ(a.urgent, b.urgent);
+  EXPECT_EQ(a.failure, b.failure);
 }
 
 void expect_same(const ResponseList& a, const ResponseList& b) {
@@ -85,10 +86,9 @@ void expect_same(const ResponseList& a, const ResponseList& b) {
   EXPECT_EQ(a.evicted, b.evicted);
 }
 
-const DataType kTypes[] = {DataType::UINT8,   DataType::INT8,    DataType::UINT16,
-                           DataType::INT16,   DataType::INT32,   DataType::INT64,
-                           DataType::FLOAT16, DataType::FLOAT32, DataType::FLOAT64,
-                           DataType::BOOL,    DataType::BFLOAT16};
+const DataType kTypes[] = {DataType::UINT8,   DataType::INT8,  DataType::UINT16,  DataType::INT16,
+                           DataType::INT32,   DataType::INT64, DataType::FLOAT16, DataType::FLOAT32,
+                           DataType::FLOAT64, DataType::BOOL,  DataType::BFLOAT16};
 
 class Random {
  public:
@@ -221,6 +221,7 @@ TEST(Message, HandWrittenRequestRoundTrips) {
   l.cached = {0, 17};
   l.cached_urgent = {1, 0};
   l.urgent = {"0:a"};
+  l.failure = "connection to rank 2 (10.0.0.2:4000) closed";
   const RequestList back = decode_request_list(encode(l));
   expect_same(back, l);
   EXPECT_EQ(back.requests[0].name.size(), 8u);

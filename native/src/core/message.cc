@@ -7,10 +7,13 @@ namespace bagua_hvd {
 
 OpParams params_for_type(int32_t type) {
   switch (type) {
-    case BHVD_OP_COMPRESSED_ALLREDUCE: return CompressedAllreduceParams{};
-    case BHVD_OP_PEER_AVERAGE: return PeerAverageParams{};
+    case BHVD_OP_COMPRESSED_ALLREDUCE:
+      return CompressedAllreduceParams{};
+    case BHVD_OP_PEER_AVERAGE:
+      return PeerAverageParams{};
     case BHVD_OP_LP_DECENTRALIZED_INIT:
-    case BHVD_OP_LP_DECENTRALIZED_STEP: return LpRingParams{};
+    case BHVD_OP_LP_DECENTRALIZED_STEP:
+      return LpRingParams{};
   }
   return std::monostate{};
 }
@@ -39,8 +42,7 @@ bool Request::same_params(const Request& o) const {
   return type == o.type && dtype == o.dtype && name == o.name &&
          process_set_id == o.process_set_id && reduce_op == o.reduce_op &&
          root_rank == o.root_rank && device == o.device && prescale == o.prescale &&
-         postscale == o.postscale && shape == o.shape && splits == o.splits &&
-         params == o.params;
+         postscale == o.postscale && shape == o.shape && splits == o.splits && params == o.params;
 }
 
 namespace {
@@ -195,6 +197,7 @@ std::string encode(const RequestList& m) {
   w.put_vec(m.cached_urgent);
   w.put<uint32_t>(static_cast<uint32_t>(m.urgent.size()));
   for (const auto& s : m.urgent) w.put_str(s);
+  w.put_str(m.failure);
   return w.take();
 }
 
@@ -211,6 +214,7 @@ RequestList decode_request_list(const std::string& bytes) {
   m.cached_urgent = rd.get_vec<int32_t>();
   uint32_t nu = rd.get<uint32_t>();
   for (uint32_t i = 0; i < nu; ++i) m.urgent.push_back(rd.get_str());
+  m.failure = rd.get_str();
   rd.finish();
   return m;
 }

@@ -48,7 +48,10 @@ void Runtime::loop_once_coordinator(bool* active) {
     while (ctrl_->poll(w, &msg)) {
       heard_[w] = Clock::now();
       if (msg.empty()) continue;  // a keepalive (Runtime::check_peers)
-      coordinator_->add(decode_request_list(msg), w);
+      RequestList list = decode_request_list(msg);
+      // A worker whose communication failed: the job stops with its reason (Runtime::loop).
+      if (!list.failure.empty()) throw TransportError(with_witness(list.failure, w));
+      coordinator_->add(list, w);
       *active = true;
     }
   }
@@ -96,9 +99,9 @@ void Runtime::apply(const ResponseList& list) {
       std::vector<std::string> keys;
       keys.reserve(r.names.size());
       for (const auto& name : r.names) keys.push_back(tensor_key(r.process_set_id, name));
-      groups[i] = timeline_.op_begin(std::move(keys),
-                                     horovod_request_type(r.type, static_cast<int32_t>(r.reduce_op)),
-                                     static_cast<int32_t>(r.dtype));
+      groups[i] = timeline_.op_begin(
+          std::move(keys), horovod_request_type(r.type, static_cast<int32_t>(r.reduce_op)),
+          static_cast<int32_t>(r.dtype));
       timeline_.activity_begin(groups[i], kTlQueue);
     }
   }

@@ -493,26 +493,90 @@ void Runtime::loop() {
       }
     }
   } catch (const std::exception& e) {
-    std::string reason =
-        std::string("Horovod is shut down because communication failed: ") + e.what();
+    const auto* te = dynamic_cast<const TransportError*>(&e);
+    const std::string reason = failure_reason(e.what(), te ? te->peer() : -1);
     BHVD_LOG(ERROR, reason);
-    // Tell the others (best effort) so that ranks not talking to the failed peer stop too.
-    if (coordinator_) {
-      ResponseList abort;
-      abort.seq = 0;
-      abort.shutdown = true;
-      Response r;
-      r.kind = Response::ERROR;
-      r.type = kAbortType;
-      r.error = reason;
-      abort.responses.push_back(r);
-      std::string payload = encode(abort);
-      for (int w = 1; w < cfg_.size; ++w) ctrl_->send_best_effort(w, payload);
-    }
+    send_failure_notices(reason);
     fail_all(Status::Aborted(reason));
   }
   std::lock_guard<std::mutex> lock(mu_);
   stopped_ = true;
+}
+
+namespace {
+const char kCommFailed[] = "Horovod is shut down because communication failed: ";
+}
+
+// What this rank raises. An error about one peer (its connection closed, it exited, it fell
+// silent) may be the echo of another failure: that peer stopped because a third rank failed, and
+// its exit closed the connection this rank was waiting on. A failing rank tells every peer why
+// before it stops (send_failure_notices), so the reason is taken from the peer's notice when there
+// is one: the first failure is named on every rank, whoever it closed on.
+std::string Runtime::failure_reason(const std::string& what, int peer) {
+  if (what.rfind(kCommFailed, 0) == 0) return what;  // already a relayed reason
+  if (peer >= 0 && peer != cfg_.rank && peer < cfg_.size && ctrl_) {
+    std::string relayed = relayed_failure(peer);
+    if (!relayed.empty()) return relayed;
+  }
+  return kCommFailed + what;
+}
+
+// The failure notice peer sent before it stopped, with who saw it; "" if none. A peer that
+// exits closes its ctrl connection after the notice, so the frames it sent are read until that
+// close (or 250 ms: a silent peer sends neither).
+std::string Runtime::relayed_failure(int peer) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(250);
+  std::string msg;
+  try {
+    while (Clock::now() < deadline) {
+      if (!ctrl_->poll(peer, &msg)) {
+        transport_->wait(std::chrono::milliseconds(5));
+        continue;
+      }
+      std::string notice;
+      if (peer == 0 && !coordinator_) {  // the coordinator's ResponseLists
+        for (const auto& r : decode_response_list(msg).responses)
+          if (r.kind == Response::ERROR && r.type == kAbortType) notice = r.error;
+      } else if (!msg.empty()) {
+        notice = decode_request_list(msg).failure;
+      }
+      if (!notice.empty()) return with_witness(notice, peer);
+    }
+  } catch (const std::exception&) {  // closed (after its frames), or garbage: no notice
+  }
+  return "";
+}
+
+// "(seen by rank N)" on a relayed reason that names no witness yet: the rank that saw the
+// failure first, when the message reaches ranks that never talked to the failed one.
+std::string Runtime::with_witness(const std::string& reason, int rank) {
+  if (reason.find(" (seen by rank ") != std::string::npos) return reason;
+  return reason + " (seen by rank " + std::to_string(rank) + ")";
+}
+
+// Best effort, without blocking: the coordinator's abort to every worker (which stops ranks not
+// talking to the failed one), a worker's notice to every peer (which names the failure on ranks
+// whose wait was on this one).
+void Runtime::send_failure_notices(const std::string& reason) {
+  if (!ctrl_ || cfg_.size <= 1) return;
+  std::string payload;
+  if (coordinator_) {
+    ResponseList abort;
+    abort.shutdown = true;
+    Response r;
+    r.kind = Response::ERROR;
+    r.type = kAbortType;
+    r.error = reason;
+    abort.responses.push_back(r);
+    payload = encode(abort);
+  } else {
+    RequestList notice;
+    notice.shutdown = true;
+    notice.failure = reason;
+    payload = encode(notice);
+  }
+  for (int p = 0; p < cfg_.size; ++p)
+    if (p != cfg_.rank) ctrl_->send_best_effort(p, payload);
 }
 
 // A dead peer closes its connections (check_alive); a stopped (SIGSTOP) or hung one only falls
@@ -540,9 +604,10 @@ void Runtime::check_peers(Clock::time_point now, Clock::duration since_last) {
     if (fresh) heard_[peer] = now;
     const double silent = std::chrono::duration<double>(now - heard_[peer]).count();
     if (cfg_.timeout_s > 0 && silent > cfg_.timeout_s)
-      throw TransportError("rank " + std::to_string(peer) + " sent nothing for " +
-                           format_seconds(silent) +
-                           " s (HOROVOD_GLOO_TIMEOUT_SECONDS): it is stopped, hung or unreachable");
+      throw TransportError(
+          "rank " + std::to_string(peer) + " sent nothing for " + format_seconds(silent) +
+              " s (HOROVOD_GLOO_TIMEOUT_SECONDS): it is stopped, hung or unreachable",
+          peer);
   };
   if (coordinator_) {
     for (int r = 1; r < cfg_.size; ++r) check(r);

@@ -105,6 +105,12 @@ class Runtime {
   void check_peers(Clock::time_point now, Clock::duration since_last);
   // An empty frame to each of those ranks, at most every min(1 s, timeout / 4).
   void send_keepalives(Clock::time_point now);
+  // The failure path (runtime.cc): the reason this rank raises, the notice a peer sent before it
+  // stopped, and this rank's own notices.
+  std::string failure_reason(const std::string& what, int peer);
+  std::string relayed_failure(int peer);
+  static std::string with_witness(const std::string& reason, int rank);
+  void send_failure_notices(const std::string& reason);
   void drain_local(RequestList* out, bool* any);
   void apply(const ResponseList& list);
   // Execution of one response (core/dispatch.cc).

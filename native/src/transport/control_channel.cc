@@ -9,7 +9,8 @@ ControlChannel::ControlChannel(Transport& transport, double timeout_s)
     : transport_(transport),
       timeout_s_(timeout_s),
       inbox_(transport.size()),
-      inbox_error_(transport.size()) {}
+      inbox_error_(transport.size()),
+      cut_(transport.size(), 0) {}
 
 std::string ControlChannel::frame(const std::string& payload) {
   uint32_t len = static_cast<uint32_t>(payload.size());
@@ -21,7 +22,7 @@ std::string ControlChannel::frame(const std::string& payload) {
 void ControlChannel::fill(int peer) {
   Pair& p = transport_.ctrl(peer);
   std::string& buf = inbox_[peer];
-  if (!inbox_error_[peer].empty()) return;
+  if (inbox_error_[peer]) return;
   char tmp[65536];
   try {
     while (true) {
@@ -32,7 +33,7 @@ void ControlChannel::fill(int peer) {
   } catch (const TransportError& e) {
     // A peer that exits right after its last message (shutdown) closes the channel: deliver
     // what it sent before reporting the closed connection.
-    inbox_error_[peer] = e.what();
+    inbox_error_[peer] = e;
   }
 }
 
@@ -45,7 +46,7 @@ bool ControlChannel::poll(int peer, std::string* out) {
       }())
     fill(peer);
   auto pending_error = [&] {
-    if (!inbox_error_[peer].empty()) throw TransportError(inbox_error_[peer]);
+    if (inbox_error_[peer]) throw *inbox_error_[peer];
     return false;
   };
   if (buf.size() < 4) return pending_error();
@@ -53,7 +54,8 @@ bool ControlChannel::poll(int peer, std::string* out) {
   std::memcpy(&len, buf.data(), 4);
   if (len > kMaxFrame)
     throw TransportError("rank " + std::to_string(peer) + " sent a negotiation frame of " +
-                         std::to_string(len) + " bytes, over the limit: the control channel "
+                         std::to_string(len) +
+                         " bytes, over the limit: the control channel "
                          "carries garbage");
   if (buf.size() < 4 + static_cast<size_t>(len)) return pending_error();
   out->assign(buf, 4, len);
@@ -66,6 +68,14 @@ void ControlChannel::send(int peer, const std::string& payload) {
   const std::string f = frame(payload);
   size_t off = 0;
   auto last = Clock::now();
+  struct CutGuard {  // marks the stream cut when we leave by an exception mid-frame
+    char& cut;
+    const size_t& off;
+    const size_t size;
+    ~CutGuard() {
+      if (off > 0 && off < size) cut = 1;
+    }
+  } guard{cut_[peer], off, f.size()};
   while (off < f.size()) {
     size_t n = p.try_send(f.data() + off, f.size() - off);
     if (n) {
@@ -84,6 +94,7 @@ void ControlChannel::send(int peer, const std::string& payload) {
 }
 
 void ControlChannel::send_best_effort(int peer, const std::string& payload) {
+  if (cut_[peer]) return;
   try {
     const std::string f = frame(payload);
     transport_.ctrl(peer).try_send(f.data(), f.size());

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,7 +25,8 @@ class ControlChannel {
   // Sends one frame, draining the peer's frames meanwhile so that two full channels cannot
   // deadlock. Throws TransportError after timeout_s without progress.
   void send(int peer, const std::string& payload);
-  // One non-blocking attempt (the abort notice of a failing rank); errors are ignored.
+  // One non-blocking attempt (the failure notice of a failing rank); errors are ignored, and
+  // nothing is sent to a peer whose channel holds a frame cut off by a failed send.
   void send_best_effort(int peer, const std::string& payload);
 
   static std::string frame(const std::string& payload);
@@ -34,8 +36,9 @@ class ControlChannel {
 
   Transport& transport_;
   double timeout_s_;
-  std::vector<std::string> inbox_;        // per-peer partial frames
-  std::vector<std::string> inbox_error_;  // per-peer failure seen after buffered frames
+  std::vector<std::string> inbox_;                          // per-peer partial frames
+  std::vector<std::optional<TransportError>> inbox_error_;  // failure seen after buffered frames
+  std::vector<char> cut_;  // per peer: a send failed mid-frame, the stream is out of step
 };
 
 }  // namespace bagua_hvd

@@ -13,11 +13,11 @@ void TcpPair::fail(const std::string& why) {
   if (failed_.empty()) {
     failed_ = "connection to rank " + std::to_string(peer_) + " (" + endpoint_ + ") " + why;
   }
-  throw TransportError(failed_);
+  throw TransportError(failed_, peer_);
 }
 
 size_t TcpPair::try_send(const void* buf, size_t len) {
-  if (!failed_.empty()) throw TransportError(failed_);
+  if (!failed_.empty()) throw TransportError(failed_, peer_);
   if (len == 0) return 0;
   for (;;) {
     ssize_t n = ::send(fd_.get(), buf, len, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -34,7 +34,7 @@ size_t TcpPair::try_send(const void* buf, size_t len) {
 }
 
 size_t TcpPair::try_recv(void* buf, size_t len) {
-  if (!failed_.empty()) throw TransportError(failed_);
+  if (!failed_.empty()) throw TransportError(failed_, peer_);
   if (len == 0) return 0;
   for (;;) {
     ssize_t n = ::recv(fd_.get(), buf, len, MSG_DONTWAIT);
@@ -49,7 +49,7 @@ size_t TcpPair::try_recv(void* buf, size_t len) {
 }
 
 void TcpPair::check_alive() {
-  if (!failed_.empty()) throw TransportError(failed_);
+  if (!failed_.empty()) throw TransportError(failed_, peer_);
   char c;
   for (;;) {
     ssize_t n = ::recv(fd_.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
