@@ -57,6 +57,8 @@ fails=0
 step() {  # step NAME TIMEOUT COMMAND...: runs it, keeps CHECK/FIGURE lines, counts failures
   local name=$1 limit=$2 start rc
   shift 2
+  # GPU_CHECK_ONLY (an extended regex on the step names) runs a part, when device time is short.
+  [[ -z "${GPU_CHECK_ONLY:-}" || "$name" =~ $GPU_CHECK_ONLY ]] || return 0
   start=$(date +%s)
   local log="$out/$name.log"
   timeout --kill-after=5 "$limit" "$@" >"$log" 2>&1
@@ -87,6 +89,12 @@ step cuda-kernels 120 "${kernels[@]}"
 step collectives-2ranks 75 "${launch[@]}" "$py" tests/gpu/gpu_check.py collectives
 step optimizer-2ranks 45 "${launch[@]}" "$py" tests/gpu/gpu_check.py optimizer
 step algorithms-2ranks 75 "${launch[@]}" "$py" tests/gpu/gpu_check.py algorithms
+# Horovod's GPU Adasum: one host (a sum), then two hosts as two launchers here (--num-nodes 2)
+# with one and with two ranks each.
+step adasum-1rank 45 "$py" tests/gpu/gpu_check.py adasum
+step adasum-2ranks 60 "${launch[@]}" "$py" tests/gpu/gpu_check.py adasum
+step adasum-2hosts 60 tests/gpu/two_nodes.sh 2 "$py" tests/gpu/gpu_check.py adasum
+step adasum-2x2 75 tests/gpu/two_nodes.sh 4 "$py" tests/gpu/gpu_check.py adasum
 step timing-1rank 45 "$py" tests/gpu/gpu_check.py timing
 step timing-2ranks 60 "${launch[@]}" "$py" tests/gpu/gpu_check.py timing
 say "# $fails failed step(s)"

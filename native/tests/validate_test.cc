@@ -238,14 +238,31 @@ TEST(Validate, AdasumTakesFloatingPointHostTensorsOnAPowerOf2OfRanks) {
   EXPECT_EQ(run(bad, {0, 1}).type, StatusType::INVALID_ARGUMENT);
   EXPECT_EQ(run(bad, {0, 1}).reason,
             "Allreduce: Adasum reduces float16, float32 and float64 tensors, not int32");
+  // CUDA tensors: no rule on the number of ranks (validate_device_adasum has the hosts').
   ok.req.device = 0;
-  EXPECT_EQ(run(ok, {0, 1}).type, StatusType::NOT_IMPLEMENTED);
+  EXPECT_TRUE(validate_for_set(
+                  ok.req, "Allreduce", {0, 1, 2, 3, 4, 5}, 1, [](bool) { return 6; }, &ok.params,
+                  &ok.state)
+                  .ok());
   Call rs(BHVD_OP_REDUCESCATTER, nullptr, x);
   rs.req.reduce_op = BHVD_ADASUM;
   EXPECT_EQ(run(rs, {0, 1}).type, StatusType::NOT_IMPLEMENTED);
   EXPECT_EQ(run(rs, {0, 1}).reason, "Reducescatter currently only supports AVERAGE and SUM.");
   Call op4(BHVD_OP_ADASUM, nullptr, x);
   EXPECT_EQ(run(op4, {0, 1}).type, StatusType::INVALID_ARGUMENT);
+}
+
+TEST(Validate, GpuAdasumWantsAPowerOf2OfHostsWithAsManyRanksEach) {
+  EXPECT_TRUE(validate_device_adasum({1}).ok());
+  EXPECT_TRUE(validate_device_adasum({4}).ok());
+  EXPECT_TRUE(validate_device_adasum({2, 2}).ok());
+  EXPECT_TRUE(validate_device_adasum({3, 3, 3, 3}).ok());
+  const Status uneven = validate_device_adasum({2, 1});
+  EXPECT_EQ(uneven.type, StatusType::NOT_IMPLEMENTED);
+  EXPECT_EQ(uneven.reason, "Running GPU Adasum on heterogeneous cluster is not supported yet.");
+  const Status three = validate_device_adasum({2, 2, 2});
+  EXPECT_EQ(three.type, StatusType::NOT_IMPLEMENTED);
+  EXPECT_EQ(three.reason, "Running GPU Adasum with non-power of 2 nodes is not supported yet.");
 }
 
 }  // namespace

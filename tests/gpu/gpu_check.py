@@ -10,7 +10,8 @@ process on the same data, is the reference: on one rank (no reduction) and throu
 (the CPU algorithms themselves) the results must be equal bit for bit; across GPUs through NCCL
 (another summation order) within float tolerance.
 
-Modes: collectives, optimizer, algorithms, timing.
+Modes: collectives, optimizer, algorithms, timing, adasum. "adasum" also runs as two launchers
+(``--num-nodes 2``) on this machine, so that Horovod's GPU Adasum meets several hosts.
 """
 
 from __future__ import annotations
@@ -422,10 +423,67 @@ def timing() -> None:
     )
 
 
+# ---- Horovod's GPU Adasum ---------------------------------------------------------------------
+def adasum() -> None:
+    """op=hvd.Adasum on CUDA tensors is Horovod's GPU Adasum: the sum of each host's ranks, then
+    the Adasum of the hosts' sums. References: one host, the CPU sum (bit for bit: host staging,
+    or NCCL at 1 rank); one rank per host, the CPU Adasum of the same tensors (bit for bit: the
+    same host code); several of each, tests/reference.py's Adasum of the hosts' sums."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import numpy as np
+    import reference
+
+    hosts, local = hvd.cross_size(), hvd.local_size()
+    figure("adasum layout", f"{hosts} host(s) x {local} rank(s)")
+    seed = 50
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        for n in (1, 1000, 65537):
+            seed += 1
+            name = f"adasum {str(dtype)[6:]} n={n} {hosts}x{local}"
+            x = data(dtype, (n,), seed)
+            pre = 0.5 if n == 1000 else 1.0
+            got = hvd.allreduce(x.to(DEV), op=hvd.Adasum, prescale_factor=pre, name=name)
+            if hosts == 1:
+                ref = hvd.allreduce(x, op=hvd.Sum, prescale_factor=pre, name=name + ".cpu")
+                compare(name, got, ref, exact=SIZE == 1 or torch.cuda.device_count() < SIZE)
+            elif local == 1:
+                ref = hvd.allreduce(x, op=hvd.Adasum, prescale_factor=pre, name=name + ".cpu")
+                compare(name, got, ref, exact=True)
+            else:
+                every = hvd.allgather_object((x * pre).to(dtype).numpy())
+                # Ranks are placed host-major (bagua-run --num-nodes): host h has ranks
+                # h*local .. h*local+local-1.
+                sums = [sum(every[h * local + i].astype(np.float64) for i in range(local))
+                        .astype(every[0].dtype) for h in range(hosts)]  # fmt: skip
+                expect = reference.adasum(sums, str(dtype)[6:])
+                compare(name, got, torch.from_numpy(expect).to(dtype), exact=False)
+    # Several tensors fused in one buffer: each keeps its own coefficients.
+    xs = [data(torch.float32, (k * 100 + 3,), 90 + k) for k in range(3)]
+    outs = hvd.grouped_allreduce([x.to(DEV) for x in xs], op=hvd.Adasum, name="adasum.grouped")
+    singles = [hvd.allreduce(x.to(DEV), op=hvd.Adasum, name=f"adasum.single.{k}")
+               for k, x in enumerate(xs)]  # fmt: skip
+    for k, (a, b) in enumerate(zip(outs, singles)):
+        compare(f"adasum grouped tensor {k} == alone", a, b.cpu(), exact=True)
+    # Horovod's delta optimizer on CUDA parameters: a step runs, every rank ends with the same
+    # weights.
+    model = make_mlp(3).to(DEV)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)  # fmt: skip
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for xb, yb in batches(RANK, steps=3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(xb.to(DEV)), yb.to(DEV)).backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+    first = hvd.broadcast(flat, root_rank=0, name="adasum.weights")
+    check("adasum optimizer: same weights on every rank", torch.equal(flat, first))
+    check("adasum optimizer: finite weights", bool(torch.isfinite(flat).all()))
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     {"collectives": collectives, "optimizer": optimizer, "algorithms": algorithms,
-     "timing": timing}[mode]()  # fmt: skip
+     "timing": timing, "adasum": adasum}[mode]()  # fmt: skip
     figure(f"{mode} at {SIZE} rank(s): failed checks on rank 0", str(failures))
     hvd.shutdown()
     sys.exit(1 if failures else 0)

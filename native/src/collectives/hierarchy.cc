@@ -28,8 +28,8 @@ Hierarchy build_hierarchy(Transport& transport, const Comm& comm, int me) {
     const bool uniform = std::all_of(by_host.begin(), by_host.end(),
                                      [&](const auto& kv) { return kv.second.size() == per_host; });
     if (uniform) {
-      const size_t index = static_cast<size_t>(
-          std::find(mine.begin(), mine.end(), me) - mine.begin());
+      const size_t index =
+          static_cast<size_t>(std::find(mine.begin(), mine.end(), me) - mine.begin());
       std::vector<int> cross;
       for (const auto& kv : by_host) cross.push_back(kv.second[index]);
       std::sort(cross.begin(), cross.end());
@@ -39,14 +39,20 @@ Hierarchy build_hierarchy(Transport& transport, const Comm& comm, int me) {
   return h;
 }
 
+std::vector<int> ranks_per_host(const Transport& transport, const std::vector<int32_t>& ranks) {
+  std::map<std::string, int> per_host;
+  for (int g : ranks) ++per_host[transport.host_of(g)];
+  std::vector<int> counts;
+  for (const auto& kv : per_host) counts.push_back(kv.second);
+  return counts;
+}
+
 int hierarchical_group_size(const Transport& transport, const std::vector<int32_t>& ranks,
                             bool hierarchical) {
   const int n = static_cast<int>(ranks.size());
   if (!hierarchical) return n;
-  std::map<std::string, int> per_host;
-  for (int g : ranks) ++per_host[transport.host_of(g)];
-  bool crowded = false;
-  for (const auto& kv : per_host) crowded = crowded || kv.second > 1;
+  const std::vector<int> per_host = ranks_per_host(transport, ranks);
+  const bool crowded = std::any_of(per_host.begin(), per_host.end(), [](int c) { return c > 1; });
   return per_host.size() > 1 && crowded ? static_cast<int>(per_host.size()) : n;
 }
 

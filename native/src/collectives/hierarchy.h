@@ -25,6 +25,9 @@ struct Hierarchy {
 // Builds the hierarchy of the ranks of `comm` as seen from global rank `me`.
 Hierarchy build_hierarchy(Transport& transport, const Comm& comm, int me);
 
+// How many of `ranks` (global) each host holds, one count per host.
+std::vector<int> ranks_per_host(const Transport& transport, const std::vector<int32_t>& ranks);
+
 // Ranks that take part in a (compressed) collective of a set of global ranks: their number, or
 // with hierarchical on several hosts with a crowded host, the number of hosts.
 int hierarchical_group_size(const Transport& transport, const std::vector<int32_t>& ranks,

@@ -93,8 +93,13 @@ void Runtime::execute(const Response& r, uint64_t tl_group) {
         device->wait(e->ready);
         inputs.push_back(e->ready);
       }
-    ExecContext ctx{r, *comm, entries, *device, device->fusion(), nullptr, mu_, &timeline_,
-                    tl_group};
+    ExecContext ctx{r,       *comm, entries,    *device, device->fusion(),
+                    nullptr, mu_,   &timeline_, tl_group};
+    if (r.type == BHVD_OP_ALLREDUCE && r.reduce_op == ReduceOp::ADASUM) {
+      ctx.device_adasum_hosts =
+          static_cast<int>(ranks_per_host(*transport_, comm->global_ranks()).size());
+      ctx.hierarchy = hierarchies_.get(r.process_set_id, *transport_, *comm, cfg_.rank);
+    }
     exec(ctx);
     DeviceEvent done = device->done(std::move(inputs));
     std::lock_guard<std::mutex> lock(mu_);

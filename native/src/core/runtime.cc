@@ -227,6 +227,9 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
           &params, &state);
       !s.ok())
     return s;
+  if (t == BHVD_OP_ALLREDUCE && req.reduce_op == BHVD_ADASUM && req.device >= 0) {
+    if (Status s = validate_device_adasum(ranks_per_host(*transport_, ranks)); !s.ok()) return s;
+  }
 
   const int64_t id = next_handle_;  // consumed only if the request is accepted
   const int n = tensor_op ? req.num_tensors : 0;

@@ -270,10 +270,6 @@ Status validate_request(const bhvd_request& req, const std::string& title) {
     return Status::InvalidArgument(title + ": Adasum runs as a plain allreduce only (not " +
                                    op_type_name(static_cast<OpType>(t)) + ")");
   if (t == BHVD_OP_ALLREDUCE && req.reduce_op == BHVD_ADASUM) {
-    if (req.device >= 0)
-      return Status::Error(StatusType::NOT_IMPLEMENTED,
-                           "Adasum of CUDA tensors is not supported by bagua_hvd yet; reduce "
-                           "CPU tensors (op=hvd.Adasum) or use op=hvd.Average on the GPU.");
     for (int32_t i = 0; i < req.num_tensors; ++i) {
       const auto dt = static_cast<DataType>(req.inputs[i].dtype);
       if (dt != DataType::FLOAT16 && dt != DataType::FLOAT32 && dt != DataType::FLOAT64)
@@ -303,7 +299,9 @@ Status validate_for_set(const bhvd_request& req, const std::string& title,
                                    " is not a member of the provided process set.");
   if (Status s = validate_params(req, title, group_size, params, state); !s.ok()) return s;
   const size_t n = ranks.size();
-  if (t == BHVD_OP_ALLREDUCE && req.reduce_op == BHVD_ADASUM && (n & (n - 1)) != 0)
+  // CUDA tensors: Horovod's GPU Adasum, whose rule is on the hosts (validate_device_adasum).
+  if (t == BHVD_OP_ALLREDUCE && req.reduce_op == BHVD_ADASUM && req.device < 0 &&
+      (n & (n - 1)) != 0)
     return Status::Error(StatusType::NOT_IMPLEMENTED,
                          "Running Adasum with non-power of 2 ranks is not supported yet.");
   // A NaN factor would also never match itself in negotiation: refuse it here, on every path.
@@ -363,6 +361,18 @@ Status validate_tensor(const bhvd_request& req, int i, const std::string& title,
       r->splits.assign(set_size, static_cast<int32_t>(dim0 / set_size));
     }
   }
+  return Status::OK();
+}
+
+Status validate_device_adasum(const std::vector<int>& ranks_per_host) {
+  for (int n : ranks_per_host)
+    if (n != ranks_per_host.front())
+      return Status::Error(StatusType::NOT_IMPLEMENTED,
+                           "Running GPU Adasum on heterogeneous cluster is not supported yet.");
+  const size_t hosts = ranks_per_host.size();
+  if ((hosts & (hosts - 1)) != 0)
+    return Status::Error(StatusType::NOT_IMPLEMENTED,
+                         "Running GPU Adasum with non-power of 2 nodes is not supported yet.");
   return Status::OK();
 }
 

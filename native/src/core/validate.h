@@ -33,8 +33,13 @@ Status validate_request(const bhvd_request& req, const std::string& title);
 // compressed allreduce, called only when needed), finite scale factors, the broadcast root.
 Status validate_for_set(const bhvd_request& req, const std::string& title,
                         const std::vector<int32_t>& ranks, int me,
-                        const std::function<int(bool hierarchical)>& group_size,
-                        OpParams* params, StateBuffers* state);
+                        const std::function<int(bool hierarchical)>& group_size, OpParams* params,
+                        StateBuffers* state);
+
+// Horovod's GPU Adasum (an Adasum of CUDA tensors) sums within each host and combines the hosts:
+// every host must hold as many of the set's ranks (ranks_per_host: one count per host) and the
+// hosts must be a power of 2 (Horovod's messages).
+Status validate_device_adasum(const std::vector<int>& ranks_per_host);
 
 // Tensor i of req: fills r's dtype, shape and (alltoall) splits.
 Status validate_tensor(const bhvd_request& req, int i, const std::string& title, int set_size,

@@ -40,7 +40,20 @@ void execute_allreduce(ExecContext& ctx) {
   }
   std::optional<TimelineActivity> collective(std::in_place, ctx, TlCollective::kAllreduce);
   if (r.prescale != 1.0) eng.scale_horovod(buf, total, r.dtype, r.prescale);
-  if (r.reduce_op == ReduceOp::ADASUM) {
+  if (r.reduce_op == ReduceOp::ADASUM && ctx.device_adasum_hosts > 0) {
+    // Horovod's GPU Adasum (AdasumGpuAllreduceOp): the sum of each host's ranks, then the Adasum
+    // of the hosts' sums, the same on every rank of a host. (Horovod splits the hosts' Adasum
+    // between the host's ranks, each a slice, and sums its dot products over the slices: the
+    // same reduction in another order of the additions.)
+    if (Hierarchy* h = ctx.hierarchy) {
+      eng.allreduce(*h->intra, buf, total, r.dtype, ReduceOp::SUM);
+      eng.allreduce_adasum(*h->cross, buf, counts, r.dtype);
+    } else if (ctx.device_adasum_hosts == 1) {
+      eng.allreduce(ctx.comm, buf, total, r.dtype, ReduceOp::SUM);
+    } else {  // one rank per host
+      eng.allreduce_adasum(ctx.comm, buf, counts, r.dtype);
+    }
+  } else if (r.reduce_op == ReduceOp::ADASUM) {
     // Per tensor of the fused buffer, flat over the set's ranks as Horovod's CPU Adasum
     // (HOROVOD_HIERARCHICAL_ALLREDUCE does not apply to it there either).
     eng.allreduce_adasum(ctx.comm, buf, counts, r.dtype);

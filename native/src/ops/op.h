@@ -36,6 +36,9 @@ struct ExecContext {
   // records nothing).
   Timeline* timeline = nullptr;
   uint64_t tl_group = 0;
+  // An Adasum of CUDA tensors (Horovod's GPU Adasum): the set's number of hosts, with hierarchy
+  // its host levels when it has several hosts with several ranks; 0 for host tensors.
+  int device_adasum_hosts = 0;
 };
 
 // The collectives as the timeline names their activity: Horovod's GLOO_* on the core's own
