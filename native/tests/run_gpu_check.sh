@@ -93,8 +93,8 @@ step algorithms-2ranks 75 "${launch[@]}" "$py" tests/gpu/gpu_check.py algorithms
 # with one and with two ranks each.
 step adasum-1rank 45 "$py" tests/gpu/gpu_check.py adasum
 step adasum-2ranks 60 "${launch[@]}" "$py" tests/gpu/gpu_check.py adasum
-step adasum-2hosts 60 tests/gpu/two_nodes.sh 2 "$py" tests/gpu/gpu_check.py adasum
-step adasum-2x2 75 tests/gpu/two_nodes.sh 4 "$py" tests/gpu/gpu_check.py adasum
+step adasum-2hosts 60 bash tests/gpu/two_nodes.sh 2 "$py" tests/gpu/gpu_check.py adasum
+step adasum-2x2 75 bash tests/gpu/two_nodes.sh 4 "$py" tests/gpu/gpu_check.py adasum
 step timing-1rank 45 "$py" tests/gpu/gpu_check.py timing
 step timing-2ranks 60 "${launch[@]}" "$py" tests/gpu/gpu_check.py timing
 say "# $fails failed step(s)"
