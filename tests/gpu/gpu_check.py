@@ -425,10 +425,12 @@ def timing() -> None:
 
 # ---- Horovod's GPU Adasum ---------------------------------------------------------------------
 def adasum() -> None:
-    """op=hvd.Adasum on CUDA tensors is Horovod's GPU Adasum: the sum of each host's ranks, then
-    the Adasum of the hosts' sums. References: one host, the CPU sum (bit for bit: host staging,
-    or NCCL at 1 rank); one rank per host, the CPU Adasum of the same tensors (bit for bit: the
-    same host code); several of each, tests/reference.py's Adasum of the hosts' sums."""
+    """op=hvd.Adasum on CUDA tensors is Horovod's GPU Adasum: the sum of each host's ranks, the
+    Adasum of the hosts' sums, divided by the ranks per host (Horovod's postscale factor /=
+    local_size; its test_adasum_pytorch.py expects the same). References: one host, the CPU sum
+    with that postscale (bit for bit: host staging, or NCCL at 1 rank); one rank per host, the CPU
+    Adasum of the same tensors (bit for bit: the same host code); several of each,
+    tests/reference.py's Adasum of the hosts' sums, divided."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import numpy as np
     import reference
@@ -444,7 +446,8 @@ def adasum() -> None:
             pre = 0.5 if n == 1000 else 1.0
             got = hvd.allreduce(x.to(DEV), op=hvd.Adasum, prescale_factor=pre, name=name)
             if hosts == 1:
-                ref = hvd.allreduce(x, op=hvd.Sum, prescale_factor=pre, name=name + ".cpu")
+                ref = hvd.allreduce(x, op=hvd.Sum, prescale_factor=pre, postscale_factor=1 / local,
+                                    name=name + ".cpu")  # fmt: skip
                 compare(name, got, ref, exact=SIZE == 1 or torch.cuda.device_count() < SIZE)
             elif local == 1:
                 ref = hvd.allreduce(x, op=hvd.Adasum, prescale_factor=pre, name=name + ".cpu")
@@ -455,8 +458,23 @@ def adasum() -> None:
                 # h*local .. h*local+local-1.
                 sums = [sum(every[h * local + i].astype(np.float64) for i in range(local))
                         .astype(every[0].dtype) for h in range(hosts)]  # fmt: skip
-                expect = reference.adasum(sums, str(dtype)[6:])
+                expect = reference.adasum(sums, str(dtype)[6:]) / local
                 compare(name, got, torch.from_numpy(expect).to(dtype), exact=False)
+    # Horovod's test_adasum_pytorch.py cases (its test_orthogonal, test_parallel): orthogonal
+    # tensors give their sum / local_size, parallel ones their sum / size, within its bound.
+    rng = np.random.default_rng(2)  # the same draws on every rank
+    for kind in ("orthogonal", "parallel"):
+        for n in (SIZE * 20 - 17, 2**19):
+            if kind == "orthogonal":
+                q = np.linalg.qr(rng.normal(0, 1, (n, SIZE)))[0].astype(np.float32)
+            else:
+                q = (rng.normal(0, 1, (n, 1)) @ rng.normal(0, 1, (SIZE, 1)).T).astype(np.float32)
+            expect = q.astype(np.float64).sum(axis=1) / (local if kind == "orthogonal" else SIZE)
+            t = torch.from_numpy(np.ascontiguousarray(q[:, RANK])).to(DEV)
+            got = hvd.allreduce(t, op=hvd.Adasum, name=f"adasum.{kind}.{n}").cpu().double().numpy()
+            off = np.linalg.norm(expect - got) / np.linalg.norm(expect) / 100
+            check(f"adasum {kind} n={n} (Horovod's test)", off < np.finfo(np.float32).eps,
+                  f"off by {off:.3g}")  # fmt: skip
     # Several tensors fused in one buffer: each keeps its own coefficients.
     xs = [data(torch.float32, (k * 100 + 3,), 90 + k) for k in range(3)]
     outs = hvd.grouped_allreduce([x.to(DEV) for x in xs], op=hvd.Adasum, name="adasum.grouped")

@@ -42,9 +42,9 @@ void execute_allreduce(ExecContext& ctx) {
   if (r.prescale != 1.0) eng.scale_horovod(buf, total, r.dtype, r.prescale);
   if (r.reduce_op == ReduceOp::ADASUM && ctx.device_adasum_hosts > 0) {
     // Horovod's GPU Adasum (AdasumGpuAllreduceOp): the sum of each host's ranks, then the Adasum
-    // of the hosts' sums, the same on every rank of a host. (Horovod splits the hosts' Adasum
-    // between the host's ranks, each a slice, and sums its dot products over the slices: the
-    // same reduction in another order of the additions.)
+    // of the hosts' sums, the same on every rank of a host, then divided by the ranks per host
+    // (below). (Horovod splits the hosts' Adasum between the host's ranks, each a slice, and
+    // sums its dot products over the slices: the same reduction in another order of additions.)
     if (Hierarchy* h = ctx.hierarchy) {
       eng.allreduce(*h->intra, buf, total, r.dtype, ReduceOp::SUM);
       eng.allreduce_adasum(*h->cross, buf, counts, r.dtype);
@@ -71,6 +71,9 @@ void execute_allreduce(ExecContext& ctx) {
   }
   double post = r.postscale;
   if (r.reduce_op == ReduceOp::AVERAGE) post /= ctx.comm.size();
+  // Horovod folds the GPU Adasum's averaging within the host into the postscale factor
+  // (EnqueueTensorAllreduces: postscale_factor /= local size); the hosts hold as many ranks each.
+  if (ctx.device_adasum_hosts > 0) post /= ctx.comm.size() / ctx.device_adasum_hosts;
   if (post != 1.0) eng.scale_horovod(buf, total, r.dtype, post);
   collective.reset();
   if (!direct) {
