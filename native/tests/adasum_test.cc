@@ -16,7 +16,9 @@
 #include <vector>
 
 #include "collectives/collectives.h"
+#include "collectives/hierarchy.h"
 #include "in_process_ranks.h"
+#include "ops/op.h"
 
 namespace bagua_hvd {
 namespace {
@@ -224,6 +226,64 @@ TEST(Adasum, ParallelVectorsAverageOrthogonalOnesAdd) {
     EXPECT_NEAR(parallel[0][i], 2.5 * std::cos(0.1 * i), 1e-12);  // mean of 1..4
     EXPECT_NEAR(orthogonal[0][i], 1.0 + static_cast<double>(i % n), 1e-12);
   }
+}
+
+// Horovod's GPU Adasum across hosts (ops/allreduce.cc, adasum_across_hosts) on the CPU engine: 2
+// hosts of 2 ranks (and 2 of 4). Reference: per tensor, the hosts' sums (each rounded to the
+// dtype, as an allreduce of the host stores them) combined by the formula over the whole tensor.
+// The slices' dot products are summed in another grouping than the whole tensor's, so a few
+// units in the last place are allowed; every rank must hold the same bits.
+TEST(Adasum, AcrossHostsEachRankOfAHostCombinesOneSlice) {
+  const std::vector<std::vector<size_t>> cases = {kCounts, {1}, {0, 3}, {2, 0, 5}};
+  for (int per_host : {2, 4})
+    for (const auto& counts : cases)
+      for (DataType dt : {DataType::FLOAT64, DataType::FLOAT32, DataType::FLOAT16}) {
+        const int n = 2 * per_host;
+        std::vector<std::vector<unsigned char>> results(n);
+        run_ranks(
+            n, Kind::SHM,
+            [&](Comm& comm) {
+              Hierarchy h = build_hierarchy(comm.transport(), comm, comm.global_rank(comm.rank()));
+              ASSERT_TRUE(h.active && h.cross);
+              auto buf = pack(dt, tensors_of(comm.rank(), counts));
+              adasum_across_hosts(cpu_engine(), *h.intra, *h.cross, buf.data(), counts, dt);
+              results[comm.rank()] = buf;
+            },
+            0, 2);
+        for (int k = 1; k < n; ++k) ASSERT_EQ(results[k], results[0]) << "rank " << k;
+        size_t total = 0;
+        for (size_t c : counts) total += c;
+        const auto got = unpack(dt, results[0].data(), total);
+        // The hosts' sums, then one combination per tensor.
+        std::vector<std::vector<std::vector<double>>> sums(2);
+        for (int host = 0; host < 2; ++host) {
+          sums[host] = std::vector<std::vector<double>>(counts.size());
+          for (size_t t = 0; t < counts.size(); ++t) sums[host][t].assign(counts[t], 0.0);
+          for (int k = host * per_host; k < (host + 1) * per_host; ++k) {
+            const auto x = tensors_of(k, counts);
+            for (size_t t = 0; t < counts.size(); ++t)
+              for (size_t i = 0; i < counts[t]; ++i) sums[host][t][i] += round_to(dt, x[t][i]);
+          }
+        }
+        std::vector<double> ref;
+        for (size_t t = 0; t < counts.size(); ++t) {
+          std::vector<double> a = sums[0][t], b = sums[1][t];
+          for (double& v : a) v = round_to(dt, v);
+          for (double& v : b) v = round_to(dt, v);
+          double dot = 0, a2 = 0, b2 = 0;
+          for (size_t i = 0; i < a.size(); ++i)
+            dot += a[i] * b[i], a2 += a[i] * a[i], b2 += b[i] * b[i];
+          for (size_t i = 0; i < a.size(); ++i)
+            ref.push_back(round_to(dt, coeff(dot, a2) * a[i] + coeff(dot, b2) * b[i]));
+        }
+        ASSERT_EQ(got.size(), ref.size());
+        const double ulp = dt == DataType::FLOAT64   ? 1e-15
+                           : dt == DataType::FLOAT32 ? 1.2e-7
+                                                     : 1e-3;
+        for (size_t i = 0; i < ref.size(); ++i)
+          ASSERT_NEAR(got[i], ref[i], 16 * ulp * std::max(1.0, std::fabs(ref[i])))
+              << dtype_name(dt) << " " << per_host << " per host, element " << i;
+      }
 }
 
 TEST(Adasum, RefusesWhatItCannotReduce) {

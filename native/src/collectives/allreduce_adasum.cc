@@ -176,12 +176,13 @@ void check_adasum(DataType dtype, int ranks) {
     throw std::invalid_argument("Running Adasum with non-power of 2 ranks is not supported yet.");
 }
 
-void allreduce_adasum(Comm& comm, void* buf, const std::vector<size_t>& counts, DataType dtype) {
+void allreduce_adasum(Comm& comm, void* buf, const std::vector<size_t>& counts, DataType dtype,
+                      Comm* dots_also) {
   const int n = comm.size(), me = comm.rank();
   check_adasum(dtype, n);
   size_t total = 0;
   for (size_t c : counts) total += c;
-  if (n == 1 || total == 0) return;
+  if (n == 1 || (total == 0 && !dots_also)) return;
   TraceSpan span(TraceOp::kAllreduce, static_cast<int64_t>(total));
   const size_t es = dtype_size(dtype);
   thread_local std::vector<unsigned char> recv_mem;  // grows, never shrinks (as Horovod's)
@@ -236,6 +237,8 @@ void allreduce_adasum(Comm& comm, void* buf, const std::vector<size_t>& counts, 
     }
     Comm subtree = subtree_comm(comm, level);
     allreduce(subtree, sums.data(), sums.size(), DataType::FLOAT64, ReduceOp::SUM);
+    if (dots_also)
+      allreduce(*dots_also, sums.data(), sums.size(), DataType::FLOAT64, ReduceOp::SUM);
 
     static const double kTiny = std::sqrt(DBL_MIN);
     off = 0;

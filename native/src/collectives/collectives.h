@@ -55,7 +55,12 @@ void barrier(Comm& comm);
 // tensors one after the other, counts[i] elements each, and each tensor is combined with its own
 // coefficients. float16, float32 or float64; a power-of-2 number of ranks (check_adasum throws
 // std::invalid_argument otherwise, naming the problem).
-void allreduce_adasum(Comm& comm, void* buf, const std::vector<size_t>& counts, DataType dtype);
+// dots_also: a second group whose members run the same tree on other slices of the same tensors
+// (the ranks of this rank's host in Horovod's GPU Adasum, each combining one slice with the other
+// hosts): each level's dot products and norms are summed over it too, so that the coefficients
+// are the whole tensors'. Its members call this even with an empty slice.
+void allreduce_adasum(Comm& comm, void* buf, const std::vector<size_t>& counts, DataType dtype,
+                      Comm* dots_also = nullptr);
 void check_adasum(DataType dtype, int ranks);
 
 // ---- BAGUA's primitives (docs/algorithms.md) --------------------------------------------------
@@ -77,18 +82,18 @@ void decentralized_average(Comm& comm, const void* in, void* out, size_t count, 
 // left, right of count elements are updated in place. It is the two halves below: the local one
 // (no communication; c receives minmax_uint8_bytes(dtype, count, 1) bytes), after which x is
 // final, and the exchange of c with both neighbours, which advances left and right.
-void lp_decentralized_local(void* x, void* self, const void* left, const void* right,
-                            size_t count, DataType dtype, uint8_t* c);
+void lp_decentralized_local(void* x, void* self, const void* left, const void* right, size_t count,
+                            DataType dtype, uint8_t* c);
 // The same with x in pieces (count elements in all, in order): a framework's variables read and
 // written in place rather than copied into a bucket and back. The same bits.
 struct XSegment {
   void* data;
   size_t count;
 };
-void lp_decentralized_local(const XSegment* xs, size_t num_segments, void* self,
-                            const void* left, const void* right, DataType dtype, uint8_t* c);
-void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* right,
-                               size_t count, DataType dtype);
+void lp_decentralized_local(const XSegment* xs, size_t num_segments, void* self, const void* left,
+                            const void* right, DataType dtype, uint8_t* c);
+void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* right, size_t count,
+                               DataType dtype);
 void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, size_t count,
                       DataType dtype);
 // Its initialisation: self = x, left and right = the ring neighbours' x (full precision).

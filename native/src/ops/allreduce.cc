@@ -2,11 +2,33 @@
 // through the set's hierarchy when the runtime gives one (HOROVOD_HIERARCHICAL_ALLREDUCE, and
 // the op type BHVD_OP_HIERARCHICAL_ALLREDUCE). Fusion itself: ops/fusion.cc; the compressed
 // allreduce: ops/compressed_allreduce.cc.
+#include <algorithm>
 #include <optional>
+#include <vector>
 
 #include "ops/op.h"
 
 namespace bagua_hvd {
+
+void adasum_across_hosts(DataEngine& eng, Comm& host, Comm& cross, unsigned char* buf,
+                         const std::vector<size_t>& counts, DataType dtype) {
+  size_t total = 0;
+  for (size_t c : counts) total += c;
+  const size_t es = dtype_size(dtype);
+  eng.allreduce(host, buf, total, dtype, ReduceOp::SUM);
+  const int ranks = host.size();
+  const size_t per = total / ranks;
+  auto start = [&](int i) { return static_cast<size_t>(i) * per; };
+  auto length = [&](int i) { return i == ranks - 1 ? total - start(i) : per; };
+  // This rank's slice, per tensor: the part of each tensor inside [begin, end).
+  const size_t begin = start(host.rank()), end = begin + length(host.rank());
+  std::vector<size_t> mine(counts.size());
+  for (size_t i = 0, at = 0; i < counts.size(); at += counts[i], ++i)
+    mine[i] = std::clamp(end, at, at + counts[i]) - std::clamp(begin, at, at + counts[i]);
+  eng.allreduce_adasum(cross, buf + begin * es, mine, dtype, &host);
+  for (int i = 0; i < ranks; ++i)
+    if (length(i)) eng.broadcast(host, buf + start(i) * es, length(i) * es, i);
+}
 
 void execute_allreduce(ExecContext& ctx) {
   const Response& r = ctx.r;
@@ -42,12 +64,9 @@ void execute_allreduce(ExecContext& ctx) {
   if (r.prescale != 1.0) eng.scale_horovod(buf, total, r.dtype, r.prescale);
   if (r.reduce_op == ReduceOp::ADASUM && ctx.device_adasum_hosts > 0) {
     // Horovod's GPU Adasum (AdasumGpuAllreduceOp): the sum of each host's ranks, then the Adasum
-    // of the hosts' sums, the same on every rank of a host, then divided by the ranks per host
-    // (below). (Horovod splits the hosts' Adasum between the host's ranks, each a slice, and
-    // sums its dot products over the slices: the same reduction in another order of additions.)
+    // of the hosts' sums, then divided by the ranks per host (below).
     if (Hierarchy* h = ctx.hierarchy) {
-      eng.allreduce(*h->intra, buf, total, r.dtype, ReduceOp::SUM);
-      eng.allreduce_adasum(*h->cross, buf, counts, r.dtype);
+      adasum_across_hosts(eng, *h->intra, *h->cross, buf, counts, r.dtype);
     } else if (ctx.device_adasum_hosts == 1) {
       eng.allreduce(ctx.comm, buf, total, r.dtype, ReduceOp::SUM);
     } else {  // one rank per host

@@ -382,12 +382,12 @@ class CudaEngine final : public DeviceEngine {
   }
   // The Adasum across hosts of Horovod's GPU Adasum (ops/allreduce.cc), on the host as Horovod
   // runs it (its MPI Adasum over a host buffer): the CPU engine's arithmetic, bit for bit.
-  void allreduce_adasum(Comm& comm, void* buf, const std::vector<size_t>& counts,
-                        DataType dtype) override {
+  void allreduce_adasum(Comm& comm, void* buf, const std::vector<size_t>& counts, DataType dtype,
+                        Comm* dots_also) override {
     size_t total = 0;
     for (size_t c : counts) total += c;
     Staging s(*this, {{buf, total * dtype_size(dtype), true}});
-    bagua_hvd::allreduce_adasum(comm, s.host(0), counts, dtype);
+    bagua_hvd::allreduce_adasum(comm, s.host(0), counts, dtype, dots_also);
     s.to_device();
   }
   void allreduce_hierarchical(Comm& comm, Comm& host, Comm& cross, void* buf, size_t count,

@@ -53,11 +53,11 @@ class DataEngine {
                          void* out, const std::vector<size_t>& recv_bytes) = 0;
   virtual void reducescatterv(Comm& comm, void* buf, void* out, const std::vector<size_t>& counts,
                               DataType dtype, ReduceOp op) = 0;
-  // Horovod's Adasum of the tensors packed in buf (collectives.h): host memory here; a device
-  // engine overrides it.
+  // Horovod's Adasum of the tensors packed in buf (collectives.h, dots_also included): host
+  // memory here; a device engine overrides it.
   virtual void allreduce_adasum(Comm& comm, void* buf, const std::vector<size_t>& counts,
-                                DataType dtype) {
-    bagua_hvd::allreduce_adasum(comm, buf, counts, dtype);
+                                DataType dtype, Comm* dots_also = nullptr) {
+    bagua_hvd::allreduce_adasum(comm, buf, counts, dtype, dots_also);
   }
   // Allreduce over hosts with the same number of comm's ranks each (collectives/hierarchy.h):
   // host is this rank's host's members, cross the members with its index on every host.

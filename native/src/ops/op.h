@@ -75,6 +75,15 @@ using OpExecutor = void (*)(ExecContext& ctx);
 // barrier, process-set changes) and unknown ones.
 OpExecutor op_executor(int32_t type);
 
+// Horovod's GPU Adasum on hosts with several ranks each (AdasumGpuAllreduceOp), on any engine:
+// buf (the tensors of counts, packed) is summed over the host, then each rank of the host
+// combines one slice of it with the same slice on the other hosts (cross: one rank per host;
+// the host's last rank also takes the remainder), the dot products summed over the host's
+// slices too, and the slices are broadcast back over the host. The hosts exchange one buffer's
+// worth, not one per rank. (ops/allreduce.cc)
+void adasum_across_hosts(DataEngine& eng, Comm& host, Comm& cross, unsigned char* buf,
+                         const std::vector<size_t>& counts, DataType dtype);
+
 // The executors (one file each).
 void execute_allreduce(ExecContext& ctx);
 void execute_allgather(ExecContext& ctx);
