@@ -38,13 +38,15 @@ def test_sigkill_during_allreduce(np_, transport):
 RELAY_WORKER = ROOT / "tests" / "workers" / "failure_seen_by_another.py"
 
 
-@pytest.mark.parametrize("mode,transport", [("stop", "tcp"), ("stop", "auto"), ("kill", "tcp")])
+@pytest.mark.parametrize("mode", ["stop", "kill"])
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_failure_is_named_on_a_rank_that_waited_on_another(mode, transport):
     """Rank 2 fails inside an allreduce with rank 1 while rank 0 waits for rank 1: rank 1 names
     rank 2 and exits, and rank 0, which sees only rank 1 close or fall silent, names rank 2 too
-    (rank 1's failure notice), with who saw it."""
+    (rank 1's failure notice), with who saw it. Every case failed on the core before notices.
+    The timeout also bounds the ranks' start-up (sanitized builds in CI): not shorter."""
     pytest.importorskip("torch")
-    env = dict(os.environ, HOROVOD_GLOO_TIMEOUT_SECONDS="3", BAGUA_HVD_TRANSPORT=transport)
+    env = dict(os.environ, HOROVOD_GLOO_TIMEOUT_SECONDS="5", BAGUA_HVD_TRANSPORT=transport)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "3", sys.executable,
@@ -57,4 +59,5 @@ def test_failure_is_named_on_a_rank_that_waited_on_another(mode, transport):
     assert set(errors) == {"0", "1"}, out
     assert re.search(r"\brank 2\b", errors["1"]), errors["1"]
     assert re.search(r"\brank 2\b", errors["0"]), errors["0"]
+    # Rank 0 may also see rank 2 itself first ("kill": a keepalive to it fails): then no witness.
     assert errors["0"].endswith("(seen by rank 1)") or "rank 1" not in errors["0"], errors["0"]
