@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 import torch
@@ -247,16 +248,25 @@ def _register(
 def _adasum_checks(tensor: torch.Tensor, process_set: ProcessSet) -> None:
     if _ps_id(process_set) != 0:
         raise NotImplementedError("Adasum does not support non-global process sets yet.")
-    if tensor.device.type != "cpu" and gpu_available("torch") and nccl_built():
-        if not is_homogeneous():
-            raise NotImplementedError(
-                "Running GPU Adasum on heterogeneous cluster is not supported yet."
-            )
-        if not num_rank_is_power_2(int(size() / local_size())):
-            raise NotImplementedError(
-                "Running GPU Adasum with non-power of 2 nodes is not supported yet."
-            )
-    elif not num_rank_is_power_2(size()):
+    if tensor.device.type != "cpu" and gpu_available("torch"):
+        if nccl_built():
+            if not is_homogeneous():
+                raise NotImplementedError(
+                    "Running GPU Adasum on heterogeneous cluster is not supported yet."
+                )
+            if not num_rank_is_power_2(int(size() / local_size())):
+                raise NotImplementedError(
+                    "Running GPU Adasum with non-power of 2 nodes is not supported yet."
+                )
+            return
+        # Horovod's warning (its build without NCCL); the core then runs the CPU Adasum.
+        warnings.warn(
+            "Adasum reduction does not currently support GPU reduction using MPI. Tensors are "
+            "copied to CPU memory instead. To use Adasum for GPU reduction, make NCCL available "
+            "(the nvidia-nccl wheel, or BAGUA_HVD_NCCL_LIBRARY).",
+            stacklevel=3,
+        )
+    if not num_rank_is_power_2(size()):
         raise NotImplementedError("Running Adasum with non-power of 2 ranks is not supported yet.")
 
 

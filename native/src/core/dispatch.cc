@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "core/runtime.h"
+#include "device/nccl_library.h"
 #include "ops/device_engine.h"
 #include "ops/op.h"
 
@@ -95,7 +96,8 @@ void Runtime::execute(const Response& r, uint64_t tl_group) {
       }
     ExecContext ctx{r,       *comm, entries,    *device, device->fusion(),
                     nullptr, mu_,   &timeline_, tl_group};
-    if (r.type == BHVD_OP_ALLREDUCE && r.reduce_op == ReduceOp::ADASUM) {
+    // Horovod's GPU Adasum with NCCL (its CPU Adasum, on a staged copy, without).
+    if (r.type == BHVD_OP_ALLREDUCE && r.reduce_op == ReduceOp::ADASUM && loaded_nccl()) {
       ctx.device_adasum_hosts =
           static_cast<int>(ranks_per_host(*transport_, comm->global_ranks()).size());
       ctx.hierarchy = hierarchies_.get(r.process_set_id, *transport_, *comm, cfg_.rank);

@@ -9,6 +9,7 @@
 #include "config.h"
 #include "core/async_average.h"
 #include "core/validate.h"
+#include "device/nccl_library.h"
 #include "ops/device_engine.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -228,7 +229,12 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
       !s.ok())
     return s;
   if (t == BHVD_OP_ALLREDUCE && req.reduce_op == BHVD_ADASUM && req.device >= 0) {
-    if (Status s = validate_device_adasum(ranks_per_host(*transport_, ranks)); !s.ok()) return s;
+    // Horovod's GPU Adasum needs NCCL; without it, Horovod copies CUDA tensors to the host and
+    // runs its CPU Adasum, rule included (dispatch.cc decides the same way).
+    if (Status s = loaded_nccl() ? validate_device_adasum(ranks_per_host(*transport_, ranks))
+                                 : validate_adasum_ranks(ranks.size());
+        !s.ok())
+      return s;
   }
 
   const int64_t id = next_handle_;  // consumed only if the request is accepted

@@ -299,11 +299,9 @@ Status validate_for_set(const bhvd_request& req, const std::string& title,
                                    " is not a member of the provided process set.");
   if (Status s = validate_params(req, title, group_size, params, state); !s.ok()) return s;
   const size_t n = ranks.size();
-  // CUDA tensors: Horovod's GPU Adasum, whose rule is on the hosts (validate_device_adasum).
-  if (t == BHVD_OP_ALLREDUCE && req.reduce_op == BHVD_ADASUM && req.device < 0 &&
-      (n & (n - 1)) != 0)
-    return Status::Error(StatusType::NOT_IMPLEMENTED,
-                         "Running Adasum with non-power of 2 ranks is not supported yet.");
+  // CUDA tensors: the runtime checks them (Horovod's GPU Adasum has its rule on the hosts).
+  if (t == BHVD_OP_ALLREDUCE && req.reduce_op == BHVD_ADASUM && req.device < 0)
+    if (Status s = validate_adasum_ranks(n); !s.ok()) return s;
   // A NaN factor would also never match itself in negotiation: refuse it here, on every path.
   for (auto [what, f] : {std::pair<const char*, double>{"prescale_factor", req.prescale_factor},
                          {"postscale_factor", req.postscale_factor}}) {
@@ -361,6 +359,13 @@ Status validate_tensor(const bhvd_request& req, int i, const std::string& title,
       r->splits.assign(set_size, static_cast<int32_t>(dim0 / set_size));
     }
   }
+  return Status::OK();
+}
+
+Status validate_adasum_ranks(size_t ranks) {
+  if ((ranks & (ranks - 1)) != 0)
+    return Status::Error(StatusType::NOT_IMPLEMENTED,
+                         "Running Adasum with non-power of 2 ranks is not supported yet.");
   return Status::OK();
 }
 

@@ -36,7 +36,10 @@ Status validate_for_set(const bhvd_request& req, const std::string& title,
                         const std::function<int(bool hierarchical)>& group_size, OpParams* params,
                         StateBuffers* state);
 
-// Horovod's GPU Adasum (an Adasum of CUDA tensors) sums within each host and combines the hosts:
+// Horovod's (CPU) Adasum: a power-of-2 number of ranks.
+Status validate_adasum_ranks(size_t ranks);
+// Horovod's GPU Adasum (an Adasum of CUDA tensors with NCCL) sums within each host and combines
+// the hosts:
 // every host must hold as many of the set's ranks (ranks_per_host: one count per host) and the
 // hosts must be a power of 2 (Horovod's messages).
 Status validate_device_adasum(const std::vector<int>& ranks_per_host);
