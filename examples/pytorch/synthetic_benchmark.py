@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     lr_scaler = hvd.size() if not args.use_adasum else 1
     if args.cuda:
         model.cuda()
+        # GPU Adasum averages within each host (Horovod's): scale the learning rate by local_size.
+        if args.use_adasum and hvd.nccl_built():
+            lr_scaler = hvd.local_size()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
 
     # Horovod: (optional) compression algorithm.
