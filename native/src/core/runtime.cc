@@ -532,13 +532,15 @@ std::string Runtime::failure_reason(const std::string& what, int peer) {
 
 // The failure notice peer sent before it stopped, with who saw it; "" if none. A peer that
 // exits closes its ctrl connection after the notice, so the frames it sent are read until that
-// close (or 250 ms: a silent peer sends neither).
+// close or its death (or 250 ms: a silent peer shows neither).
 std::string Runtime::relayed_failure(int peer) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(250);
   std::string msg;
   try {
     while (Clock::now() < deadline) {
       if (!ctrl_->poll(peer, &msg)) {
+        // A dead peer's frames are all read: done (shared memory reports the death only here).
+        transport_->ctrl(peer).check_alive();
         transport_->wait(std::chrono::milliseconds(5));
         continue;
       }
