@@ -46,7 +46,7 @@ from bagua_hvd.common.process_sets import (
 )
 from bagua_hvd.common.util import (
     gpu_available,
-    num_rank_is_power_2,
+    num_rank_is_power_2,  # noqa: F401 - horovod.torch.mpi_ops has it
 )
 from bagua_hvd.torch.compression import Compression, NoneCompressor
 
@@ -245,29 +245,17 @@ def _register(
 
 
 # ---- allreduce ---------------------------------------------------------------------------------
-def _adasum_checks(tensor: torch.Tensor, process_set: ProcessSet) -> None:
-    if _ps_id(process_set) != 0:
-        raise NotImplementedError("Adasum does not support non-global process sets yet.")
-    if tensor.device.type != "cpu" and gpu_available("torch"):
-        if nccl_built():
-            if not is_homogeneous():
-                raise NotImplementedError(
-                    "Running GPU Adasum on heterogeneous cluster is not supported yet."
-                )
-            if not num_rank_is_power_2(int(size() / local_size())):
-                raise NotImplementedError(
-                    "Running GPU Adasum with non-power of 2 nodes is not supported yet."
-                )
-            return
-        # Horovod's warning (its build without NCCL); the core then runs the CPU Adasum.
+def _adasum_checks(tensor: torch.Tensor) -> None:
+    # Horovod's refusals (a non-global set; the ranks, or with NCCL the hosts, not a power of 2;
+    # uneven hosts) come from the core at enqueue, same types and messages (core/validate.cc).
+    # Its warning for CUDA tensors without NCCL is Python's: the core then runs the CPU Adasum.
+    if tensor.device.type != "cpu" and gpu_available("torch") and not nccl_built():
         warnings.warn(
             "Adasum reduction does not currently support GPU reduction using MPI. Tensors are "
             "copied to CPU memory instead. To use Adasum for GPU reduction, make NCCL available "
             "(the nvidia-nccl wheel, or BAGUA_HVD_NCCL_LIBRARY).",
             stacklevel=3,
         )
-    if not num_rank_is_power_2(size()):
-        raise NotImplementedError("Running Adasum with non-power of 2 ranks is not supported yet.")
 
 
 def _allreduce_async(
@@ -281,7 +269,7 @@ def _allreduce_async(
     urgent: bool = False,
 ) -> int:
     if op == Adasum:
-        _adasum_checks(tensor, process_set)
+        _adasum_checks(tensor)
     code = _check(tensor, _ALLREDUCE_DTYPES)
     if code == _ops.BOOL:
         _check_bool_reduce(op, prescale_factor, postscale_factor)
@@ -511,7 +499,7 @@ def _grouped_allreduce_async(
     codes = []
     for t in tensors:
         if op == Adasum:
-            _adasum_checks(t, process_set)
+            _adasum_checks(t)
         code = _check(t, _ALLREDUCE_DTYPES)
         if code == _ops.BOOL:
             _check_bool_reduce(op, prescale_factor, postscale_factor)

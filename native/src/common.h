@@ -124,10 +124,10 @@ LogLevel log_level();
 bool log_hide_time();
 std::string log_rank();
 void log_message(LogLevel level, const std::string& msg);
-#define BHVD_LOG(level, msg)                                         \
-  do {                                                               \
-    if (::bagua_hvd::LogLevel::level >= ::bagua_hvd::log_level())    \
-      ::bagua_hvd::log_message(::bagua_hvd::LogLevel::level, (msg)); \
+#define BHVD_LOG(level, msg)                                                   \
+  do {                                                                         \
+    if (::bagua_hvd::LogLevel::level >= ::bagua_hvd::log_level())              \
+      ::bagua_hvd::log_message(::bagua_hvd::LogLevel::level, (msg));           \
   } while (0)
 
 // The environment is read in one place: config.h.

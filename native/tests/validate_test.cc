@@ -248,6 +248,11 @@ TEST(Validate, AdasumTakesFloatingPointHostTensorsOnAPowerOf2OfRanks) {
   rs.req.reduce_op = BHVD_ADASUM;
   EXPECT_EQ(run(rs, {0, 1}).type, StatusType::NOT_IMPLEMENTED);
   EXPECT_EQ(run(rs, {0, 1}).reason, "Reducescatter currently only supports AVERAGE and SUM.");
+  Call on_a_set(BHVD_OP_ALLREDUCE, nullptr, x);  // Horovod: global set only, checked first
+  on_a_set.req.reduce_op = BHVD_ADASUM;
+  on_a_set.req.process_set_id = 1;
+  EXPECT_EQ(run(on_a_set, {0, 1}).type, StatusType::NOT_IMPLEMENTED);
+  EXPECT_EQ(run(on_a_set, {0, 1, 2}).reason, "Adasum does not support non-global process sets yet.");
   Call op4(BHVD_OP_ADASUM, nullptr, x);
   EXPECT_EQ(run(op4, {0, 1}).type, StatusType::INVALID_ARGUMENT);
 }

@@ -82,18 +82,18 @@ void decentralized_average(Comm& comm, const void* in, void* out, size_t count, 
 // left, right of count elements are updated in place. It is the two halves below: the local one
 // (no communication; c receives minmax_uint8_bytes(dtype, count, 1) bytes), after which x is
 // final, and the exchange of c with both neighbours, which advances left and right.
-void lp_decentralized_local(void* x, void* self, const void* left, const void* right, size_t count,
-                            DataType dtype, uint8_t* c);
+void lp_decentralized_local(void* x, void* self, const void* left, const void* right,
+                            size_t count, DataType dtype, uint8_t* c);
 // The same with x in pieces (count elements in all, in order): a framework's variables read and
 // written in place rather than copied into a bucket and back. The same bits.
 struct XSegment {
   void* data;
   size_t count;
 };
-void lp_decentralized_local(const XSegment* xs, size_t num_segments, void* self, const void* left,
-                            const void* right, DataType dtype, uint8_t* c);
-void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* right, size_t count,
-                               DataType dtype);
+void lp_decentralized_local(const XSegment* xs, size_t num_segments, void* self,
+                            const void* left, const void* right, DataType dtype, uint8_t* c);
+void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* right,
+                               size_t count, DataType dtype);
 void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, size_t count,
                       DataType dtype);
 // Its initialisation: self = x, left and right = the ring neighbours' x (full precision).

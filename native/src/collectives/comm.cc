@@ -48,12 +48,12 @@ inline void cpu_relax() {
 }
 
 struct Lane {
-  int peer;                // set rank
-  bool send;               // direction
-  Pair* pair;              // nullptr for this rank itself
-  std::vector<size_t> q;   // transfer indices, in vector order
-  size_t head = 0;         // first unfinished entry of q
-  Clock::time_point last;  // last time the head moved (or became head)
+  int peer;                 // set rank
+  bool send;                // direction
+  Pair* pair;               // nullptr for this rank itself
+  std::vector<size_t> q;    // transfer indices, in vector order
+  size_t head = 0;          // first unfinished entry of q
+  Clock::time_point last;   // last time the head moved (or became head)
 };
 
 }  // namespace
@@ -139,8 +139,9 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what, const Work& work) {
   for (size_t i = 0; i < xfers.size(); ++i) {
     Xfer& x = xfers[i];
     if (x.peer < 0 || x.peer >= n) {
-      throw std::invalid_argument(std::string(what) + ": transfer peer " + std::to_string(x.peer) +
-                                  " is not a set rank (size " + std::to_string(n) + ")");
+      throw std::invalid_argument(std::string(what) + ": transfer peer " +
+                                  std::to_string(x.peer) + " is not a set rank (size " +
+                                  std::to_string(n) + ")");
     }
     if (x.len != 0 && x.buf == nullptr) {
       throw std::invalid_argument(std::string(what) + ": transfer of " + std::to_string(x.len) +
@@ -250,9 +251,10 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what, const Work& work) {
     const std::string secs = format_seconds(waited);
     const int g = global_rank(lane.peer);
     if (lane.send) {
-      return TransportError("timed out after " + secs + " s waiting to send data to rank " +
-                                std::to_string(g) + " during " + what,
-                            g);
+      return TransportError(
+          "timed out after " + secs + " s waiting to send data to rank " + std::to_string(g) +
+              " during " + what,
+          g);
     }
     return TransportError("timed out after " + secs + " s waiting for data from rank " +
                               std::to_string(g) + " during " + what,

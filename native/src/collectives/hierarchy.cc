@@ -28,8 +28,8 @@ Hierarchy build_hierarchy(Transport& transport, const Comm& comm, int me) {
     const bool uniform = std::all_of(by_host.begin(), by_host.end(),
                                      [&](const auto& kv) { return kv.second.size() == per_host; });
     if (uniform) {
-      const size_t index =
-          static_cast<size_t>(std::find(mine.begin(), mine.end(), me) - mine.begin());
+      const size_t index = static_cast<size_t>(
+          std::find(mine.begin(), mine.end(), me) - mine.begin());
       std::vector<int> cross;
       for (const auto& kv : by_host) cross.push_back(kv.second[index]);
       std::sort(cross.begin(), cross.end());

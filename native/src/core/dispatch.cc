@@ -94,8 +94,8 @@ void Runtime::execute(const Response& r, uint64_t tl_group) {
         device->wait(e->ready);
         inputs.push_back(e->ready);
       }
-    ExecContext ctx{r,       *comm, entries,    *device, device->fusion(),
-                    nullptr, mu_,   &timeline_, tl_group};
+    ExecContext ctx{r, *comm, entries, *device, device->fusion(), nullptr, mu_, &timeline_,
+                    tl_group};
     // Horovod's GPU Adasum with NCCL (its CPU Adasum, on a staged copy, without).
     if (r.type == BHVD_OP_ALLREDUCE && r.reduce_op == ReduceOp::ADASUM && loaded_nccl()) {
       ctx.device_adasum_hosts =

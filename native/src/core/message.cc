@@ -7,13 +7,10 @@ namespace bagua_hvd {
 
 OpParams params_for_type(int32_t type) {
   switch (type) {
-    case BHVD_OP_COMPRESSED_ALLREDUCE:
-      return CompressedAllreduceParams{};
-    case BHVD_OP_PEER_AVERAGE:
-      return PeerAverageParams{};
+    case BHVD_OP_COMPRESSED_ALLREDUCE: return CompressedAllreduceParams{};
+    case BHVD_OP_PEER_AVERAGE: return PeerAverageParams{};
     case BHVD_OP_LP_DECENTRALIZED_INIT:
-    case BHVD_OP_LP_DECENTRALIZED_STEP:
-      return LpRingParams{};
+    case BHVD_OP_LP_DECENTRALIZED_STEP: return LpRingParams{};
   }
   return std::monostate{};
 }
@@ -42,7 +39,8 @@ bool Request::same_params(const Request& o) const {
   return type == o.type && dtype == o.dtype && name == o.name &&
          process_set_id == o.process_set_id && reduce_op == o.reduce_op &&
          root_rank == o.root_rank && device == o.device && prescale == o.prescale &&
-         postscale == o.postscale && shape == o.shape && splits == o.splits && params == o.params;
+         postscale == o.postscale && shape == o.shape && splits == o.splits &&
+         params == o.params;
 }
 
 namespace {

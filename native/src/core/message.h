@@ -93,12 +93,12 @@ struct Response {
 
 // Worker -> coordinator; as a failure notice (failure set), a worker -> every peer.
 struct RequestList {
-  uint64_t acked_seq = 0;              // last ResponseList applied
-  bool shutdown = false;               // this rank is shutting down
-  std::vector<Request> requests;       // full requests
-  std::vector<int32_t> cached;         // cache ids of requests identical to a cached one
-  std::vector<int32_t> cached_urgent;  // urgency flag per cached entry
-  std::vector<std::string> urgent;     // names already sent whose caller now blocks
+  uint64_t acked_seq = 0;             // last ResponseList applied
+  bool shutdown = false;              // this rank is shutting down
+  std::vector<Request> requests;      // full requests
+  std::vector<int32_t> cached;        // cache ids of requests identical to a cached one
+  std::vector<int32_t> cached_urgent; // urgency flag per cached entry
+  std::vector<std::string> urgent;    // names already sent whose caller now blocks
   // Non-empty only in the failure notice of a rank whose communication failed (the reason it
   // raises), sent to every peer before it stops: see Runtime::relayed_failure.
   std::string failure;

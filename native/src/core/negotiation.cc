@@ -99,9 +99,9 @@ void Runtime::apply(const ResponseList& list) {
       std::vector<std::string> keys;
       keys.reserve(r.names.size());
       for (const auto& name : r.names) keys.push_back(tensor_key(r.process_set_id, name));
-      groups[i] = timeline_.op_begin(
-          std::move(keys), horovod_request_type(r.type, static_cast<int32_t>(r.reduce_op)),
-          static_cast<int32_t>(r.dtype));
+      groups[i] = timeline_.op_begin(std::move(keys),
+                                     horovod_request_type(r.type, static_cast<int32_t>(r.reduce_op)),
+                                     static_cast<int32_t>(r.dtype));
       timeline_.activity_begin(groups[i], kTlQueue);
     }
   }

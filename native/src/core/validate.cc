@@ -270,6 +270,9 @@ Status validate_request(const bhvd_request& req, const std::string& title) {
     return Status::InvalidArgument(title + ": Adasum runs as a plain allreduce only (not " +
                                    op_type_name(static_cast<OpType>(t)) + ")");
   if (t == BHVD_OP_ALLREDUCE && req.reduce_op == BHVD_ADASUM) {
+    if (req.process_set_id != 0)
+      return Status::Error(StatusType::NOT_IMPLEMENTED,
+                           "Adasum does not support non-global process sets yet.");
     for (int32_t i = 0; i < req.num_tensors; ++i) {
       const auto dt = static_cast<DataType>(req.inputs[i].dtype);
       if (dt != DataType::FLOAT16 && dt != DataType::FLOAT32 && dt != DataType::FLOAT64)

@@ -54,8 +54,7 @@ bool ControlChannel::poll(int peer, std::string* out) {
   std::memcpy(&len, buf.data(), 4);
   if (len > kMaxFrame)
     throw TransportError("rank " + std::to_string(peer) + " sent a negotiation frame of " +
-                         std::to_string(len) +
-                         " bytes, over the limit: the control channel "
+                         std::to_string(len) + " bytes, over the limit: the control channel "
                          "carries garbage");
   if (buf.size() < 4 + static_cast<size_t>(len)) return pending_error();
   out->assign(buf, 4, len);
@@ -68,14 +67,6 @@ void ControlChannel::send(int peer, const std::string& payload) {
   const std::string f = frame(payload);
   size_t off = 0;
   auto last = Clock::now();
-  struct CutGuard {  // marks the stream cut when we leave by an exception mid-frame
-    char& cut;
-    const size_t& off;
-    const size_t size;
-    ~CutGuard() {
-      if (off > 0 && off < size) cut = 1;
-    }
-  } guard{cut_[peer], off, f.size()};
   while (off < f.size()) {
     size_t n = p.try_send(f.data() + off, f.size() - off);
     if (n) {
@@ -85,9 +76,11 @@ void ControlChannel::send(int peer, const std::string& payload) {
     }
     // Keep draining what the peer sends us so two full channels cannot deadlock.
     fill(peer);
-    if (seconds_since(last) > timeout_s_)
+    if (seconds_since(last) > timeout_s_) {
+      cut_[peer] = off > 0;  // the pair stays open with part of a frame: nothing more may follow
       throw TransportError("timed out after " + format_seconds(timeout_s_) +
                            " s sending a negotiation message to rank " + std::to_string(peer));
+    }
     p.check_alive();
     transport_.wait(std::chrono::microseconds(1000));
   }

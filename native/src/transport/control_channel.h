@@ -26,7 +26,7 @@ class ControlChannel {
   // deadlock. Throws TransportError after timeout_s without progress.
   void send(int peer, const std::string& payload);
   // One non-blocking attempt (the failure notice of a failing rank); errors are ignored, and
-  // nothing is sent to a peer whose channel holds a frame cut off by a failed send.
+  // nothing is sent to a peer whose channel holds a frame cut off by a timed-out send.
   void send_best_effort(int peer, const std::string& payload);
 
   static std::string frame(const std::string& payload);
@@ -36,9 +36,10 @@ class ControlChannel {
 
   Transport& transport_;
   double timeout_s_;
-  std::vector<std::string> inbox_;                          // per-peer partial frames
-  std::vector<std::optional<TransportError>> inbox_error_;  // failure seen after buffered frames
-  std::vector<char> cut_;  // per peer: a send failed mid-frame, the stream is out of step
+  std::vector<std::string> inbox_;        // per-peer partial frames
+  // Per peer: the failure seen after the buffered frames; whether a send timed out mid-frame.
+  std::vector<std::optional<TransportError>> inbox_error_;
+  std::vector<char> cut_;
 };
 
 }  // namespace bagua_hvd

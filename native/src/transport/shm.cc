@@ -106,7 +106,7 @@ std::unique_ptr<ShmSegment> ShmSegment::attach(const std::string& name, int loca
                          " made by the lowest local rank: " + errno_string(errno) +
                          " (did it fail, or do the local ranks run as different users?)");
   }
-  struct stat st{};
+  struct stat st {};
   if (fstat(fd.get(), &st) != 0 || st.st_size < static_cast<off_t>(kPage)) {
     throw TransportError("shared memory segment " + name + " is truncated");
   }
@@ -123,7 +123,8 @@ std::unique_ptr<ShmSegment> ShmSegment::attach(const std::string& name, int loca
     throw TransportError("shared memory segment " + name + " is not a bagua_hvd segment");
   }
   if (h->local_size != static_cast<uint32_t>(local_size) ||
-      Layout(local_size, h->data_bytes, h->ctrl_bytes).total != size || h->total_bytes != size) {
+      Layout(local_size, h->data_bytes, h->ctrl_bytes).total != size ||
+      h->total_bytes != size) {
     throw TransportError("shared memory segment " + name + " was made for " +
                          std::to_string(h->local_size) + " local ranks, this rank expects " +
                          std::to_string(local_size) + " (inconsistent HOROVOD_HOSTNAME?)");
