@@ -24,6 +24,7 @@ os.environ.setdefault("BAGUA_HVD_OP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "60")
 
 TEST_TIMEOUT_S = float(os.environ.get("BAGUA_HVD_TEST_TIMEOUT", "300"))
+PROBE_TIMEOUT_S = 60.0  # the unnamed-op probe after each test (a slow sanitized peer included)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,7 +43,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "handles_may_diverge: ranks enqueue different numbers of ops by design (process sets); "
-        "the test names every op and skips the handle-counter check",
+        "the test names every op and skips the unnamed-op probe",
     )
 
 
@@ -54,25 +55,30 @@ def pytest_runtest_makereport(item, call):
     setattr(item, "rep_" + rep.when, rep)
 
 
-def _check_handle_counters(hvd) -> None:
-    """Unnamed ops are named "<op>.noname.<handle>" from a per-process counter (as in Horovod):
-    after a test, every rank must have enqueued the same number of ops, or the next unnamed op
-    would wait forever for a partner. Fail here, naming the cause, instead."""
+def _check_unnamed_ops_match(hvd) -> None:
+    """Unnamed ops are named "<op>.noname.<n>", n counting this process's unnamed ops of that
+    kind and process set: after a test, every rank must have enqueued the same number of them,
+    or the next unnamed op would wait for a partner that never comes. An unnamed probe that
+    does not complete within PROBE_TIMEOUT_S fails here, naming the cause, instead."""
+    import time
+
     import torch
 
-    h = hvd.allreduce_async(torch.zeros(1), name="conftest.counter")
-    hvd.synchronize(h)
-    ids = hvd.allgather(torch.tensor([h]), name="conftest.counter.ids").tolist()
-    assert len(set(ids)) == 1, (
-        f"handle counters diverged across ranks {ids}: the test enqueued different numbers of "
-        "ops on different ranks, so later unnamed ops would not match"
-    )
+    h = hvd.allgather_async(torch.tensor([hvd.rank()]))
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    while not hvd.poll(h):
+        assert time.monotonic() < deadline, (
+            "an unnamed allgather did not complete: the test enqueued different numbers of "
+            "unnamed allgathers on different ranks, so their names no longer match"
+        )
+        time.sleep(0.005)
+    assert hvd.synchronize(h).tolist() == list(range(hvd.size()))
 
 
 @pytest.fixture(autouse=True)
 def watchdog_and_sync(request):
     """Kills this rank if a test hangs; re-initializes if a test left bagua_hvd shut down;
-    checks that a passing test left the ranks' handle counters aligned."""
+    checks that a passing test left the ranks' unnamed-op numbering aligned."""
     import bagua_hvd.torch as hvd
 
     faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
@@ -85,6 +91,6 @@ def watchdog_and_sync(request):
         rep = getattr(request.node, "rep_call", None)
         diverging = request.node.get_closest_marker("handles_may_diverge") is not None
         if rep is not None and rep.passed and hvd.size() > 1 and not diverging:
-            _check_handle_counters(hvd)
+            _check_unnamed_ops_match(hvd)
     finally:
         faulthandler.cancel_dump_traceback_later()

@@ -849,3 +849,59 @@ def test_low_precision_in_place_step_leaves_tensors_read_before_it():
     A.tape_impl(alg, hvd.global_process_set).flush()
     for i, (v, w) in enumerate(zip(variables, plain)):
         np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=f"variable {i}")
+
+
+# ---- a user's unnamed ops after training -----------------------------------------------------
+def _tf_qadam():
+    q = A.QAdamOptimizer(learning_rate=LR, warmup_steps=2)
+    return q, A.QAdamAlgorithm(q)
+
+
+STEPS_BEFORE_UNNAMED = 30  # past every warm-up; async: rounds while the ranks drift apart
+EVERY_ALGORITHM = {
+    "gradient_allreduce": lambda: (None, A.GradientAllReduce()),
+    "bytegrad": lambda: (None, A.ByteGrad(error_feedback=True)),
+    "qadam": _tf_qadam,
+    "decentralized": lambda: (None, A.Decentralized(peer_selection_mode="shift_one")),
+    "low_precision_decentralized": lambda: (None, A.LowPrecisionDecentralized()),
+    "async": lambda: (None, A.AsyncModelAverage(sync_interval_ms=2, warmup_steps=2)),
+}
+
+
+# Inside tf.function, as training runs; eagerly too where the step takes another path (the
+# async step's kernel).
+UNNAMED_CASES = [(name, False) for name in sorted(EVERY_ALGORITHM)] + [("async", True)]
+
+
+@pytest.mark.parametrize(
+    "name,eager",
+    UNNAMED_CASES,
+    ids=[f"{n}-{'eager' if e else 'tf_function'}" for n, e in UNNAMED_CASES],
+)
+def test_unnamed_ops_after_training_with_rank_dependent_step_times(name, eager):
+    """A user's unnamed collectives after training match across ranks whatever the algorithm
+    did in between (rank r sleeps r ms per step, so AsyncModelAverage's background rounds run
+    a different number of times on each rank)."""
+    n, r = hvd.size(), hvd.rank()
+    opt, alg = EVERY_ALGORITHM[name]()
+    variables = [tf.Variable(x) for x in init_values()]
+    step = make_step(
+        variables, opt or tf.keras.optimizers.SGD(learning_rate=LR), eager, algorithm=alg
+    )
+    impl = A.tape_impl(alg, hvd.global_process_set)
+    for t in range(STEPS_BEFORE_UNNAMED):
+        step(*data(r, t % 7))
+        time.sleep(0.002 * r)
+    if name == "async" and n > 1:
+        assert impl.rounds() > 0, "no background averaging round ran"
+    total = hvd.allreduce(tf.constant([float(r + 1)]), op=hvd.Sum)
+    ranks = hvd.allgather(tf.constant([r]))
+    root = hvd.broadcast(tf.constant([10 * r]), root_rank=n - 1)
+    obj = hvd.broadcast_object({"from": r, "steps": STEPS_BEFORE_UNNAMED}, root_rank=0)
+    assert total.numpy().tolist() == [n * (n + 1) / 2]
+    assert ranks.numpy().tolist() == list(range(n))
+    assert root.numpy().tolist() == [10 * (n - 1)]
+    assert obj["from"] == 0
+    if name == "async":
+        alg.abort()
+    hvd.barrier()

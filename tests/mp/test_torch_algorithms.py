@@ -575,3 +575,55 @@ def test_new_low_precision_optimizer_after_one_dropped_mid_exchange():
         _train(model, opt, steps=2)
         del opt  # its second step's exchange may still be running
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# Every algorithm, as a user picks it; the optimizer factory builds the local optimizer first
+# (QAdam's algorithm wraps its own optimizer).
+def _qadam(params):
+    q = A.QAdamOptimizer(params, lr=0.01, warmup_steps=2)
+    return q, A.QAdamAlgorithm(q)
+
+
+STEPS_BEFORE_UNNAMED = 30  # past every warm-up; async: rounds while the ranks drift apart
+EVERY_ALGORITHM = {
+    "gradient_allreduce": lambda p: (sgd(p), A.GradientAllReduce()),
+    "bytegrad": lambda p: (sgd(p), A.ByteGrad(error_feedback=True)),
+    "qadam": _qadam,
+    "decentralized": lambda p: (sgd(p), A.Decentralized(peer_selection_mode="shift_one")),
+    "low_precision_decentralized": lambda p: (sgd(p), A.LowPrecisionDecentralized()),
+    "async": lambda p: (sgd(p), A.AsyncModelAverage(sync_interval_ms=2, warmup_steps=2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_ALGORITHM))
+def test_unnamed_ops_after_training_with_rank_dependent_step_times(name):
+    """A user's unnamed collectives after training match across ranks whatever the algorithm
+    did in between: the background averaging rounds of AsyncModelAverage run a different number
+    of times on each rank (rank r sleeps r ms per step), and once consumed the per-process
+    counter behind "<op>.noname.<n>" (the ops then waited on different names forever)."""
+    import time
+
+    n, r = hvd.size(), hvd.rank()
+    model = make_model(r)
+    opt, alg = EVERY_ALGORITHM[name](model.parameters())
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), algorithm=alg)
+    impl = opt._algo_impl
+    for step in range(STEPS_BEFORE_UNNAMED):
+        opt.zero_grad()
+        loss_fn(model, batches(r, step)).backward()
+        opt.step()
+        time.sleep(0.002 * r)
+    if name == "async" and n > 1:
+        assert impl.rounds() > 0, "no background averaging round ran"
+    # The averager keeps running while the user's ops go on, as in a training script.
+    total = hvd.allreduce(torch.tensor([float(r + 1)]), op=hvd.Sum)
+    ranks = hvd.allgather(torch.tensor([r]))
+    root = hvd.broadcast(torch.tensor([10 * r]), root_rank=n - 1)
+    obj = hvd.broadcast_object({"from": r, "steps": STEPS_BEFORE_UNNAMED}, root_rank=0)
+    assert total.tolist() == [n * (n + 1) / 2]
+    assert ranks.tolist() == list(range(n))
+    assert root.tolist() == [10 * (n - 1)]
+    assert obj["from"] == 0
+    if name == "async":
+        alg.abort()
+    hvd.barrier()

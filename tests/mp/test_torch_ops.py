@@ -842,8 +842,8 @@ def test_join_size_one_or_all_at_once():
     assert_job_works("join-all")
 
 
-# Unnamed ops are named "<op>.noname.<handle>" from a per-process handle counter (as in
-# Horovod), so every rank must enqueue the same number of ops: the join tests rotate roles so
+# Unnamed ops are named "<op>.noname.<n>", n counting this process's unnamed ops of that kind
+# and set, so every rank must enqueue the same number of them: the join tests rotate roles so
 # that each rank does the same work over a whole test.
 
 

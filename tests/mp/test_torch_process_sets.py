@@ -11,8 +11,8 @@ from helpers import check, inputs_for, to_torch
 
 import bagua_hvd.torch as hvd
 
-# Members and non-members of a set enqueue different numbers of ops, which shifts the
-# per-process handle counter behind "<op>.noname.<handle>" names: every op here is named.
+# Members and non-members of a set enqueue different numbers of ops: every op here is named
+# (and the unnamed-op probe after each test is skipped).
 pytestmark = pytest.mark.handles_may_diverge
 
 
@@ -54,8 +54,7 @@ def _set_specs(n: int) -> list:
 def _exercise(ps: hvd.ProcessSet, tag: str) -> None:
     """Every collective inside ``ps`` (members) or the non-member error (others).
 
-    Members and non-members enqueue different numbers of ops, which shifts the per-process
-    handle counter behind "<op>.noname.<handle>" names: every op in this file is named.
+    Members and non-members enqueue different numbers of ops: every op in this file is named.
     """
     me = hvd.rank()
     members = ps.ranks

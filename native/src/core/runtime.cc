@@ -4,7 +4,9 @@
 #include "core/runtime.h"
 
 #include <algorithm>
+#include <optional>
 #include <thread>
+#include <utility>
 
 #include "config.h"
 #include "core/async_average.h"
@@ -98,7 +100,8 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
     stop_status_ = Status::OK();
     barrier_counter_.clear();
     internal_counter_ = 0;
-    // Unnamed ops are named after their handle: every rank restarts the count together.
+    // Every rank restarts the numbering of unnamed ops together.
+    unnamed_counter_.clear();
     handles_.clear();
     next_handle_ = 1;
   }
@@ -241,6 +244,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
   const int n = tensor_op ? req.num_tensors : 0;
   std::vector<Request> reqs;
   std::string base;
+  std::optional<std::pair<std::string, std::vector<int32_t>>> unnamed_key;  // counted if accepted
   if (t == BHVD_OP_JOIN) {
     base = "join";
   } else if (t == BHVD_OP_BARRIER) {
@@ -249,7 +253,12 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
   } else if (req.name && *req.name) {
     base = req.name;
   } else {
-    base = op_prefix(t, n > 1) + ".noname." + std::to_string(id);
+    // Numbered per op kind and process set, counting the caller's unnamed requests only: the
+    // algorithms' own (named) requests, whose number differs between ranks (asynchronous
+    // averaging rounds), must not shift the names a user's unnamed ops get on each rank. Keyed
+    // by the set's ranks, not its id: a removed set's id is given again to other ranks.
+    unnamed_key.emplace(op_prefix(t, n > 1), ranks);
+    base = unnamed_key->first + ".noname." + std::to_string(unnamed_counter_[*unnamed_key] + 1);
   }
   for (int i = 0; i < std::max(n, 1); ++i) {
     Request r;
@@ -274,6 +283,7 @@ Status Runtime::enqueue(const bhvd_request& req, int64_t* handle_out) {
     reqs.push_back(std::move(r));
   }
   if (t == BHVD_OP_BARRIER) ++barrier_counter_[req.process_set_id];
+  if (unnamed_key) ++unnamed_counter_[*unnamed_key];
   ++next_handle_;
 
   auto h = std::make_shared<Handle>();

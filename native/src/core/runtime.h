@@ -156,6 +156,8 @@ class Runtime {
   Status stop_status_;
   int64_t next_handle_ = 1;
   std::map<int32_t, int64_t> barrier_counter_;
+  // Unnamed requests so far per (op prefix, process set's ranks): "<prefix>.noname.<count>".
+  std::map<std::pair<std::string, std::vector<int32_t>>, int64_t> unnamed_counter_;
   int64_t internal_counter_ = 0;
 
   // Background-thread state.
