@@ -302,24 +302,25 @@ def bucket_layout_for(
         order = list(reversed(range(len(infos))))
     if sorted(order) != list(range(len(infos))):
         raise ValueError("order must be a permutation of the parameter indices")
-    out: List[List[int]] = []
-    open_: Dict[str, List[Any]] = {}  # dtype -> [bucket, bytes]
-    for i in order:
-        numel, dt = infos[i]
-        nbytes = numel * _ITEMSIZE[dt]
-        if cap == 0:
-            out.append([i])
-            continue
-        cur = open_.get(dt)
-        if cur is not None and cur[1] + nbytes > cap:
-            cur = None
-        if cur is None:
-            cur = [[], 0]
-            open_[dt] = cur
-            out.append(cur[0])
-        cur[0].append(i)
-        cur[1] += nbytes
-    return out
+    if cap == 0:
+        return [[i] for i in order]
+    # Written from the rule, not from the optimizer's code: each dtype's parameters, in order,
+    # are cut into consecutive runs, a run growing while its bytes stay within the cap (a run
+    # holds at least one parameter); the runs of all dtypes are then listed by the position of
+    # their first parameter in ``order``.
+    position = {i: k for k, i in enumerate(order)}
+    runs: List[List[int]] = []
+    for dt in {d for _, d in infos}:
+        members = [i for i in order if infos[i][1] == dt]
+        nbytes = [infos[i][0] * _ITEMSIZE[dt] for i in members]
+        start = 0
+        while start < len(members):
+            end = start + 1
+            while end < len(members) and sum(nbytes[start : end + 1]) <= cap:
+                end += 1
+            runs.append(members[start:end])
+            start = end
+    return sorted(runs, key=lambda run: position[run[0]])
 
 
 def _check_layout(layout: Sequence[Sequence[int]], params: Sequence[torch.Tensor]) -> None:

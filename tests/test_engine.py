@@ -22,10 +22,12 @@ DTYPES = [torch.float32, torch.float16, torch.float64, torch.bfloat16]
 def test_bucket_layout_matches_reference(seed: int) -> None:
     rng = random.Random(seed)
     params = [
-        (rng.choice([1, 3, 10, 100, 1000]), rng.choice(DTYPES)) for _ in range(rng.randint(1, 12))
+        (rng.choice([1, 3, 5, 10, 25, 50, 100, 1000]), rng.choice(DTYPES))
+        for _ in range(rng.randint(1, 12))
     ]
     infos = [(n, dt, torch.empty((), dtype=dt).element_size()) for n, dt in params]
-    for cap in (0, 64, 1000, 1 << 20):
+    # 40 and 200 bytes are often met exactly: a tensor that fills a bucket to the cap joins it
+    for cap in (0, 40, 64, 200, 1000, 1 << 20):
         assert engine.bucket_layout(infos, cap) == ra.bucket_layout_for(params, cap)
         order = list(range(len(params)))
         rng.shuffle(order)

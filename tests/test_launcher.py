@@ -294,6 +294,23 @@ def test_check_build() -> None:
         assert re.search(rf"^    \[[X ]\] {name}", out, re.M), name
 
 
+def test_check_build_refuses_a_core_of_another_version(monkeypatch) -> None:
+    """The core reports the version it was built as (bhvd_version); a core library left from
+    another version of the sources is reported, not used."""
+    from importlib.metadata import version
+
+    from bagua_hvd.common import _native
+    from bagua_hvd.runner import check_build
+
+    core = _native.ffi.string(_native.lib().bhvd_version()).decode()
+    assert core == version("bagua_hvd")
+    assert "Core library not loaded" not in check_build.check_build_text()
+    monkeypatch.setattr(check_build, "__version__", "9.9.9")
+    text = check_build.check_build_text()
+    assert f"is version {core}, the Python package 9.9.9: rebuild it" in text
+    assert re.search(r"^    \[ \] Gloo", text, re.M)
+
+
 def test_output_filename(tmp_path: Path) -> None:
     proc = bagua_run(["-np", "11", "--output-filename", str(tmp_path), "bash", "-c",
                       'echo out $HOROVOD_RANK; echo err $HOROVOD_RANK >&2; printf "tail"'])

@@ -395,19 +395,3 @@ class HorovodBasics:
 
     def _get_process_set_ids_and_ranks(self) -> dict:
         return _ps._core_process_sets()
-
-    def transport_name(self, peer_rank: int) -> str:
-        """Transport used to reach a global rank: "self", "shm" or "tcp"."""
-        p = self.lib.bhvd_transport_name(peer_rank)
-        return "" if p == _native.ffi.NULL else _native.ffi.string(p).decode()
-
-
-_basics: HorovodBasics | None = None
-
-
-def basics() -> HorovodBasics:
-    """The process-wide HorovodBasics instance."""
-    global _basics
-    if _basics is None:
-        _basics = HorovodBasics()
-    return _basics

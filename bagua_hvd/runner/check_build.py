@@ -28,10 +28,20 @@ def _nccl_version(code: int) -> str:
 
 
 def _core_info() -> Tuple[Optional[str], bool, int]:
-    """(error or None, cuda built, NCCL version code) from the core library."""
+    """(error or None, cuda built, NCCL version code) from the core library. A core built from
+    another version of the sources (a stale library beside newer Python code) is an error."""
     try:
+        from bagua_hvd.common import _native
         from bagua_hvd.common.frontend import basics
 
+        core = _native.ffi.string(_native.lib().bhvd_version()).decode()
+        if core != __version__:
+            return (
+                f"the core library {_native._library_path()} is version {core}, the Python "
+                f"package {__version__}: rebuild it",
+                False,
+                0,
+            )
         return None, basics.cuda_built(), basics.nccl_built()
     except Exception as e:  # missing library, missing header, cffi/dlopen failure
         return f"{type(e).__name__}: {e}", False, 0

@@ -828,9 +828,33 @@ def _raw_same_name_op(r: int) -> None:
 
 # ---- join and barrier ------------------------------------------------------------------------
 def test_barrier():
-    for _ in range(5):
-        hvd.barrier()
-    hvd.barrier(process_set=hvd.global_process_set)
+    """A barrier returns on no rank before every rank has called it: each round one rank (each
+    rank in turn) arrives late, and every rank finds, right after the barrier, the marker file
+    that the late rank wrote just before calling it."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    n, r = size(), rank()
+    shared = Path(hvd.broadcast_object(tempfile.mkdtemp() if r == 0 else "", root_rank=0))
+    try:
+        for rnd in range(max(n, 2)):
+            late = rnd % n
+            barrier = (
+                hvd.barrier
+                if rnd % 2 == 0
+                else lambda: hvd.barrier(process_set=hvd.global_process_set)
+            )
+            if r == late:
+                time.sleep(0.3)  # the others are in the barrier by now (or passed it: wrong)
+            (shared / f"arrived.{rnd}.{r}").touch()
+            barrier()
+            missing = [q for q in range(n) if not (shared / f"arrived.{rnd}.{q}").exists()]
+            assert not missing, f"round {rnd}: the barrier returned before ranks {missing} arrived"
+        hvd.barrier()  # nobody removes the folder while another rank still looks into it
+    finally:
+        if r == 0:
+            shutil.rmtree(shared, ignore_errors=True)
 
 
 def test_join_size_one_or_all_at_once():

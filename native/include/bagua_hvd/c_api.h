@@ -342,9 +342,6 @@ int64_t bhvd_stat(const char* key);
  * phase, element count; ops and phases: native/src/collectives/trace.h) and returns how many. */
 int bhvd_trace_enable(int on);
 int bhvd_trace_read(int64_t* out, int max_events);
-/* HMAC-SHA256(key, msg) into out[32]; exposed so tests can check it against Python's hmac. */
-int bhvd_hmac_sha256(const uint8_t* key, int32_t key_len, const uint8_t* msg, int32_t msg_len,
-                     uint8_t* out);
 
 /* Ranks taking part in a BHVD_OP_COMPRESSED_ALLREDUCE of the set (set size, or with
  * hierarchical = 1 the number of hosts when the set spans several and one has several ranks):

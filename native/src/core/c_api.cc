@@ -17,7 +17,6 @@
 #include "core/runtime.h"
 #include "device/nccl_library.h"
 #include "ops/device_engine.h"
-#include "transport/hmac.h"
 
 using bagua_hvd::Runtime;
 using bagua_hvd::Status;
@@ -528,16 +527,6 @@ int64_t bhvd_async_rounds(int64_t id) {
   return guarded_value<int64_t>(int64_t{-1}, [&]() -> int64_t {
     auto a = bagua_hvd::AsyncRegistry::get().find(id);
     return a ? a->rounds() : -1;
-  });
-}
-
-int bhvd_hmac_sha256(const uint8_t* key, int32_t key_len, const uint8_t* msg, int32_t msg_len,
-                     uint8_t* out) {
-  return guarded([&]() -> int {
-    auto mac = bagua_hvd::hmac_sha256(key, static_cast<size_t>(key_len), msg,
-                                      static_cast<size_t>(msg_len));
-    std::memcpy(out, mac.data(), mac.size());
-    return BHVD_OK;
   });
 }
 
