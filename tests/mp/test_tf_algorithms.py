@@ -29,6 +29,7 @@ torch = pytest.importorskip("torch")
 
 import reference_algorithms as ra  # noqa: E402
 from torch import nn  # noqa: E402
+from unnamed_ops import check_unnamed_ops  # noqa: E402
 
 import bagua_hvd.tensorflow as hvd  # noqa: E402
 from bagua_hvd.tensorflow import algorithms as A  # noqa: E402
@@ -894,14 +895,7 @@ def test_unnamed_ops_after_training_with_rank_dependent_step_times(name, eager):
         time.sleep(0.002 * r)
     if name == "async" and n > 1:
         assert impl.rounds() > 0, "no background averaging round ran"
-    total = hvd.allreduce(tf.constant([float(r + 1)]), op=hvd.Sum)
-    ranks = hvd.allgather(tf.constant([r]))
-    root = hvd.broadcast(tf.constant([10 * r]), root_rank=n - 1)
-    obj = hvd.broadcast_object({"from": r, "steps": STEPS_BEFORE_UNNAMED}, root_rank=0)
-    assert total.numpy().tolist() == [n * (n + 1) / 2]
-    assert ranks.numpy().tolist() == list(range(n))
-    assert root.numpy().tolist() == [10 * (n - 1)]
-    assert obj["from"] == 0
+    check_unnamed_ops(hvd, tf.constant, lambda t: t.numpy().tolist())
     if name == "async":
         alg.abort()
     hvd.barrier()

@@ -16,6 +16,7 @@ import pytest
 import reference_algorithms as ra
 import torch
 from torch import nn
+from unnamed_ops import check_unnamed_ops
 
 import bagua_hvd.torch as hvd
 from bagua_hvd.common.primitives import Request
@@ -616,14 +617,7 @@ def test_unnamed_ops_after_training_with_rank_dependent_step_times(name):
     if name == "async" and n > 1:
         assert impl.rounds() > 0, "no background averaging round ran"
     # The averager keeps running while the user's ops go on, as in a training script.
-    total = hvd.allreduce(torch.tensor([float(r + 1)]), op=hvd.Sum)
-    ranks = hvd.allgather(torch.tensor([r]))
-    root = hvd.broadcast(torch.tensor([10 * r]), root_rank=n - 1)
-    obj = hvd.broadcast_object({"from": r, "steps": STEPS_BEFORE_UNNAMED}, root_rank=0)
-    assert total.tolist() == [n * (n + 1) / 2]
-    assert ranks.tolist() == list(range(n))
-    assert root.tolist() == [10 * (n - 1)]
-    assert obj["from"] == 0
+    check_unnamed_ops(hvd, torch.tensor, lambda t: t.tolist())
     if name == "async":
         alg.abort()
     hvd.barrier()
