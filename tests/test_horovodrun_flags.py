@@ -69,7 +69,7 @@ CASES = [
      {"--hierarchical-allgather": "allgather has one algorithm"}),
     ("-np 2 --no-hierarchical-allgather", {"HOROVOD_HIERARCHICAL_ALLGATHER": "0"}, {}),
     ("-np 2 --torus-allreduce", {"HOROVOD_TORUS_ALLREDUCE": "1"},
-     {"--torus-allreduce": "does not use NCCL"}),
+     {"--torus-allreduce": "no torus allreduce"}),
     ("-np 2 --no-torus-allreduce", {"HOROVOD_TORUS_ALLREDUCE": "0"}, {}),
     ("-np 2 --autotune --autotune-log-file tune.csv --autotune-warmup-samples 5 "
      "--autotune-steps-per-sample 20 --autotune-bayes-opt-max-samples 40 "
@@ -99,13 +99,15 @@ CASES = [
      {"HOROVOD_STALL_CHECK_DISABLE": "0", "HOROVOD_STALL_CHECK_TIME_SECONDS": "10",
       "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20"}, {}),
     ("-np 2 --mpi-threads-disable", {"HOROVOD_MPI_THREADS_DISABLE": "1"},
-     {"--mpi-threads-disable": "MPI_THREAD_SERIALIZED"}),
+     {"--mpi-threads-disable": "only with --mpi"}),
+    # under mpirun it is acted on (MPI_THREAD_SINGLE: tests/test_environment.py)
+    ("-np 2 --mpi --mpi-threads-disable", {"HOROVOD_MPI_THREADS_DISABLE": "1"}, {}),
     ("-np 2 --no-mpi-threads-disable", {"HOROVOD_MPI_THREADS_DISABLE": "0"}, {}),
     ("-np 2 --tcp --gloo-timeout-seconds 0",
      {"NCCL_IB_DISABLE": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "0"}, {}),
     ("-np 2 --num-nccl-streams 2 --thread-affinity 3",
      {"HOROVOD_NUM_NCCL_STREAMS": "2", "HOROVOD_THREAD_AFFINITY": "3"},
-     {"--num-nccl-streams": "does not use NCCL", "--thread-affinity": "does not pin"}),
+     {"--num-nccl-streams": "one stream of its own", "--thread-affinity": "does not pin"}),
     ("-np 2 --mpi-args=--map-by=ppr:2:node --binding-args=--bind-to=core", {},
      {"--mpi-args": "without --mpi", "--binding-args": "without --mpi"}),
     ("-np 2 --mpi --mpi-args=--oversubscribe --binding-args=--bind-to=core", {}, {}),

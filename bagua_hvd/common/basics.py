@@ -73,6 +73,21 @@ def after_init(fn: Callable[[], None]) -> None:
         _after_init.append(fn)
 
 
+_no_effect_warned = False
+
+
+def _warn_no_effect() -> None:
+    """The one warning per process naming the HOROVOD_* variables set that have no effect here
+    (config.no_effect_warning); those bagua-run already warned about are left out."""
+    global _no_effect_warned
+    if _no_effect_warned:
+        return
+    _no_effect_warned = True
+    text = config.no_effect_warning()
+    if text is not None:
+        warnings.warn(text, UserWarning, stacklevel=4)
+
+
 def _env_true(name: str) -> bool:
     return config.flag(name)
 
@@ -201,6 +216,7 @@ class HorovodBasics:
     def _start(self, comm: Sequence[int] | None, sets: List[List[int]]) -> None:
         """Starts the core with the static sets ``sets`` (ids 1, 2, ... in that order)."""
         lib = self.lib
+        _warn_no_effect()
         elastic.before_init()  # an elastic reset: this worker's place in the next generation
         bootstrap.prepare()  # started by mpirun/srun rather than bagua-run: join through MPI
         # The global set's ranks are that set (id 0), not a new one (Horovod's FindId); without

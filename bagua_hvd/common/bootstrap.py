@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
 from bagua_hvd.common import config, network
@@ -58,6 +59,7 @@ def prepare() -> None:
         config.set_job(_slurm_job(found))
         return
     try:
+        _mpi_thread_level()
         from mpi4py import MPI
     except ImportError as e:
         MPI, why = None, f"mpi4py cannot be imported ({e})"
@@ -82,6 +84,18 @@ def prepare() -> None:
             "print(secrets.token_hex(32))') before srun"
         )
     raise fail(why)
+
+
+def _mpi_thread_level() -> None:
+    """HOROVOD_MPI_THREADS_DISABLE=1, as Horovod: MPI is initialized with MPI_THREAD_SINGLE
+    (only this thread calls MPI, to form the job), unless the core's background thread runs the
+    collectives through MPI (HOROVOD_CPU_OPERATIONS=mpi; init() warns then). No effect once the
+    script has imported mpi4py.MPI itself (MPI is initialized then)."""
+    if config.flag("HOROVOD_MPI_THREADS_DISABLE") and config.cpu_operations() != "mpi":
+        import mpi4py
+
+        if "mpi4py.MPI" not in sys.modules:
+            mpi4py.rc.thread_level = "single"
 
 
 def _form_job(comm: Any, host: str) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 ALGORITHM_ENV = "BAGUA_HVD_ALGORITHM"
 BUCKET_MB_ENV = "BAGUA_HVD_BUCKET_MB"
@@ -223,6 +223,78 @@ def foreign_launch() -> Optional[ForeignLaunch]:
                     f"{launcher}: {rank_var}={rank!r} and {size_var}={size!r} must be integers"
                 ) from None
     return None
+
+
+# Horovod's run-time variables that bagua_hvd accepts but does not act on, and why; init() names
+# those that are set in one warning per process (docs/environment.md). ``asks``: whether the value
+# asks for something (a boolean switched off asks for Horovod's default, which holds here).
+_NO_AUTOTUNER = "bagua_hvd has no autotuner: the fusion threshold and cycle time stay as set"
+_ASKS_ANY: Callable[[str], bool] = bool
+
+
+def _ASKS_TRUE(value: str) -> bool:  # noqa: N802 - a constant of the table below
+    return value.lower() not in ("0", "false", "no", "off")
+
+
+NO_EFFECT_VARIABLES: Tuple[Tuple[str, Callable[[str], bool], str], ...] = (
+    ("HOROVOD_AUTOTUNE", _ASKS_TRUE, _NO_AUTOTUNER),
+    ("HOROVOD_AUTOTUNE_LOG", _ASKS_ANY, _NO_AUTOTUNER),
+    ("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", _ASKS_ANY, _NO_AUTOTUNER),
+    ("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", _ASKS_ANY, _NO_AUTOTUNER),
+    ("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", _ASKS_ANY, _NO_AUTOTUNER),
+    ("HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", _ASKS_ANY, _NO_AUTOTUNER),
+    ("HOROVOD_HIERARCHICAL_ALLGATHER", _ASKS_TRUE, "bagua_hvd's allgather has one algorithm"),
+    ("HOROVOD_TORUS_ALLREDUCE", _ASKS_TRUE,
+     "there is no torus allreduce here: HOROVOD_HIERARCHICAL_ALLREDUCE serves hosts of "
+     "several GPUs"),
+    ("HOROVOD_NUM_NCCL_STREAMS", _ASKS_ANY,
+     "the CUDA engine runs NCCL on one stream of its own per device"),
+    ("HOROVOD_THREAD_AFFINITY", _ASKS_ANY, "the core does not pin its background thread"),
+    # Without HOROVOD_CPU_OPERATIONS=mpi it is acted on: bootstrap.prepare initializes MPI
+    # with MPI_THREAD_SINGLE.
+    ("HOROVOD_MPI_THREADS_DISABLE", lambda v: _ASKS_TRUE(v) and cpu_operations() == "mpi",
+     "with HOROVOD_CPU_OPERATIONS=mpi the core's background thread calls MPI, which needs "
+     "MPI_THREAD_SERIALIZED or more"),
+    ("HOROVOD_DISABLE_GROUP_FUSION", _ASKS_TRUE,
+     "the core fuses a group's tensors with other ready tensors of the same kind, always"),
+    ("HOROVOD_BATCH_D2D_MEMCOPIES", _ASKS_ANY,
+     "the CUDA engine copies each tensor into the fusion buffer with its own copy"),
+    ("HOROVOD_ENABLE_ASYNC_COMPLETION", _ASKS_TRUE,
+     "CUDA operations always complete asynchronously here (an event the caller's stream waits "
+     "on)"),
+    ("HOROVOD_ADASUM_MPI_CHUNK_SIZE", _ASKS_ANY,
+     "Adasum runs over the core's transports, not in MPI chunks"),
+    ("HOROVOD_CCL_CACHE", _ASKS_TRUE, "bagua_hvd has no oneCCL"),
+    ("HOROVOD_ENABLE_XLA_OPS", _ASKS_TRUE, "bagua_hvd has no XLA ops"),
+    ("HOROVOD_SECRET_KEY", _ASKS_ANY,
+     "the job's secret is bagua-run's own (BAGUA_HVD_SECRET), made fresh for every job"),
+)  # fmt: skip
+# Set by bagua-run for the variables of the flags it already warned about (flags.py).
+WARNED_ENV = "BAGUA_HVD_WARNED_VARIABLES"
+
+
+def no_effect_variables() -> List[Tuple[str, str]]:
+    """(variable, why) for each of :data:`NO_EFFECT_VARIABLES` set to a value that asks for
+    something, except those bagua-run already warned about."""
+    warned = set(_text(WARNED_ENV).split(","))
+    out = []
+    for name, asks, why in NO_EFFECT_VARIABLES:
+        value = _text(name)
+        if value and name not in warned and asks(value):
+            out.append((name, why))
+    return out
+
+
+def no_effect_warning() -> Optional[str]:
+    """One line naming every variable of :func:`no_effect_variables` and why it has no effect,
+    grouped by reason; None when there is none."""
+    reasons: dict = {}
+    for name, why in no_effect_variables():
+        reasons.setdefault(why, []).append(name)
+    if not reasons:
+        return None
+    parts = [f"{', '.join(names)} ({why})" for why, names in reasons.items()]
+    return "bagua_hvd: these variables have no effect here: " + "; ".join(parts)
 
 
 def network_interface() -> str:

@@ -242,8 +242,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--torus-allreduce",
         "--no-torus-allreduce",
         "torus_allreduce",
-        "no effect here: NCCL's 2D torus allreduce needs NCCL, which bagua_hvd does not use "
-        "(see --hierarchical-allreduce)",
+        "no effect here: there is no torus allreduce; --hierarchical-allreduce serves hosts of "
+        "several GPUs (HOROVOD_TORUS_ALLREDUCE is still set)",
         "the default: no torus allreduce (HOROVOD_TORUS_ALLREDUCE=0)",
     )
 
@@ -373,8 +373,9 @@ def make_parser() -> argparse.ArgumentParser:
         "--mpi-threads-disable",
         "--no-mpi-threads-disable",
         "mpi_threads_disable",
-        "no effect here: the core's background thread needs MPI_THREAD_SERIALIZED or more "
-        "(HOROVOD_MPI_THREADS_DISABLE is still set)",
+        "with --mpi: MPI is initialized with MPI_THREAD_SINGLE, unless "
+        "HOROVOD_CPU_OPERATIONS=mpi (the core's background thread then calls MPI); no effect "
+        "without --mpi (HOROVOD_MPI_THREADS_DISABLE)",
         None,
     )
     library.add_argument(
@@ -387,8 +388,9 @@ def make_parser() -> argparse.ArgumentParser:
         "--tcp",
         dest="tcp_flag",
         action="store_true",
-        help="no InfiniBand (bagua_hvd never uses it: TCP between hosts, shared memory "
-        "within one unless --transport tcp); NCCL_IB_DISABLE=1 as with horovodrun",
+        help="no InfiniBand: NCCL (CUDA tensors) gets NCCL_IB_DISABLE=1, as with horovodrun; "
+        "the core's own transports never use it (TCP between hosts, shared memory within one "
+        "unless --transport tcp)",
     )
     library.add_argument(
         "--binding-args",
@@ -400,7 +402,8 @@ def make_parser() -> argparse.ArgumentParser:
         action=_Given,
         type=_non_negative_int,
         metavar="N",
-        help="no effect here: bagua_hvd does not use NCCL (HOROVOD_NUM_NCCL_STREAMS is still set)",
+        help="no effect here: the CUDA engine runs NCCL on one stream of its own per device "
+        "(HOROVOD_NUM_NCCL_STREAMS is still set)",
     )
     library.add_argument(
         "--thread-affinity",
@@ -711,6 +714,16 @@ def tuning_env(args: argparse.Namespace) -> Dict[str, str]:
     return env
 
 
+def rank_env(args: argparse.Namespace) -> Dict[str, str]:
+    """:func:`tuning_env`, and BAGUA_HVD_WARNED_VARIABLES naming the variables of the flags
+    :func:`no_effect_warning` named: the ranks' init() does not warn about them again."""
+    env = tuning_env(args)
+    warned = warned_variables(args)
+    if warned:
+        env["BAGUA_HVD_WARNED_VARIABLES"] = ",".join(warned)
+    return env
+
+
 _NO_AUTOTUNER = "bagua_hvd has no autotuner: the fusion threshold and cycle time stay as set"
 _ELASTIC_ONLY = "they only configure elastic jobs: add --min-np or --host-discovery-script"
 # (flag, its destination, whether the value asks for something, why it has no effect here)
@@ -718,7 +731,7 @@ _NO_EFFECT: Tuple[Tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("--hierarchical-allgather", "hierarchical_allgather", bool,
      "bagua_hvd's allgather has one algorithm"),
     ("--torus-allreduce", "torus_allreduce", bool,
-     "the torus allreduce is NCCL's and bagua_hvd does not use NCCL"),
+     "there is no torus allreduce: --hierarchical-allreduce serves hosts of several GPUs"),
     ("--autotune", "autotune", bool, _NO_AUTOTUNER),
     ("--autotune-log-file", "autotune_log_file", lambda v: v is not None, _NO_AUTOTUNER),
     ("--autotune-warmup-samples", "autotune_warmup_samples", lambda v: v is not None,
@@ -735,24 +748,58 @@ _NO_EFFECT: Tuple[Tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("--reset-limit", "reset_limit", lambda v: v is not None, _ELASTIC_ONLY),
     ("--blacklist-cooldown-range", "cooldown_range", lambda v: v is not None, _ELASTIC_ONLY),
     ("--mpi-threads-disable", "mpi_threads_disable", bool,
-     "the core's background thread needs MPI_THREAD_SERIALIZED or more"),
+     "MPI is initialized only with --mpi"),
     ("--num-nccl-streams", "num_nccl_streams", lambda v: v is not None,
-     "bagua_hvd does not use NCCL"),
+     "the CUDA engine runs NCCL on one stream of its own per device"),
     ("--thread-affinity", "thread_affinity", lambda v: v is not None,
      "the core does not pin its background thread"),
 )  # fmt: skip
+
+
+# The variable each no-effect flag sets in the ranks: bagua-run names those it warned about in
+# BAGUA_HVD_WARNED_VARIABLES, and the ranks' init() leaves them out of its own warning.
+_FLAG_VARIABLES = {
+    "hierarchical_allgather": "HOROVOD_HIERARCHICAL_ALLGATHER",
+    "torus_allreduce": "HOROVOD_TORUS_ALLREDUCE",
+    "autotune": "HOROVOD_AUTOTUNE",
+    "autotune_log_file": "HOROVOD_AUTOTUNE_LOG",
+    "autotune_warmup_samples": "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
+    "autotune_steps_per_sample": "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",
+    "autotune_bayes_opt_max_samples": "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+    "autotune_gaussian_process_noise": "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+    "mpi_threads_disable": "HOROVOD_MPI_THREADS_DISABLE",
+    "num_nccl_streams": "HOROVOD_NUM_NCCL_STREAMS",
+    "thread_affinity": "HOROVOD_THREAD_AFFINITY",
+}
+
+
+def _no_effect_flags(args: argparse.Namespace) -> List[Tuple[str, str, str]]:
+    """(flag, destination, why) of each flag given that bagua_hvd cannot honour."""
+    out = []
+    elastic = args.min_num_proc is not None or args.host_discovery_script is not None
+    for flag, dest, asks, why in _NO_EFFECT:
+        if why is _ELASTIC_ONLY and elastic:
+            continue
+        if dest == "mpi_threads_disable" and args.mpi:
+            continue  # acted on under mpirun (bagua_hvd.common.bootstrap)
+        if asks(getattr(args, dest)):
+            out.append((flag, dest, why))
+    return out
+
+
+def warned_variables(args: argparse.Namespace) -> List[str]:
+    """The variables of the flags :func:`no_effect_warning` names (sorted)."""
+    return sorted(
+        _FLAG_VARIABLES[dest] for _, dest, _ in _no_effect_flags(args) if dest in _FLAG_VARIABLES
+    )
 
 
 def no_effect_warning(args: argparse.Namespace) -> Optional[str]:
     """The one warning line naming every flag (or --config-file setting) given that bagua_hvd
     accepts but cannot honour, and why; None when there is none."""
     reasons: Dict[str, List[str]] = {}
-    elastic = args.min_num_proc is not None or args.host_discovery_script is not None
-    for flag, dest, asks, why in _NO_EFFECT:
-        if why is _ELASTIC_ONLY and elastic:
-            continue
-        if asks(getattr(args, dest)):
-            reasons.setdefault(why, []).append(flag)
+    for flag, _, why in _no_effect_flags(args):
+        reasons.setdefault(why, []).append(flag)
     if not args.mpi:
         for flag, dest in (("--mpi-args", "mpi_args"), ("--binding-args", "binding_args")):
             if getattr(args, dest) is not None:

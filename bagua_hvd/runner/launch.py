@@ -39,7 +39,8 @@ from bagua_hvd.runner.flags import (
     load_config,
     make_parser,
     no_effect_warning,
-    tuning_env,
+    rank_env,
+    tuning_env,  # noqa: F401 - launch.tuning_env, as before
 )
 from bagua_hvd.runner.hosts import (
     HostError,
@@ -198,7 +199,7 @@ def check_elastic_settings(args: argparse.Namespace) -> None:
 
 def run_elastic(args: argparse.Namespace) -> int:
     """Runs an elastic job (bagua_hvd.runner.elastic.driver); returns the exit status."""
-    extra_env = tuning_env(args)
+    extra_env = rank_env(args)
     try:
         result = elastic_driver(args, args.command, extra_env).run()
     except (LaunchError, HostError, RuntimeError, ValueError) as e:
@@ -485,7 +486,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_elastic(args)
     common = dict(
         start_timeout=args.start_timeout,
-        extra_env=tuning_env(args),
+        extra_env=rank_env(args),
         output_dir=args.output_filename,
         verbose=args.verbose,
     )
