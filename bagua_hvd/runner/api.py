@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 from pathlib import Path
@@ -114,6 +115,58 @@ def _run_elastic(
     return results
 
 
+def _run_mpi(
+    payload: bytes,
+    command: List[str],
+    n: int,
+    entries: List[Tuple[str, int]],
+    env: Dict[str, str],
+    mpi_args: str,
+    verbose: bool,
+) -> List[Any]:
+    """``use_mpi=True``: the ranks are started by the system's mpirun (as ``bagua-run --mpi``;
+    ``mpi_args`` passed on) and form the job through MPI at ``hvd.init()``; this process serves
+    a store of its own for the function and the results (task.RUN_STORE_ENV), under a fresh
+    secret that reaches the ranks through mpirun's environment, never its command line."""
+    from bagua_hvd.common import network
+    from bagua_hvd.runner.job import LaunchError
+    from bagua_hvd.runner.mpi import run_mpi
+    from bagua_hvd.runner.store import StoreServer
+
+    if only_this_machine(entries):
+        bind, addr = "127.0.0.1", "127.0.0.1"
+    else:
+        remote = next(h for h, _ in entries if not only_this_machine([(h, 1)]))
+        try:
+            bind, addr = "0.0.0.0", network.address_toward(remote, 1)
+        except OSError as e:
+            raise RuntimeError(f"bagua_hvd.run: no route from here to {remote}: {e}") from None
+    secret = secrets.token_bytes(32)
+    server = StoreServer(secret, host=bind, port=0)
+    server.start()
+    try:
+        task.put_blob(server, task.FUNC_KEY, payload)
+        env = dict(env)
+        env[task.RUN_STORE_ENV] = f"{addr}:{server.port}"
+        env[task.RUN_SECRET_ENV] = secret.hex()
+        try:
+            code = run_mpi(command, n, entries, env, mpi_args, verbose)
+        except LaunchError as e:
+            raise RuntimeError(f"bagua_hvd.run: {e}") from None
+        outcomes = [_outcome(server, rank) for rank in range(n)]
+    finally:
+        server.stop()
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None and outcome[0] == "error":
+            raise RuntimeError(f"bagua_hvd.run: rank {rank} failed:\n{outcome[1]}")
+    if code != 0:
+        raise RuntimeError(f"bagua_hvd.run: mpirun exited with status {code}")
+    missing = [rank for rank, o in enumerate(outcomes) if o is None]
+    if missing:
+        raise RuntimeError(f"bagua_hvd.run: ranks {missing} exited under mpirun but left no result")
+    return [o[1] for o in outcomes]
+
+
 def _nics(
     network_interface: Optional[str], network_interfaces: Union[None, str, Sequence[str]]
 ) -> List[str]:
@@ -187,7 +240,15 @@ def run(
         output_filename: a directory on this machine that also receives every rank's output in
             ``rank.<rank>/stdout`` and ``rank.<rank>/stderr`` (ranks zero-padded).
         verbose: print what the launcher does (default off).
-        use_gloo: True or None: bagua_hvd's own controller (Horovod's Gloo mode).
+        use_gloo: run the ranks with bagua_hvd's own launcher and controller (Horovod's Gloo
+            mode). Default None.
+        use_mpi: run the ranks with the system's mpirun (Open MPI or MPICH, as ``bagua-run
+            --mpi``); each rank's ``hvd.init()`` forms the job through MPI (needs mpi4py).
+            Default None. With neither ``use_gloo`` nor ``use_mpi`` True, bagua_hvd chooses:
+            its own launcher (Horovod chooses MPI when it was built with it; bagua_hvd's own
+            launcher needs nothing more). Both True: ValueError, as Horovod.
+        mpi_args: extra arguments for mpirun, one string (e.g. ``"--bind-to none"``); used
+            only with ``use_mpi=True``, as Horovod.
         network_interface: comma-separated network interfaces for the job's TCP traffic (the
             first one is used; ``network_interfaces`` may also be a list); default: the
             address this machine reaches the other hosts from.
@@ -208,8 +269,7 @@ def run(
             ``host:slots`` lines; polled every second. Without it, ``hosts``/``hostfile`` (at
             least two hosts) are the fixed hosts of the elastic job.
 
-    Not supported (ValueError): MPI (``use_mpi``, ``mpi_args``, ``use_gloo=False``;
-    ``bagua-run --mpi`` runs a command through mpirun).
+    Elastic jobs run under bagua_hvd's own driver: ``use_mpi=True`` with them is a ValueError.
 
     Returns:
         A list with one entry per rank, ``results[r]`` being what ``func`` returned on rank r.
@@ -231,12 +291,10 @@ def run(
     n = _resolve_num_proc(num_proc, np)
     min_n = _either("min_num_proc", min_num_proc, "min_np", min_np)
     max_n = _either("max_num_proc", max_num_proc, "max_np", max_np)
-    if use_mpi or mpi_args is not None or use_gloo is False:
-        raise ValueError(
-            "bagua_hvd.run has no MPI mode (use_mpi, mpi_args or use_gloo=False given): it "
-            "starts the ranks itself (over ssh on other hosts); leave use_gloo as None or "
-            "True, or run a script with `bagua-run --mpi`"
-        )
+    if use_gloo and use_mpi:
+        raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
+    if mpi_args is not None and not isinstance(mpi_args, str):
+        raise TypeError(f"mpi_args must be a string of mpirun arguments, got {mpi_args!r}")
     if ssh_port is not None and not (_is_int(ssh_port) and 1 <= ssh_port <= 65535):
         raise ValueError(f"ssh_port must be a port number in 1..65535, got {ssh_port!r}")
     timeout = _start_timeout(start_timeout)
@@ -257,6 +315,11 @@ def run(
         )  # fmt: skip
         if hosts is not None and hostfile is not None:
             raise ValueError("bagua_hvd.run: pass hosts or hostfile, not both")
+        if use_mpi:
+            raise ValueError(
+                "bagua_hvd.run: an elastic job (min_num_proc or host_discovery_script) runs "
+                "under bagua_hvd's own driver, not mpirun: drop use_mpi"
+            )
         check_elastic_settings(settings)  # ValueError / HostError naming the argument
     else:
         entries = _host_entries(n, hosts, hostfile)
@@ -290,6 +353,8 @@ def run(
     command = [executable or sys.executable, "-m", "bagua_hvd.runner.task"]
     if elastic:
         return _run_elastic(settings, command, env, seed, stores)
+    if use_mpi:
+        return _run_mpi(payload, command, n, entries, env, mpi_args or "", bool(verbose))
     common: Dict[str, Any] = dict(
         extra_env=env,
         output_dir=None if output_filename is None else os.fspath(output_filename),

@@ -66,10 +66,21 @@ def _timeout() -> float:
     return value if value > 0 else DEFAULT_TIMEOUT_S
 
 
+# bagua_hvd.run(use_mpi=True): mpirun starts the ranks, which form the job through MPI at
+# hvd.init(); the caller's store (func and results) is named here, not in the rendezvous
+# variables, which would tell hvd.init() that bagua-run started the job.
+RUN_STORE_ENV = "BAGUA_HVD_RUN_STORE"
+RUN_SECRET_ENV = "BAGUA_HVD_RUN_SECRET"
+
+
 def _connect() -> Any:
     """A client of the job's store, from the environment the launcher gives every rank."""
     from bagua_hvd.runner.store import StoreClient, secret_from_env
 
+    if os.environ.get(RUN_STORE_ENV):
+        host, _, port_text = os.environ[RUN_STORE_ENV].rpartition(":")
+        secret = secret_from_env(os.environ.get(RUN_SECRET_ENV, ""))
+        return StoreClient(host, int(port_text), secret, timeout=_timeout())
     host = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"]
     port = int(os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
     return StoreClient(host, port, secret_from_env(), timeout=_timeout())
@@ -107,7 +118,13 @@ def read_outcome(store: KeyValue, rank: int) -> Optional[tuple]:
 def _rank() -> int:
     # Read when the outcome is put: an elastic job's resets give the worker a new rank (and
     # HOROVOD_RANK with it), as Horovod's run_task reads it after the function.
-    return int(os.environ.get("HOROVOD_RANK", "0"))
+    rank = os.environ.get("HOROVOD_RANK")
+    if rank is None:  # under mpirun, a function that never called hvd.init()
+        from bagua_hvd.common import config
+
+        found = config.foreign_launch()
+        return found.rank if found is not None else 0
+    return int(rank)
 
 
 def main(argv: list) -> int:
