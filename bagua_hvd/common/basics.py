@@ -92,10 +92,10 @@ def _env_true(name: str) -> bool:
     return config.flag(name)
 
 
-def _ranks_of_mpi_comm(comm: Any, subset: bool = False) -> list[int]:
-    """The MPI_COMM_WORLD ranks of an mpi4py communicator given to init(comm=...), as Horovod
-    takes one (init() then requires them to be every launched rank), or of a ProcessSet's
-    communicator (``subset``: sorted)."""
+def _ranks_of_mpi_comm(comm: Any, subset: bool = False, base: Any = None) -> list[int]:
+    """The ranks in ``base`` (default MPI_COMM_WORLD) of an mpi4py communicator given to
+    init(comm=...), or of a ProcessSet's communicator (``subset``: sorted; ``base``: the job's
+    global communicator)."""
     try:
         from mpi4py import MPI
     except ImportError:
@@ -105,7 +105,7 @@ def _ranks_of_mpi_comm(comm: Any, subset: bool = False) -> list[int]:
             f"init(comm={type(comm).__name__}): comm must be a list of ranks or an mpi4py "
             "communicator"
         )
-    world = MPI.COMM_WORLD.Get_group()
+    world = (MPI.COMM_WORLD if base is None else base).Get_group()
     ranks = list(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), world))
     return sorted(ranks) if subset else ranks
 
@@ -120,7 +120,7 @@ def _sets_to_register(
     the earlier id; init then reports the entry as a duplicate)."""
     out: List[List[int]] = []
     for ps in via_comm:
-        mine = _ranks_of_mpi_comm(ps.mpi_comm, subset=True)
+        mine = _ranks_of_mpi_comm(ps.mpi_comm, subset=True, base=mpi_comm)
         if any(r < 0 for r in mine):  # MPI.UNDEFINED: a rank outside the global communicator
             raise ValueError(
                 f"Group of processes in process set {ps} is not a subset of the assumed global "
@@ -167,8 +167,11 @@ class HorovodBasics:
     ) -> None:
         """Starts the runtime (a no-op when already initialized).
 
-        comm: None, a list of global ranks, or an mpi4py communicator (under mpirun); either
-            must name every launched rank (a job on a subset of them is not supported).
+        comm: None (every launched rank), a list of MPI_COMM_WORLD ranks, or an mpi4py
+            communicator. As Horovod, under mpirun the job runs on those ranks only: job
+            rank i is the list's i-th rank (the communicator's rank i); the other ranks are
+            not part of it and do not call init() with that comm (a list that leaves out the
+            caller raises ValueError). Under bagua-run, comm must name every launched rank.
         process_sets: static ProcessSet objects, or "dynamic" to allow
             add_process_set/remove_process_set after init (HOROVOD_DYNAMIC_PROCESS_SETS=1).
             As Horovod: sets of MPI communicators (with comm an MPI communicator) are
@@ -206,19 +209,25 @@ class HorovodBasics:
             )
 
         if not self.lib.bhvd_is_initialized():
-            self._start(comm, _sets_to_register(mpi_comm, via_comm, process_sets))
+            self._start(
+                comm,
+                _sets_to_register(mpi_comm, via_comm, process_sets),
+                mpi_comm if mpi_comm is not None else comm,
+            )
         if mpi_comm is not None:
             _ps.global_process_set.mpi_comm = mpi_comm
         for ps in via_comm:
-            ps.ranks = _ranks_of_mpi_comm(ps.mpi_comm, subset=True)
+            ps.ranks = _ranks_of_mpi_comm(ps.mpi_comm, subset=True, base=mpi_comm)
         _ps._init_process_sets(process_sets)
 
-    def _start(self, comm: Sequence[int] | None, sets: List[List[int]]) -> None:
-        """Starts the core with the static sets ``sets`` (ids 1, 2, ... in that order)."""
+    def _start(self, comm: Sequence[int] | None, sets: List[List[int]], job: Any = None) -> None:
+        """Starts the core with the static sets ``sets`` (ids 1, 2, ... in that order);
+        ``job``: init()'s comm (an mpi4py communicator or a list of ranks)."""
         lib = self.lib
         _warn_no_effect()
         elastic.before_init()  # an elastic reset: this worker's place in the next generation
-        bootstrap.prepare()  # started by mpirun/srun rather than bagua-run: join through MPI
+        # Started by mpirun/srun rather than bagua-run: join through MPI, over init()'s comm.
+        on_comm = bootstrap.prepare(job)
         # The global set's ranks are that set (id 0), not a new one (Horovod's FindId); without
         # a launcher's variables the job has one rank.
         size = os.environ.get("HOROVOD_SIZE", "1")
@@ -245,10 +254,15 @@ class HorovodBasics:
             _ps._after_init(dynamic)
             for fn in list(_after_init):
                 fn()
-            if comm is not None and sorted(int(r) for r in comm) != list(range(self.size())):
+            if (
+                not on_comm
+                and comm is not None
+                and sorted(int(r) for r in comm) != list(range(self.size()))
+            ):
                 raise ValueError(
-                    f"init(comm={list(comm)}): bagua_hvd runs every launched rank; a job on "
-                    "a subset of them is not supported. Use "
+                    f"init(comm={list(comm)}): a job on a part of the launched ranks needs "
+                    "mpirun (the job is then formed over those ranks through MPI); under "
+                    "bagua-run every launched rank is in the job. Use "
                     "init(process_sets=[ProcessSet(ranks)]) instead"
                 )
         except BaseException:

@@ -42,32 +42,39 @@ JOIN_ERROR = (
 _server: Any = None
 
 
-def prepare() -> None:
+def prepare(comm: Any = None) -> bool:
     """Sets up the launcher's contract when another launcher started this process (see the
-    module docstring); ValueError with :data:`JOIN_ERROR` when it cannot."""
+    module docstring); ValueError with :data:`JOIN_ERROR` when it cannot.
+
+    ``comm``: ``hvd.init(comm=...)`` under mpirun, an mpi4py communicator or a list of
+    MPI_COMM_WORLD ranks: as Horovod's global communicator, the job is formed over those ranks
+    only (job rank i is the communicator's rank i, or the list's i-th rank), and the other ranks
+    are not part of it. Returns True when the job was formed over ``comm``."""
     if config.launched_by_bagua_run():
-        return
+        return False
     found = config.foreign_launch()
     if found is None or found.size <= 1:
-        return
+        return False
 
     def fail(why: str) -> ValueError:
         return ValueError(JOIN_ERROR.format(why=why, **found._asdict()))
 
     srun = found.launcher.startswith("srun")
-    if srun and config.shared_secret():
+    if srun and config.shared_secret() and comm is None:
         config.set_job(_slurm_job(found))
-        return
+        return False
     try:
         _mpi_thread_level()
         from mpi4py import MPI
     except ImportError as e:
         MPI, why = None, f"mpi4py cannot be imported ({e})"
     if MPI is not None:
-        comm = MPI.COMM_WORLD
-        if comm.Get_size() == found.size and comm.Get_rank() == found.rank:
-            config.set_job(_form_job(comm, MPI.Get_processor_name()))
-            return
+        world = MPI.COMM_WORLD
+        if world.Get_size() == found.size and world.Get_rank() == found.rank:
+            job = world if comm is None else _job_comm(MPI, comm)
+            if job.Get_size() > 1:
+                config.set_job(_form_job(job, MPI.Get_processor_name()))
+            return comm is not None
         why = (
             f"MPI (mpi4py, {MPI.Get_library_version().split(',')[0].strip()}) sees rank "
             f"{comm.Get_rank()} of {comm.Get_size()}: "
@@ -84,6 +91,28 @@ def prepare() -> None:
             "print(secrets.token_hex(32))') before srun"
         )
     raise fail(why)
+
+
+def _job_comm(MPI: Any, comm: Any) -> Any:  # noqa: N803 - the mpi4py module
+    """The communicator ``init(comm=...)`` names: itself, or the group of the listed
+    MPI_COMM_WORLD ranks in the order given (created by those ranks only)."""
+    if isinstance(comm, MPI.Comm):
+        return comm
+    world = MPI.COMM_WORLD
+    size, me = world.Get_size(), world.Get_rank()
+    ranks = [int(r) for r in comm]
+    bad = [r for r in ranks if not 0 <= r < size]
+    if not ranks or bad or len(set(ranks)) != len(ranks):
+        raise ValueError(
+            f"init(comm={ranks}): comm must list distinct ranks of MPI_COMM_WORLD "
+            f"(0..{size - 1}), at least one"
+        )
+    if me not in ranks:
+        raise ValueError(
+            f"init(comm={ranks}): this process is rank {me} of MPI_COMM_WORLD, which is not in "
+            "comm: the job runs on the listed ranks only, and only they call hvd.init(comm=...)"
+        )
+    return world.Create_group(world.Get_group().Incl(ranks))
 
 
 def _mpi_thread_level() -> None:
