@@ -499,7 +499,8 @@ def make_parser() -> argparse.ArgumentParser:
     controller.add_argument(
         "--jsrun",
         action="store_true",
-        help="LSF's jsrun: not available in bagua_hvd (an error); use -H/--hostfile or --mpi",
+        help="start the ranks with LSF's jsrun (inside an LSF job; -H/--hostfile name the "
+        "compute hosts and their GPUs), as horovodrun; each rank joins the job through MPI",
     )
 
     bagua = parser.add_argument_group("bagua_hvd arguments (not in horovodrun)")
@@ -780,7 +781,7 @@ def _no_effect_flags(args: argparse.Namespace) -> List[Tuple[str, str, str]]:
     for flag, dest, asks, why in _NO_EFFECT:
         if why is _ELASTIC_ONLY and elastic:
             continue
-        if dest == "mpi_threads_disable" and args.mpi:
+        if dest == "mpi_threads_disable" and (args.mpi or args.jsrun):
             continue  # acted on under mpirun (bagua_hvd.common.bootstrap)
         if asks(getattr(args, dest)):
             out.append((flag, dest, why))
@@ -800,7 +801,7 @@ def no_effect_warning(args: argparse.Namespace) -> Optional[str]:
     reasons: Dict[str, List[str]] = {}
     for flag, _, why in _no_effect_flags(args):
         reasons.setdefault(why, []).append(flag)
-    if not args.mpi:
+    if not (args.mpi or args.jsrun):
         for flag, dest in (("--mpi-args", "mpi_args"), ("--binding-args", "binding_args")):
             if getattr(args, dest) is not None:
                 reasons.setdefault(

@@ -90,13 +90,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(str(e))
     if args.check_build:
         return args
-    if args.jsrun:
-        parser.error(
-            "--jsrun: bagua_hvd cannot start ranks with LSF's jsrun, which places them on the "
-            "LSF allocation's hosts (bagua-run does not read them): give the hosts with "
-            "-H/--hostfile, or use --mpi"
-        )
     args.elastic = args.min_num_proc is not None or args.host_discovery_script is not None
+    if args.jsrun:
+        _check_jsrun_args(parser, args)
+        return args
     if args.elastic:
         _check_elastic_args(parser, args)
         return args
@@ -139,6 +136,30 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     except (HostError, ValueError) as e:
         parser.error(str(e))
     return args
+
+
+def _check_jsrun_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--jsrun: jsrun places -np ranks on the hosts given (-H/--hostfile), one GPU each."""
+    if args.elastic:
+        parser.error("--jsrun cannot be combined with an elastic job (--min-np, discovery)")
+    if args.num_nodes > 1:
+        parser.error("--jsrun starts every host's ranks from here: drop --num-nodes")
+    if args.num_proc is None:
+        parser.error("the following arguments are required: -np/--num-proc")
+    if not args.command:
+        parser.error("no command given: expected e.g. `bagua-run --jsrun -np 2 python train.py`")
+    if args.hosts is None and args.hostfile is None:
+        parser.error(
+            "--jsrun needs the LSF allocation's compute hosts and their GPUs: -H host1:GPUS,"
+            "host2:GPUS or --hostfile"
+        )
+    try:
+        args.host_entries = (
+            parse_hostfile(args.hostfile) if args.hostfile is not None else parse_hosts(args.hosts)
+        )
+        assign_slots(args.host_entries, args.num_proc)
+    except (HostError, ValueError) as e:
+        parser.error(str(e))
 
 
 def _check_elastic_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -491,6 +512,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         verbose=args.verbose,
     )
     try:
+        if args.jsrun:
+            from bagua_hvd.runner.js_run import run_jsrun
+
+            return run_jsrun(
+                args.command,
+                args.num_proc,
+                args.host_entries,
+                common["extra_env"],
+                mpi_args=args.mpi_args or "",
+                binding_args=args.binding_args or "",
+                output_filename=args.output_filename or "",
+                tcp=args.tcp_flag,
+                verbose=args.verbose,
+            )
         if args.mpi:
             from bagua_hvd.runner.mpi import run_mpi
 
