@@ -74,9 +74,10 @@ Arithmetic
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -192,6 +193,30 @@ def _check_chunks(numel: int, n_chunks: int) -> None:
         raise ValueError(f"{numel} elements cannot be split into {n_chunks} equal chunks")
 
 
+# The largest finite value of each type, as float32 (decompress clamps to it).
+_TOP = {
+    "float32": np.finfo(np.float32).max,
+    "float16": np.float32(np.finfo(np.float16).max),
+    "bfloat16": np.float32(3.3895313892515355e38),  # (2 - 2**-7) * 2**127
+}
+
+
+def _params(mn: np.float32, mx: np.float32) -> Tuple[np.float32, np.float32, np.float32]:
+    """(scale, ub, lb) of a finite chunk, in float32. Where the formula overflows (mx - mn or
+    mx * scale is infinite), the scale is computed on mn and mx times s = 2**(1 - k),
+    k = floor(log2(max(|mn|, |mx|))), and multiplied by s again (docs/algorithms.md)."""
+    with np.errstate(over="ignore"):
+        scale = _F255 / ((mx - mn) + _EPS)
+        ub = np.rint(mx * scale)
+        if not (np.isfinite(mx - mn) and np.isfinite(ub)):
+            k = math.frexp(max(abs(float(mn)), abs(float(mx))))[1] - 1  # m = f * 2**(k + 1)
+            s = _F32(2.0 ** (1 - k))
+            scale = (_F255 / ((mx * s - mn * s) + _EPS)) * s
+            ub = np.rint(mx * scale)
+    assert scale.dtype == np.float32 and ub.dtype == np.float32
+    return scale, ub, ub - _F255
+
+
 def _to_uint8(level: np.ndarray) -> np.ndarray:
     # Saturating conversion (the spec's cast; see the module docstring): NaN -> 0.
     level = np.where(np.isnan(level), _F32(0), level)
@@ -223,10 +248,9 @@ def compress(x: np.ndarray, n_chunks: int, dtype: str = "float32") -> np.ndarray
             out[base : base + len(header)] = np.frombuffer(header, np.uint8)
             continue
         mn, mx = chunk.min(), chunk.max()
-        scale = _F255 / ((mx - mn) + _EPS)
-        ub = np.rint(mx * scale)
-        lb = ub - _F255
-        level = np.minimum(np.rint(chunk * scale), ub) - lb
+        scale, ub, lb = _params(mn, mx)
+        with np.errstate(over="ignore", invalid="ignore"):  # saturated by _to_uint8
+            level = np.minimum(np.rint(chunk * scale), ub) - lb
         assert level.dtype == np.float32 and scale.dtype == np.float32
         header = _t_bytes(np.array([mn, mx], np.float32), dtype)
         out[base : base + len(header)] = np.frombuffer(header, np.uint8)
@@ -252,10 +276,10 @@ def decompress(wire: np.ndarray, numel: int, n_chunks: int, dtype: str = "float3
         if not (np.isfinite(mn) and np.isfinite(mx)):
             out[k * c : (k + 1) * c] = np.nan
             continue
-        scale = _F255 / ((mx - mn) + _EPS)
-        lb = np.rint(mx * scale) - _F255
+        scale, _, lb = _params(mn, mx)
         q = wire[base + _HEADER_BYTES : base + _HEADER_BYTES + c].astype(np.float32)
-        values = (q + lb) / scale
+        with np.errstate(over="ignore"):
+            values = np.clip((q + lb) / scale, -_TOP[dtype], _TOP[dtype])
         assert values.dtype == np.float32
         out[k * c : (k + 1) * c] = values
     return round_to(out, dtype)

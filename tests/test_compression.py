@@ -7,6 +7,8 @@ for non-finite chunks, canonical NaN on decode, zero padding). Every comparison 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -60,8 +62,18 @@ def align32(n: int) -> int:
 def ref_params(mn: np.float32, mx: np.float32) -> tuple[np.float32, np.float32, np.float32]:
     scale = np.float32(255.0) / ((mx - mn) + np.float32(1e-7))
     ub = np.rint(mx * scale)
+    if np.isfinite(mn) and np.isfinite(mx) and not (np.isfinite(mx - mn) and np.isfinite(ub)):
+        # Overflow: the scale of min and max times s = 2**(1 - k), k = floor(log2(max(|mn|,
+        # |mx|))), times s again (docs/algorithms.md).
+        s = np.float32(2.0 ** (1 - (math.frexp(max(abs(float(mn)), abs(float(mx))))[1] - 1)))
+        scale = (np.float32(255.0) / ((mx * s - mn * s) + np.float32(1e-7))) * s
+        ub = np.rint(mx * scale)
     lb = ub - np.float32(255.0)
     return scale, ub, lb
+
+
+# The largest finite value of each type: decoded values are clamped to it.
+TOP = {F32: np.finfo(np.float32).max, F16: np.float32(65504.0), BF16: np.float32(3.3895314e38)}
 
 
 def ref_compress(a: np.ndarray, dtype: str, n_chunks: int) -> bytes:
@@ -105,7 +117,7 @@ def ref_decode_f32(blob: bytes, dtype: str, n: int, n_chunks: int) -> np.ndarray
             mn, mx = widen(raw[base : base + 2 * t].copy().view(store), dtype)
             scale, _, lb = ref_params(mn, mx)
             q = raw[base + 32 : base + 32 + c].astype(np.float32)
-            out[k * c : (k + 1) * c] = (q + lb) / scale
+            out[k * c : (k + 1) * c] = np.clip((q + lb) / scale, -TOP[dtype], TOP[dtype])
     out[np.isnan(out)] = np.uint32(0x7FC00000).view(np.float32)
     return out
 

@@ -128,10 +128,12 @@ def init(*args: Any, **kwargs: Any) -> None:
 
 
 def shutdown(*args: Any, **kwargs: Any) -> None:
-    """Shuts bagua_hvd down; outstanding handles are dropped."""
+    """Shuts bagua_hvd down. Outstanding handles stay known, as in Horovod's handle map: an
+    operation that shutdown abandoned raises HorovodInternalError ("Horovod has been shut
+    down ...") in :func:`synchronize`; one that completed before returns its result. The next
+    ``init()`` forgets them."""
     with _lifecycle_lock:
         _basics.shutdown(*args, **kwargs)
-        _handle_map.clear()
 
 
 # ---- dtypes ------------------------------------------------------------------------------------

@@ -106,5 +106,64 @@ TEST(MinMaxUInt8, CApiRefusesBadArguments) {
   EXPECT_EQ(out[33], 85);
 }
 
+// Finite in, finite out (docs/algorithms.md): where mx - mn or mx * scale overflows float32, the
+// scale is computed on min and max brought to [-4, 4] by a power of 2, and decompress clamps to
+// T's largest finite value. The chunks below gave +-Inf or NaN before. 12 values: 8 through the
+// AVX2 path where there is one, 4 through the scalar tail.
+float from_bits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+TEST(MinMaxUInt8, LargeConstantChunkStaysFinite) {
+  for (const float v : {1e30f, -1e30f, 3e38f, from_bits(0x7f7fffff)}) {
+    const std::vector<float> x(12, v);
+    const auto wire = compress(x, 1);
+    EXPECT_EQ(bits(from_bits(wire[0] | wire[1] << 8 | wire[2] << 16 | uint32_t{wire[3]} << 24)),
+              bits(v));
+    for (const float y : decompress(wire, 12, 1)) {
+      ASSERT_TRUE(std::isfinite(y)) << v;
+      EXPECT_LE(std::fabs(y - v), std::fabs(v) * 1e-6f) << v << " decoded as " << y;
+    }
+  }
+}
+
+TEST(MinMaxUInt8, OverflowingRangeStaysFinite) {
+  // mx - mn = 6e38 overflows: the formula gave scale 0 and NaN everywhere.
+  const std::vector<float> x = {3e38f, -3e38f, 0, 1e38f, -1e38f, 2e38f, 3e38f, 0, 1, -1, 0, 3e38f};
+  const auto back = decompress(compress(x, 1), 12, 1);
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(back[i])) << i;
+    EXPECT_LE(std::fabs(back[i] - x[i]), 2.4e36f) << i;  // one step: (mx - mn) / 255
+  }
+}
+
+TEST(MinMaxUInt8, DecompressClampsToLargestFinite) {
+  // +-a, a = 0x7f7fde48: ub / scale rounds past FLT_MAX (to +Inf before the clamp).
+  const float a = from_bits(0x7f7fde48);
+  const std::vector<float> x = {-a, a, a, -a, -a, a, a, -a, -a, a, a, -a};
+  const auto back = decompress(compress(x, 1), 12, 1);
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(back[i])) << i;
+    if (x[i] > 0) {
+      EXPECT_EQ(bits(back[i]), 0x7f7fffffu) << i;  // FLT_MAX, T's largest
+    }
+  }
+}
+
+TEST(MinMaxUInt8, Bfloat16ClampsToItsLargestFinite) {
+  // bfloat16's largest finite value, 0x7f7f, and its negative: FLT_MAX would round to +Inf.
+  const std::vector<uint16_t> x = {0xff7f, 0x7f7f, 0x7f7f, 0xff7f, 0xff7f, 0x7f7f,
+                                   0x7f7f, 0xff7f, 0xff7f, 0x7f7f, 0x7f7f, 0xff7f};
+  std::vector<uint8_t> wire(minmax_uint8_bytes(DataType::BFLOAT16, 12, 1));
+  minmax_uint8_compress(x.data(), DataType::BFLOAT16, 12, 1, wire.data());
+  std::vector<uint16_t> back(12);
+  minmax_uint8_decompress(wire.data(), DataType::BFLOAT16, 12, 1, back.data());
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_NE(back[i] & 0x7f80, 0x7f80) << i << ": " << back[i];  // not Inf, not NaN
+  }
+}
+
 }  // namespace
 }  // namespace bagua_hvd

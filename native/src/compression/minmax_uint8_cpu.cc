@@ -54,13 +54,13 @@ void quantize_scalar(const typename Ty::Storage* p, size_t c, const Params& prm,
 
 template <typename Ty>
 void dequantize_scalar(const uint8_t* q, size_t c, const Params& prm, typename Ty::Storage* out) {
-  for (size_t i = 0; i < c; ++i) out[i] = Ty::narrow(mmu8::dequantize(q[i], prm));
+  for (size_t i = 0; i < c; ++i) out[i] = Ty::narrow(mmu8::dequantize<Ty>(q[i], prm));
 }
 
 template <typename Ty>
 void dequantize_add_scalar(const uint8_t* q, size_t c, const Params& prm, float* acc) {
   for (size_t i = 0; i < c; ++i) {
-    acc[i] = mmu8::accumulate(acc[i], Ty::widen(Ty::narrow(mmu8::dequantize(q[i], prm))));
+    acc[i] = mmu8::accumulate(acc[i], Ty::widen(Ty::narrow(mmu8::dequantize<Ty>(q[i], prm))));
   }
 }
 
@@ -194,10 +194,13 @@ BHVD_AVX2 void quantize_avx2(const typename Ty::Storage* p, size_t c, const Para
   quantize_scalar<Ty>(p + i, c - i, prm, q + i);
 }
 
-// 8 dequantized values, NaN lanes replaced by the canonical NaN.
-BHVD_AVX2 inline __m256 dequantize8(const uint8_t* q, __m256 lb, __m256 scale, __m256 nan) {
+// 8 dequantized values clamped to +-top, NaN lanes replaced by the canonical NaN. vminps and
+// vmaxps return their second operand when one is NaN, so v goes second: NaN stays NaN.
+BHVD_AVX2 inline __m256 dequantize8(const uint8_t* q, __m256 lb, __m256 scale, __m256 top,
+                                    __m256 nan) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-  const __m256 v = _mm256_div_ps(_mm256_add_ps(_mm256_cvtepi32_ps(b), lb), scale);
+  __m256 v = _mm256_div_ps(_mm256_add_ps(_mm256_cvtepi32_ps(b), lb), scale);
+  v = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), top), _mm256_min_ps(top, v));
   return _mm256_blendv_ps(v, nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
@@ -205,19 +208,21 @@ template <typename Ty>
 BHVD_AVX2 void dequantize_avx2(const uint8_t* q, size_t c, const Params& prm,
                                typename Ty::Storage* out) {
   const __m256 scale = _mm256_set1_ps(prm.scale), lb = _mm256_set1_ps(prm.lb),
+               top = _mm256_castsi256_ps(_mm256_set1_epi32(Ty::kTopBits)),
                nan = _mm256_castsi256_ps(_mm256_set1_epi32(mmu8::kCanonicalNanBits));
   size_t i = 0;
-  for (; i + 8 <= c; i += 8) Vec<Ty>::store(out + i, dequantize8(q + i, lb, scale, nan));
+  for (; i + 8 <= c; i += 8) Vec<Ty>::store(out + i, dequantize8(q + i, lb, scale, top, nan));
   dequantize_scalar<Ty>(q + i, c - i, prm, out + i);
 }
 
 template <typename Ty>
 BHVD_AVX2 void dequantize_add_avx2(const uint8_t* q, size_t c, const Params& prm, float* acc) {
   const __m256 scale = _mm256_set1_ps(prm.scale), lb = _mm256_set1_ps(prm.lb),
+               top = _mm256_castsi256_ps(_mm256_set1_epi32(Ty::kTopBits)),
                nan = _mm256_castsi256_ps(_mm256_set1_epi32(mmu8::kCanonicalNanBits));
   size_t i = 0;
   for (; i + 8 <= c; i += 8) {
-    const __m256 v = Vec<Ty>::round_trip(dequantize8(q + i, lb, scale, nan));
+    const __m256 v = Vec<Ty>::round_trip(dequantize8(q + i, lb, scale, top, nan));
     const __m256 sum = _mm256_add_ps(_mm256_loadu_ps(acc + i), v);
     _mm256_storeu_ps(acc + i, _mm256_blendv_ps(sum, nan, _mm256_cmp_ps(sum, sum, _CMP_UNORD_Q)));
   }

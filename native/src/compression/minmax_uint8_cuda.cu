@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads)
   for (size_t i = begin + 4 * threadIdx.x; i < end; i += 4 * kThreads) {
     const uint32_t word = q[i / 4];
     for (int k = 0; k < 4 && i + k < end; ++k) {
-      const auto t = Ty::narrow(mmu8::dequantize(static_cast<uint8_t>(word >> (8 * k)), prm));
+      const auto t = Ty::narrow(mmu8::dequantize<Ty>(static_cast<uint8_t>(word >> (8 * k)), prm));
       const size_t j = chunk * c + i + k;
       if constexpr (kAdd) {
         float* acc = static_cast<float*>(out);

@@ -15,6 +15,13 @@
 //    what a GPU's float -> u8 conversion does; C++'s cast would be undefined.
 //  - A chunk holding NaN or +-Inf stores NaN as min and max and zero payload; decompress then
 //    yields NaN for every element, by the formula itself (scale = NaN).
+//  - Finite in, finite out. Where the formula overflows float32 (mx - mn, or mx * scale: only
+//    when max(|mn|, |mx|) >= 2^96), the scale is computed on min and max multiplied by
+//    s = 2^(1-k), k = floor(log2(max(|mn|, |mx|))) (so they lie in [-4, 4]), and multiplied by s
+//    again: exact power-of-2 steps, so x * scale is what the scaled chunk would give. A chunk of
+//    1e30s then decodes to ~1e30, not NaN. Every other chunk keeps the formula's bits.
+//    Decompressed values are clamped to T's largest finite value (a value near FLT_MAX can
+//    round past it); only results that were +-Inf change.
 //  - A zero min or max is stored as +0 (the sign of a zero min/max changes no decoded value, and
 //    SIMD min/max may return either zero).
 //  - Decompressed NaN is the canonical quiet NaN (0x7fc00000, float16 0x7e00, bfloat16 0x7fc0),
@@ -58,10 +65,22 @@ struct Params {
   float lb;     // ub - 255
 };
 
+BHVD_HD bool finite(float v) { return v - v == 0.0f; }  // false for NaN and +-Inf
+
 BHVD_HD Params params(float mn, float mx) {
   Params p;
-  p.scale = div_rn(255.0f, add_rn(sub_rn(mx, mn), kEps));
+  const float range = sub_rn(mx, mn);
+  p.scale = div_rn(255.0f, add_rn(range, kEps));
   p.ub = rint_even(mul_rn(mx, p.scale));
+  if (finite(mn) && finite(mx) && !(finite(range) && finite(p.ub))) {
+    // Overflow (see above): biased exponent e of max(|mn|, |mx|) >= 223 here, so
+    // s = 2^(128 - (e - 127)) has biased exponent 255 - e >= 1: normal, and so is scale.
+    const uint32_t e = (fbits::f32_bits(fmaxf(fabsf(mn), fabsf(mx))) >> 23) & 0xffu;
+    const float s = fbits::bits_f32((255u - e) << 23);
+    const float scaled = div_rn(255.0f, add_rn(sub_rn(mul_rn(mx, s), mul_rn(mn, s)), kEps));
+    p.scale = mul_rn(scaled, s);
+    p.ub = rint_even(mul_rn(mx, p.scale));
+  }
   p.lb = sub_rn(p.ub, 255.0f);
   return p;
 }
@@ -75,9 +94,13 @@ BHVD_HD uint8_t quantize(float x, const Params& p) {
   return static_cast<uint8_t>(v);
 }
 
-// x' = (q + lb) / scale in float32, NaN made canonical.
+// x' = (q + lb) / scale in float32, clamped to T's largest finite value, NaN made canonical.
+template <typename Ty>
 BHVD_HD float dequantize(uint8_t q, const Params& p) {
-  const float v = div_rn(add_rn(static_cast<float>(q), p.lb), p.scale);
+  const float top = fbits::bits_f32(Ty::kTopBits);
+  float v = div_rn(add_rn(static_cast<float>(q), p.lb), p.scale);
+  v = v > top ? top : v;  // NaN compares false: kept
+  v = v < -top ? -top : v;
   return v != v ? fbits::bits_f32(kCanonicalNanBits) : v;
 }
 
@@ -91,18 +114,22 @@ BHVD_HD float accumulate(float acc, float x) {
 BHVD_HD float canonical_zero(float v) { return v == 0.0f ? 0.0f : v; }
 
 // Element types: storage, exact widening to float32, round-to-nearest-even narrowing.
+// kTop: the largest finite T, as float32 (decompress clamps to it).
 struct F32 {
   using Storage = float;
+  static constexpr uint32_t kTopBits = 0x7f7fffffu;
   static BHVD_HD float widen(float v) { return v; }
   static BHVD_HD float narrow(float v) { return v; }
 };
 struct F16 {
   using Storage = uint16_t;
+  static constexpr uint32_t kTopBits = 0x477fe000u;  // 65504
   static BHVD_HD float widen(uint16_t v) { return fbits::half_to_float(v); }
   static BHVD_HD uint16_t narrow(float v) { return fbits::float_to_half(v); }
 };
 struct BF16 {
   using Storage = uint16_t;
+  static constexpr uint32_t kTopBits = 0x7f7f0000u;
   static BHVD_HD float widen(uint16_t v) { return fbits::bf16_to_float(v); }
   static BHVD_HD uint16_t narrow(float v) { return fbits::float_to_bf16(v); }
 };
