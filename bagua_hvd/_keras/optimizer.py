@@ -60,6 +60,9 @@ class _State:
         self.local_keys: set = set()
         self.impl: Any = None
         self.in_minimize = False
+        # Keras 2: the gradients the last _compute_gradients/get_gradients returned, already
+        # reduced (or aggregated); apply_gradients handed exactly these does not reduce again.
+        self.prereduced: List[Any] = []
 
 
 def _check_not_xla() -> None:
@@ -257,11 +260,26 @@ def create_distributed_optimizer(
             _DistributedOptimizer.variables = property(_variables)  # type: ignore[attr-defined]
     else:
 
+        def _build_slots(self: Any, vars: List[Any]) -> None:
+            with tf.init_scope():  # create slots outside the tf.cond
+                if hasattr(self, "_create_all_weights"):
+                    self._create_all_weights(vars)
+                elif hasattr(self, "build"):
+                    self.build(vars)
+
         def apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
-            """Reduces the gradients across the process set, then applies them (Keras 2)."""
+            """Reduces the gradients across the process set, then applies them (Keras 2).
+
+            Gradients that ``_compute_gradients``/``get_gradients`` just returned (already
+            reduced, Horovod's path) are applied as they are; with ``backward_passes_per_step``
+            only on the pass that communicated (the others only advance ``iterations``)."""
             pairs = list(grads_and_vars)
             grads = [g for g, _ in pairs]
             vars = [v for _, v in pairs]
+            marked, self._bhvd.prereduced = self._bhvd.prereduced, []
+            prereduced = len(marked) == len(grads) > 0 and all(
+                g is m for g, m in zip(grads, marked)
+            )
 
             def apply_fn(g: List[Any]) -> Any:
                 return super(dist_cls, self).apply_gradients(list(zip(g, vars)), *args, **kwargs)
@@ -270,44 +288,73 @@ def create_distributed_optimizer(
                 return self.iterations.assign_add(1)
 
             if self._agg_helper is not None:
-                with tf.init_scope():  # create slots outside the tf.cond
-                    if hasattr(self, "_create_all_weights"):
-                        self._create_all_weights(vars)
-                    elif hasattr(self, "build"):
-                        self.build(vars)
+                _build_slots(self, vars)
+            if prereduced:
+                if self._agg_helper is None:
+                    return self._bhvd_apply(apply_fn, grads, vars)
+                return self._agg_helper.apply_gradients(
+                    lambda: self._bhvd_apply(apply_fn, grads, vars), self, pairs
+                )
             return self._bhvd_step(grads, vars, apply_fn, skip_fn)
 
+        def _bhvd_reduce_returned(self: Any, grads: List[Any], vars: List[Any]) -> List[Any]:
+            """Horovod's ``_allreduce``: the gradients reduced across the process set, or with
+            ``backward_passes_per_step`` added to the local sums (reduced every N-th pass);
+            remembered so that ``apply_gradients`` does not reduce them again."""
+            if self._agg_helper is not None:
+                out = self._agg_helper.compute_gradients(grads, vars)
+            else:
+                out = self._allreduce(grads, vars)
+            self._bhvd.prereduced = list(out)
+            return out
+
+        def _compute_gradients(
+            self: Any, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None
+        ) -> Any:
+            """Horovod's hook: the wrapped optimizer's gradients of ``loss`` (a tensor computed
+            under ``tape``, or a callable) for ``var_list``, reduced across the process set
+            (with ``backward_passes_per_step``: aggregated, reduced every N-th call); returns
+            ``[(grad, var), ...]``. Not reduced when called from ``minimize``:
+            ``apply_gradients`` does it."""
+            tape = tf.GradientTape() if tape is None else tape
+            parent = super(dist_cls, self)
+            if hasattr(parent, "_compute_gradients"):
+                gv = parent._compute_gradients(loss, var_list, grad_loss, tape=tape)
+            else:  # tf_keras' new optimizers (the default ones) name it compute_gradients
+                if grad_loss is not None:
+                    raise ValueError(
+                        f"grad_loss is not supported by {base.__name__}.compute_gradients"
+                    )
+                gv = parent.compute_gradients(loss, var_list, tape=tape)
+            gv = list(gv)
+            if self._bhvd.in_minimize or not gv:
+                return gv
+            grads, weights = [g for g, _ in gv], [v for _, v in gv]
+            return list(zip(_bhvd_reduce_returned(self, grads, weights), weights))
+
+        def compute_gradients(self: Any, loss: Any, var_list: Any, tape: Any = None) -> Any:
+            """Horovod's ``compute_gradients``: ``_compute_gradients`` without ``grad_loss``."""
+            return self._compute_gradients(loss, var_list, None, tape)
+
+        def minimize(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self._bhvd.in_minimize = True
+            try:
+                return super(dist_cls, self).minimize(*args, **kwargs)
+            finally:
+                self._bhvd.in_minimize = False
+
         _DistributedOptimizer.apply_gradients = apply_gradients  # type: ignore[attr-defined]
-
-        if hasattr(base, "_compute_gradients"):
-
-            def _compute_gradients(
-                self: Any, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None
-            ) -> Any:
-                """The wrapped optimizer's gradients, reduced across the process set (not
-                reduced here when called from ``minimize``: ``apply_gradients`` does it)."""
-                tape = tf.GradientTape() if tape is None else tape
-                gv = super(dist_cls, self)._compute_gradients(loss, var_list, grad_loss, tape=tape)
-                if self._bhvd.in_minimize:
-                    return gv
-                grads, weights = list(zip(*gv))
-                return list(zip(self._allreduce(grads, weights), weights))
-
-            def minimize(self: Any, *args: Any, **kwargs: Any) -> Any:
-                self._bhvd.in_minimize = True
-                try:
-                    return super(dist_cls, self).minimize(*args, **kwargs)
-                finally:
-                    self._bhvd.in_minimize = False
-
-            _DistributedOptimizer._compute_gradients = _compute_gradients  # type: ignore
-            _DistributedOptimizer.minimize = minimize  # type: ignore[attr-defined]
+        _DistributedOptimizer._compute_gradients = _compute_gradients  # type: ignore
+        _DistributedOptimizer.compute_gradients = compute_gradients  # type: ignore
+        _DistributedOptimizer.minimize = minimize  # type: ignore[attr-defined]
 
         if hasattr(base, "get_gradients"):
 
             def get_gradients(self: Any, loss: Any, params: Any) -> Any:
-                """The wrapped optimizer's ``get_gradients``, reduced across the process set."""
-                return self._allreduce(super(dist_cls, self).get_gradients(loss, params), params)
+                """The wrapped optimizer's ``get_gradients``, reduced across the process set
+                (aggregated with ``backward_passes_per_step``, as Horovod)."""
+                grads = list(super(dist_cls, self).get_gradients(loss, params))
+                return _bhvd_reduce_returned(self, grads, list(params))
 
             _DistributedOptimizer.get_gradients = get_gradients  # type: ignore[attr-defined]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 import bagua_hvd._keras as _impl
 from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics)
@@ -83,11 +84,13 @@ def PartialDistributedOptimizer(
     keep their gradients local: not reduced, divided by the set size when
     ``scale_local_gradients``. The other arguments are those of
     ``bagua_hvd.tensorflow.keras.DistributedOptimizer``."""
+    # Horovod checks tf.keras' Layer: with TF_USE_LEGACY_KERAS=1 that is tf_keras', not keras'.
+    layer_types = (keras.layers.Layer, tf.keras.layers.Layer)
     if local_layers is None:
         local_layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
+    elif isinstance(local_layers, layer_types):
         local_layers = [local_layers]
-    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+    elif not all(isinstance(layer, layer_types) for layer in local_layers):
         raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
     groups = _impl.check_optimizer_args(
         op, gradient_predivide_factor, 0, groups, average_aggregated_gradients

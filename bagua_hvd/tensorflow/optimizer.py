@@ -141,6 +141,13 @@ class LocalGradientAggregationHelper:
                 return [tf.identity(g / divisor) for g in reduced]
 
     def compute_gradients(self, grads: Sequence[Any], vars: Sequence[Any]) -> List[Any]:
+        """Adds ``grads`` to the local sums and counts the pass. On every
+        ``backward_passes_per_step``-th pass returns the sums reduced across the process set
+        (divided by the number of passes when ``average_aggregated_gradients``) and resets
+        them; on the other passes returns the local gradients (Keras mode: the local sums, as
+        Horovod's eager helper). ``None`` stays ``None``."""
+        if self.optimizer_type == self._OPTIMIZER_TYPE_KERAS:
+            return self._compute_gradients_keras(grads, vars)
         self._init_aggregation_vars(grads)
         clear = tf.cond(
             tf.equal(self.counter, 0),
@@ -169,10 +176,13 @@ class LocalGradientAggregationHelper:
 
     def apply_gradients(
         self, apply_closure: Callable[[], Any], optimizer: Any, grads_and_vars: Any,
-        global_step: Any = None, name: str | None = None,
+        global_step: Any = None, name: str | None = None, **kwargs: Any,
     ) -> Any:  # fmt: skip
         """Runs ``apply_closure`` when the counter was just reset (a communication pass);
-        otherwise increments ``global_step`` only."""
+        otherwise increments ``global_step`` only (Keras mode: ``optimizer.iterations``; other
+        keyword arguments, those of the Keras ``apply_gradients``, are ignored here)."""
+        if self.optimizer_type == self._OPTIMIZER_TYPE_KERAS:
+            return self._apply_gradients_keras(apply_closure, optimizer)
         flat = [t for gv in grads_and_vars for t in gv if t is not None]
         with tf.control_dependencies([tf.group(*flat)]):
             train_op = tf.cond(tf.equal(self.counter, 0), lambda: tf.group(apply_closure()),
@@ -185,6 +195,67 @@ class LocalGradientAggregationHelper:
 
         with tf.control_dependencies([train_op]):
             return tf.cond(tf.equal(self.counter, 0), tf.no_op, bump_step)
+
+    def _compute_gradients_keras(self, grads: Sequence[Any], vars: Sequence[Any]) -> List[Any]:
+        grads = [None if g is None else self._maybe_convert_grad(g) for g in grads]
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        vars = list(vars)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return list(grads)
+        accs = {i: self._accumulator(vars[i], grads[i]) for i in present}
+        for i in present:
+            accs[i].assign_add(grads[i])
+        count = self.counter.assign_add(1)
+        n = self.backward_passes_per_step
+
+        def reduce_and_clear() -> List[Any]:
+            agg: List[Any] = [None] * len(grads)
+            for i in present:
+                agg[i] = accs[i].read_value()
+            reduced = filtered_reduce(
+                self._allreduce_grads, agg, vars, self._local_vars, self.process_set,
+                self.scale_local_gradients,
+            )  # fmt: skip
+            if self.average_aggregated_gradients:
+                reduced = [None if g is None else g / tf.cast(n, g.dtype) for g in reduced]
+            out = [tf.identity(reduced[i]) for i in present]
+            # Cleared after the reduced values exist, by assigning zeros (not multiplying by
+            # them): a non-finite sum does not leak into the next cycle.
+            with tf.control_dependencies(out):
+                for i in present:
+                    accs[i].assign(tf.zeros_like(accs[i]))
+                self.counter.assign(0)
+            return out
+
+        def local_sums() -> List[Any]:
+            return [accs[i].read_value() for i in present]
+
+        if tf.executing_eagerly():
+            result = reduce_and_clear() if int(count.numpy()) >= n else local_sums()
+        else:
+            result = tf.cond(count >= n, reduce_and_clear, local_sums)
+            if not isinstance(result, (list, tuple)):
+                result = [result]
+        out: List[Any] = [None] * len(grads)
+        for i, g in zip(present, result):
+            out[i] = g
+        return out
+
+    def _apply_gradients_keras(self, apply_closure: Callable[[], Any], optimizer: Any) -> Any:
+        def apply() -> tf.Tensor:
+            apply_closure()
+            return tf.constant(True)
+
+        def skip() -> tf.Tensor:
+            iterations = getattr(optimizer, "iterations", None)
+            if iterations is not None:
+                iterations.assign_add(1)
+            return tf.constant(False)
+
+        if tf.executing_eagerly():
+            return apply() if int(self.counter.numpy()) == 0 else skip()
+        return tf.cond(tf.equal(self.counter, 0), apply, skip)
 
     def _accumulator(self, var: Any, grad: Any) -> tf.Variable:
         k = variable_key(var)

@@ -146,3 +146,78 @@ def test_tape_loop_and_compute_gradients():
         loss = tf.reduce_mean(tf.square(probe(xs[:B]) - ys[:B]))
     gv = opt._compute_gradients(loss=loss, var_list=probe.trainable_variables, tape=tape)
     assert_weights([g.numpy() for g, _ in gv], expected, what="_compute_gradients")
+
+
+def _sgd(kind):
+    if kind == "legacy":
+        return keras.optimizers.legacy.SGD(learning_rate=1.0)
+    return keras.optimizers.SGD(learning_rate=1.0)
+
+
+@pytest.mark.parametrize("kind", ["new", "legacy"])
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("average", [False, True], ids=["sum", "avg"])
+def test_compute_gradients_then_apply_aggregates(kind, in_function, average):
+    """Horovod's hook pair with ``backward_passes_per_step=N``: ``_compute_gradients(loss,
+    var_list)`` then ``apply_gradients`` (Horovod's test_tensorflow2_keras.py). Rank r's
+    gradient is r+1 for every element; ``w`` is shared, ``loc`` worker-local, ``emb`` gets
+    tf.IndexedSlices (densified by ``sparse_as_dense``). With SGD(1.0), every N-th call moves
+    ``w`` by the sum over N passes of the mean over ranks ((size+1)/2 per pass), ``loc`` by
+    its own N*(r+1) divided by size; both divided by N with ``average_aggregated_gradients``.
+    The other calls change nothing but ``iterations``."""
+    n, calls = 3, 7
+    w = tf.Variable([0.0, 0.0], dtype=tf.float64)
+    loc = tf.Variable([0.0], dtype=tf.float64)
+    emb = tf.Variable([[0.0], [0.0]], dtype=tf.float64)
+    c = float(rank() + 1)
+    opt = hvd.DistributedOptimizer(
+        _sgd(kind), backward_passes_per_step=n, average_aggregated_gradients=average,
+        sparse_as_dense=True,
+    )  # fmt: skip
+    opt.register_local_var(loc)
+    var_list = [w, loc, emb]
+
+    def loss():
+        return c * (tf.reduce_sum(w) + tf.reduce_sum(loc) + tf.reduce_sum(tf.gather(emb, [1])))
+
+    def one_call():
+        gv = opt._compute_gradients(loss, var_list=var_list)
+        opt.apply_gradients(gv)
+
+    call = tf.function(one_call) if in_function else one_call
+    per_pass_shared = (size() + 1) / 2.0
+    for k in range(1, calls + 1):
+        call()
+        updates = k // n
+        scale = 1.0 if average else float(n)
+        shared = -updates * scale * per_pass_shared
+        local = -updates * scale * c / size()
+        np.testing.assert_allclose(w.numpy(), [shared, shared], rtol=1e-12, err_msg=f"w {k}")
+        np.testing.assert_allclose(loc.numpy(), [local], rtol=1e-12, err_msg=f"loc {k}")
+        np.testing.assert_allclose(emb.numpy(), [[0.0], [shared]], rtol=1e-12, err_msg=f"{k}")
+        assert int(opt.iterations.numpy()) == k
+        assert int(opt._agg_helper.counter.numpy()) == k % n
+
+
+@pytest.mark.parametrize("kind", ["new", "legacy"])
+def test_compute_gradients_then_apply_reduces_once(kind):
+    """Without aggregation, ``_compute_gradients`` returns reduced gradients and
+    ``apply_gradients`` given exactly those applies them without reducing again: a local
+    variable's gradient is divided by the set size once (twice would be r+1 / size**2)."""
+    w = tf.Variable([0.0], dtype=tf.float64)
+    loc = tf.Variable([0.0], dtype=tf.float64)
+    c = float(rank() + 1)
+    opt = hvd.DistributedOptimizer(_sgd(kind))
+    opt.register_local_var(loc)
+    gv = opt._compute_gradients(lambda: c * (w[0] + loc[0]), var_list=[w, loc])
+    np.testing.assert_allclose([g.numpy()[0] for g, _ in gv], [(size() + 1) / 2.0, c / size()])
+    opt.apply_gradients(gv)
+    np.testing.assert_allclose(w.numpy(), [-(size() + 1) / 2.0], rtol=1e-12)
+    np.testing.assert_allclose(loc.numpy(), [-c / size()], rtol=1e-12)
+    # A tape loop's own gradients are still reduced by apply_gradients (bagua_hvd's promise).
+    with tf.GradientTape() as tape:
+        lossv = c * (w[0] + loc[0])
+    grads = tape.gradient(lossv, [w, loc])
+    opt.apply_gradients(zip(grads, [w, loc]))
+    np.testing.assert_allclose(w.numpy(), [-(size() + 1.0)], rtol=1e-12)
+    np.testing.assert_allclose(loc.numpy(), [-2 * c / size()], rtol=1e-12)
