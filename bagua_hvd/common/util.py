@@ -62,6 +62,81 @@ def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
     return False
 
 
+def _cache(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Memoizes ``f`` on its arguments (Horovod's ``horovod.common.util._cache``: the build
+    facts below are computed once per process)."""
+    results: dict = {}
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        key = (args, frozenset(kwargs.items()))
+        if key not in results:
+            results[key] = f(*args, **kwargs)
+        return results[key]
+
+    return wrapper
+
+
+def _build_fact(method: str, verbose: bool) -> Any:
+    """``HorovodBasics().<method>()`` of the core library, the same answer every frontend's
+    ``hvd.<method>()`` gives (no ``init()`` needed). As Horovod's helpers, None when it cannot
+    be told (here: the core library does not load); ``verbose`` prints what was checked."""
+    try:
+        from bagua_hvd.common.basics import HorovodBasics
+
+        result = getattr(HorovodBasics(), method)()
+    except (ImportError, OSError) as e:
+        if verbose:
+            print(f"Could not load the bagua_hvd core to check {method}: {e}")
+        return None
+    if verbose:
+        print(f"bagua_hvd core: {method}() = {result!r}")
+    return result
+
+
+@_cache
+def mpi_built(verbose: bool = False) -> bool | None:
+    """True: MPI support is built in (Horovod's ``horovod.common.util.mpi_built``); mpirun
+    jobs use the MPI mpi4py loads. ``verbose=False``: print what was checked when True."""
+    return _build_fact("mpi_built", verbose)
+
+
+@_cache
+def gloo_built(verbose: bool = False) -> bool | None:
+    """True: the core plays Horovod's Gloo role (its own controller and CPU operations)."""
+    return _build_fact("gloo_built", verbose)
+
+
+@_cache
+def nccl_built(verbose: bool = False) -> int | None:
+    """NCCL_VERSION_CODE of the NCCL that serves CUDA tensors (loaded at run time), or 0: a core
+    built without CUDA, or no NCCL found (docs/gpu.md)."""
+    return _build_fact("nccl_built", verbose)
+
+
+@_cache
+def ddl_built(verbose: bool = False) -> bool | None:
+    """False: no IBM DDL support."""
+    return _build_fact("ddl_built", verbose)
+
+
+@_cache
+def ccl_built(verbose: bool = False) -> bool | None:
+    """False: no oneCCL support."""
+    return _build_fact("ccl_built", verbose)
+
+
+@_cache
+def cuda_built(verbose: bool = False) -> bool | None:
+    """True when the core library was built with CUDA support (its CUDA engine)."""
+    return _build_fact("cuda_built", verbose)
+
+
+@_cache
+def rocm_built(verbose: bool = False) -> bool | None:
+    """False: no ROCm support."""
+    return _build_fact("rocm_built", verbose)
+
+
 def check_installed_version(name: str, version: str) -> None:
     """Horovod compares framework versions against build time; nothing is compiled per framework
     here, so any installed version is accepted."""
