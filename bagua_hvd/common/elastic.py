@@ -63,29 +63,35 @@ class HostUpdateResult(IntFlag):
 
 class Assignment:
     """The driver's answer to a reset: ``"<generation> <rank>,<size>,<local_rank>,<local_size>,
-    <cross_rank>,<cross_size> <fresh>"``; rank -1 means the slot was removed from the job, fresh
-    1 that some worker of the new generation was not in the old one."""
+    <cross_rank>,<cross_size> <fresh> <first_update>"``; rank -1 means the slot was removed from
+    the job, fresh 1 that some worker of the new generation was not in the old one, and
+    first_update the number of the first host update published after the new generation's hosts
+    were chosen (the earlier ones are part of it; the later ones are news to it)."""
 
     FIELDS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
 
-    def __init__(self, generation: int, ranks: Tuple[int, ...], fresh: bool) -> None:
+    def __init__(
+        self, generation: int, ranks: Tuple[int, ...], fresh: bool, first_update: int
+    ) -> None:
         self.generation, self.ranks, self.fresh = generation, tuple(ranks), fresh
+        self.first_update = first_update
 
     @property
     def removed(self) -> bool:
         return self.ranks[0] < 0
 
     def encode(self) -> str:
-        return f"{self.generation} {','.join(map(str, self.ranks))} {int(self.fresh)}"
+        ranks = ",".join(map(str, self.ranks))
+        return f"{self.generation} {ranks} {int(self.fresh)} {self.first_update}"
 
     @classmethod
     def decode(cls, text: str) -> Assignment:
         try:
-            gen, ranks, fresh = text.split(" ")
+            gen, ranks, fresh, first_update = text.split(" ")
             values = tuple(int(v) for v in ranks.split(","))
             if len(values) != len(cls.FIELDS):
                 raise ValueError
-            return cls(int(gen), values, fresh == "1")
+            return cls(int(gen), values, fresh == "1", int(first_update))
         except ValueError:
             raise ValueError(f"bad answer from the elastic driver: {text!r}") from None
 
@@ -166,17 +172,21 @@ class HostRemovedError(RuntimeError):
 _state_lock = threading.Lock()
 _inits = 0  # hvd.init() calls that formed a job in this process
 _fresh = False  # the last rendezvous's world had workers that the previous one did not
+# The first host update that is news to the job formed last (the earlier ones were known when its
+# hosts were chosen); None outside an elastic job.
+_first_update: Optional[int] = None
 
 
 def before_init() -> None:
     """Called by ``hvd.init()`` before the core forms a job. In an elastic job, every init after
     the process's first asks the driver for this worker's place in the next generation and
     puts it in the environment the core reads; raises HostRemovedError when the slot is gone."""
-    global _fresh
+    global _fresh, _first_update
     if not config.elastic():
         return
     with _state_lock:
         if _inits == 0:
+            _first_update = config.elastic_worker().first_update
             return
     from bagua_hvd.runner.store import StoreClient, StoreError
 
@@ -204,6 +214,7 @@ def before_init() -> None:
     env[config.ELASTIC_GENERATION_ENV] = answer.generation
     config.set_job(env)
     _fresh = answer.fresh
+    _first_update = answer.first_update
 
 
 def after_init() -> None:
@@ -256,8 +267,24 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        # Updates queued before the reset are part of the world just formed.
-        self._host_messages = queue.Queue()
+        # Updates the driver published before it chose the new world's hosts are part of that
+        # world: drop them. Later ones (published while this worker was still joining the new
+        # job) are news to it and stay queued, else the change would be lost for good (the
+        # driver announces each change once per generation). Outside a driver's job, every
+        # queued update is dropped, as Horovod does.
+        first = _first_update
+        queued = []
+        while True:  # the same queue: the reader thread may put into it meanwhile
+            try:
+                queued.append(self._host_messages.get_nowait())
+            except queue.Empty:
+                break
+        for timestamp, res in queued:
+            if first is not None and timestamp >= first:
+                self._host_messages.put((timestamp, res))
+        if first is not None:
+            # An older update still on its way from the reader thread must not count either.
+            self._last_updated_timestamp = max(self._last_updated_timestamp, first - 1)
         self.reset()
         for callback in self._reset_callbacks:
             callback()

@@ -132,6 +132,7 @@ class ElasticDriver:
         self.command = list(command)
         self.on_store = on_store  # called with the store before the first worker starts
         self.settings = settings
+        self.discovery = discovery
         self.hosts = HostManager(discovery, settings.cooldown_range)
         self.env = dict(env)
         self.events: queue.Queue = queue.Queue()
@@ -168,8 +169,9 @@ class ElasticDriver:
         failures = 0
         while not self.stop_event.wait(DISCOVER_HOSTS_FREQUENCY_SECS):
             try:
-                with self.lock:
-                    res = self.hosts.update_available_hosts()
+                # Not under self.lock: the script may take up to its timeout, and the driver
+                # must meanwhile go on (resets, signals). HostManager is thread-safe.
+                res = self.hosts.update_available_hosts()
                 failures = 0
             except Exception as e:  # noqa: BLE001 - a flaky script must not end the job
                 failures += 1
@@ -298,6 +300,8 @@ class ElasticDriver:
                     info.cross_size,
                 ),
                 bool(fresh),
+                # Updates from here on are published after these hosts were chosen.
+                self.update_seq,
             )
             self.store.set(worker_api.next_key(previous, *key), answer.encode())
         for key in [k for k in self.workers if k not in assignment]:
@@ -412,8 +416,7 @@ class ElasticDriver:
 
     def run(self) -> ElasticResult:
         timeout = self.settings.timeout_s()
-        with self.lock:
-            self.hosts.update_available_hosts()  # a first failure ends the job: raise
+        self.hosts.update_available_hosts()  # a first failure ends the job: raise
         discovery = threading.Thread(
             target=self._discover_forever, name="bagua-run-discovery", daemon=True
         )
@@ -442,6 +445,8 @@ class ElasticDriver:
                     self.store.stop()
         finally:
             self.stop_event.set()
+            # A discovery script still running (slow or hung) goes with the job.
+            self.discovery.close()
             self.copies.close()
 
     def _supervise(self, trap: SignalTrap) -> ElasticResult:
