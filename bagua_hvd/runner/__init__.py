@@ -14,4 +14,8 @@ def __getattr__(name: str) -> Any:
         from bagua_hvd.runner.api import run
 
         return run
+    if name == "_HorovodArgs":  # horovod.runner._HorovodArgs, for launch._run
+        from bagua_hvd.runner.programmatic import _HorovodArgs
+
+        return _HorovodArgs
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

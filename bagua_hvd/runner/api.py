@@ -211,6 +211,7 @@ def run(
     np: Optional[int] = None,
     min_np: Optional[int] = None,
     max_np: Optional[int] = None,
+    _env: Optional[Dict[str, str]] = None,
 ) -> List[Any]:
     """Runs ``func(*args, **kwargs)`` on every rank of a new job; returns the results by rank.
 
@@ -333,7 +334,7 @@ def run(
         raise TypeError(
             f"bagua_hvd.run: func/args/kwargs cannot be pickled with cloudpickle: {e}"
         ) from e
-    env: Dict[str, str] = {}
+    env: Dict[str, str] = dict(_env or {})  # launch._run: the settings as bagua-run's flags
     nics = _nics(network_interface, network_interfaces)
     if nics:
         env["HOROVOD_GLOO_IFACE"] = nics[0]

@@ -491,8 +491,9 @@ def launch_hosts(
         server.stop()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs bagua-run with ``argv`` (default sys.argv[1:]) and returns its exit status."""
+def main(argv: Optional[Sequence[str]] = None, _extra_env: Optional[Dict[str, str]] = None) -> int:
+    """Runs bagua-run with ``argv`` (default sys.argv[1:]) and returns its exit status
+    (``_extra_env``: more variables for the ranks, from gloo_run / mpi_run)."""
     args = parse_args(argv)
     if args.check_build:
         from bagua_hvd.runner.check_build import check_build_text
@@ -507,7 +508,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_elastic(args)
     common = dict(
         start_timeout=args.start_timeout,
-        extra_env=rank_env(args),
+        extra_env=dict(_extra_env or {}, **rank_env(args)),
         output_dir=args.output_filename,
         verbose=args.verbose,
     )
@@ -570,6 +571,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             flush=True,
         )
     return result.exit_code
+
+
+# Horovod's runner names programmatic launchers import from horovod.runner.launch
+# (bagua_hvd.runner.programmatic; resolved lazily: it imports this module).
+_PROGRAMMATIC = ("_run", "_HorovodArgs", "gloo_run", "mpi_run")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PROGRAMMATIC:
+        from bagua_hvd.runner import programmatic
+
+        return getattr(programmatic, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run_commandline(argv: Optional[List[str]] = None) -> NoReturn:

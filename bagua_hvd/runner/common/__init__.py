@@ -1,0 +1,1 @@
+"""Horovod's ``horovod.runner.common``: the helpers launcher scripts import (``util``)."""
