@@ -13,6 +13,7 @@ the result is already there.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 import warnings
@@ -165,6 +166,37 @@ class _Scratch(threading.local):
 _scratch: _Scratch | None = None
 
 
+# Set in a process forked from one whose core was running (a DataLoader worker, a
+# multiprocessing pool with the fork start method): the core's background thread and connections
+# do not exist there, so an op would wait forever. Holds the parent's pid.
+_forked_from: int | None = None
+
+
+def _after_fork_in_child() -> None:
+    global _forked_from
+    lib = _native._lib
+    if lib is not None and (_forked_from is not None or lib.bhvd_is_initialized()):
+        _forked_from = _forked_from or os.getppid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def check_not_forked() -> None:
+    """Raises RuntimeError in a process forked from one that had initialized bagua_hvd, whose
+    collectives cannot run there (they would wait forever)."""
+    if _forked_from is not None:
+        raise RuntimeError(
+            f"bagua_hvd: this process (pid {os.getpid()}) was forked from process "
+            f"{_forked_from}, which had called hvd.init() (a DataLoader worker with "
+            "num_workers > 0, or a multiprocessing pool using fork?). Horovod collectives "
+            "cannot run in a forked child: the background thread and the connections to the "
+            "other ranks exist only in the process that called hvd.init(). Call collectives "
+            "in that process (for example on the batches the DataLoader returns)."
+        )
+
+
 def native() -> _Native:
     """The cached native entry points (loads the core library on first call)."""
     global _n
@@ -205,6 +237,8 @@ def enqueue(
     checks made here before the core raise ValueError.
     """
     global _scratch
+    if _forked_from is not None:
+        check_not_forked()
     n = _n if _n is not None else native()
     newp = n.newp
     if len(inputs) == 1 and splits is None:
@@ -387,6 +421,8 @@ def wait(handle: int, what: str = "operation") -> None:
     only warns) it raises HorovodInternalError; a warning naming the op is printed every
     ``BAGUA_HVD_WAIT_WARNING_SECONDS`` (default 60) while it waits.
     """
+    if _forked_from is not None:
+        check_not_forked()
     n = _n if _n is not None else native()
     wait_c = n.lib.bhvd_wait
     status = wait_c(handle, _WAIT_SLICE_MS)
@@ -408,6 +444,8 @@ def stream_wait(handle: int, stream: int) -> None:
 def wait_status(handle: int, what: str = "operation") -> int:
     """Blocks until ``handle`` completes and returns its status (:func:`wait`'s slices,
     warnings and ``BAGUA_HVD_OP_TIMEOUT_SECONDS``, which raises HorovodInternalError)."""
+    if _forked_from is not None:
+        check_not_forked()
     n = _n if _n is not None else native()
     status = n.lib.bhvd_wait(handle, _WAIT_SLICE_MS)
     if status == TIMED_OUT:
@@ -418,6 +456,8 @@ def wait_status(handle: int, what: str = "operation") -> int:
 def wait_until(handle: int, timeout_s: float) -> bool:
     """Blocks until ``handle`` completes or ``timeout_s`` seconds have passed (in slices, so
     that Ctrl-C is handled); True when it completed."""
+    if _forked_from is not None:
+        check_not_forked()
     n = _n if _n is not None else native()
     deadline = time.monotonic() + max(0.0, timeout_s)
     while True:
