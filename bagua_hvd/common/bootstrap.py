@@ -143,6 +143,19 @@ def _form_job(comm: Any, host: str) -> dict:
         raise ValueError(f"bagua_hvd: {reply}")
     addr, port, secret, job_id = reply
     local_rank, local_size, cross_rank, cross_size = placement(names, rank)
+    jsm = config.jsm_placement()
+    launched = config.foreign_launch()
+    if jsm is not None and launched is not None and comm.Get_size() == launched.size:
+        # Under LSF's jsrun, the job step manager knows each task's node: the host names MPI
+        # reports must group the ranks the same way, or shared memory would join tasks of
+        # different nodes (or miss tasks of one).
+        if jsm != (local_rank, local_size):
+            raise ValueError(
+                f"bagua_hvd: jsrun (LSF) placed rank {rank} as task {jsm[0]} of {jsm[1]} on its "
+                f"node (JSM_NAMESPACE_LOCAL_RANK/JSM_NAMESPACE_LOCAL_SIZE), but the host names "
+                f"MPI reports make it local rank {local_rank} of {local_size} on {names[rank]}: "
+                "each node needs a host name (MPI_Get_processor_name) of its own"
+            )
     return {
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
         "HOROVOD_GLOO_RENDEZVOUS_PORT": port,

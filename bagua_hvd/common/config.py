@@ -297,6 +297,22 @@ def no_effect_warning() -> Optional[str]:
     return "bagua_hvd: these variables have no effect here: " + "; ".join(parts)
 
 
+def jsm_placement() -> Optional[Tuple[int, int]]:
+    """(local rank, local size) of this task as LSF's jsrun placed it (JSM_NAMESPACE_LOCAL_RANK,
+    JSM_NAMESPACE_LOCAL_SIZE: its rank among the tasks of its node, and their number); None
+    outside jsrun. ValueError naming a variable that is not an integer."""
+    names = ("JSM_NAMESPACE_LOCAL_RANK", "JSM_NAMESPACE_LOCAL_SIZE")
+    values = [_text(n) for n in names]
+    if not all(values):
+        return None
+    try:
+        return int(values[0]), int(values[1])
+    except ValueError:
+        raise ValueError(
+            f"jsrun (LSF): {names[0]}={values[0]!r} and {names[1]}={values[1]!r} must be integers"
+        ) from None
+
+
 def network_interface() -> str:
     """``HOROVOD_GLOO_IFACE`` ("" when unset)."""
     return _text("HOROVOD_GLOO_IFACE")
