@@ -2,8 +2,8 @@
 
 Exports the collectives, the in-graph queries, process sets, basics, Compression, the
 object/variable helpers, DistributedGradientTape, PartialDistributedGradientTape,
-DistributedOptimizer, LocalGradientAggregationHelper and SyncBatchNormalization of
-``horovod.tensorflow``. Keras: ``bagua_hvd.tensorflow.keras`` (and ``bagua_hvd.keras``); BAGUA's
+DistributedOptimizer, LocalGradientAggregationHelper(Eager), the TF1
+BroadcastGlobalVariablesHook and SyncBatchNormalization of ``horovod.tensorflow``. Keras: ``bagua_hvd.tensorflow.keras`` (and ``bagua_hvd.keras``); BAGUA's
 algorithms: ``bagua_hvd.tensorflow.algorithms`` (docs/tensorflow.md, docs/algorithms.md).
 """
 
@@ -23,6 +23,10 @@ from bagua_hvd.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa
 from bagua_hvd.common.util import check_extension, gpu_available, split_list  # noqa: F401
 from bagua_hvd.tensorflow import elastic, mpi_ops, util  # noqa: F401  (hvd.elastic, hvd.util)
 from bagua_hvd.tensorflow.compression import Compression, NoneCompressor
+from bagua_hvd.tensorflow.gradient_aggregation_eager import (  # noqa: F401
+    LocalGradientAggregationHelperEager,
+)
+from bagua_hvd.tensorflow.hooks import BroadcastGlobalVariablesHook  # noqa: F401
 from bagua_hvd.tensorflow.mpi_ops import (  # noqa: F401
     ProcessSet,
     _executing_eagerly,
