@@ -451,6 +451,16 @@ class StoreServer:
             self._data[_as_bytes(key, "key")] = _as_bytes(value, "value")
             self._cond.notify_all()
 
+    def set_if_absent(self, key: KeyLike, value: ValueLike) -> bool:
+        """Sets a key directly unless it is set already; returns whether it was set."""
+        k = _as_bytes(key, "key")
+        with self._cond:
+            if k in self._data:
+                return False
+            self._data[k] = _as_bytes(value, "value")
+            self._cond.notify_all()
+            return True
+
     def get(self, key: KeyLike, timeout: float = 0.0) -> bytes:
         """Reads a key directly, waiting up to ``timeout`` seconds for it (values stay readable
         after :meth:`stop`)."""

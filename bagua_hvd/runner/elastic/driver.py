@@ -66,6 +66,9 @@ NO_HOSTS_REMAINING_MESSAGE = "No hosts from previous set remaining, unable to br
 # Beyond the elastic timeout, how long a reset worker waits for the driver's answer.
 ANSWER_MARGIN_S = 60.0
 _POLL_S = 0.05
+# The key under which the core's rank publishes its address in a generation's rendezvous
+# (rank_key in native/src/transport/transport.cc, docs/protocol.md).
+_CORE_RANK_KEY = "bhvd/e{}/rank/{}"
 
 SlotKey = Tuple[str, int]  # (host, local rank): a worker's identity across generations
 
@@ -517,9 +520,26 @@ class ElasticDriver:
         self._results[worker.key] = code
         if code != 0:
             self.log(f"{worker.key[0]}[{worker.key[1]}] exited with code {code}")
+            self._release_rendezvous(worker.key, code)
         self._record(worker.key, Record.SUCCESS if code == 0 else Record.FAILURE)
         if self.resuming_since is not None and code != 0:
             self._blacklist(worker.key[0])
+
+    def _release_rendezvous(self, key: SlotKey, code: int) -> None:
+        """A worker of the current generation that failed before it published its address (its
+        host unreachable, its command broken) would keep the others waiting in the core's
+        rendezvous for the whole start timeout: publish a mark in its place, which makes their
+        rendezvous fail at once, so they reset and the generation ends (its host blacklisted)."""
+        info = self.assignment.get(key)
+        if info is None or self.resuming_since is not None:
+            return
+        mark = (
+            f"gone\nits worker on {key[0]}[{key[1]}] exited with code {code} before it joined "
+            f"generation {self.generation} (bagua-run's elastic driver)"
+        )
+        if self.store.set_if_absent(_CORE_RANK_KEY.format(self.generation, info.rank), mark):
+            self.log(f"{key[0]}[{key[1]}] never joined generation {self.generation}: released "
+                     "the others' rendezvous", always=True)  # fmt: skip
 
     def _finish(self, message: Optional[str] = None) -> ElasticResult:
         """Ends the job: stops what still runs. Success when every worker of the last

@@ -190,6 +190,10 @@ RankInfo decode(const std::string& v, int rank, const std::string& key) {
     return TransportError("malformed rendezvous value for rank " + std::to_string(rank) +
                           " under key '" + key + "': " + why);
   };
+  // The elastic driver's mark for a rank whose worker exited before it joined: stop waiting.
+  if (v.rfind("gone\n", 0) == 0) {
+    throw TransportError("rank " + std::to_string(rank) + " will not join: " + v.substr(5));
+  }
   if (v.rfind("v1\n", 0) != 0) throw bad("unknown format (a different bagua_hvd version?)");
   RankInfo info;
   bool have_port = false;
