@@ -23,7 +23,6 @@ errors (127/126 when the command cannot be found/executed) and 2 for usage error
 from __future__ import annotations
 
 import argparse
-import hashlib
 import ipaddress
 import os
 import secrets
@@ -330,13 +329,22 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def wait_for_rendezvous(host: str, port: int, secret: bytes, timeout_s: float) -> None:
+# Where node 0 of a multi-node launch publishes the job id for the other nodes.
+JOB_ID_KEY = "bagua-run/job_id"
+
+
+def wait_for_rendezvous(host: str, port: int, secret: bytes, timeout_s: float) -> str:
     """Waits until node 0's rendezvous server accepts this node's secret (LaunchError after
-    timeout_s, or at once when the server rejects the secret)."""
+    timeout_s, or at once when the server rejects the secret); returns the job id node 0
+    published there (JOB_ID_KEY)."""
     from bagua_hvd.runner.store import AuthenticationError, StoreClient, StoreError
 
     try:
-        StoreClient(host, port, secret, timeout=timeout_s).close()
+        client = StoreClient(host, port, secret, timeout=timeout_s)
+        try:
+            return client.get(JOB_ID_KEY).decode("ascii")
+        finally:
+            client.close()
     except AuthenticationError as e:
         raise LaunchError(
             f"node 0's rendezvous server at {host}:{port} rejected this node's "
@@ -380,10 +388,9 @@ def launch(
         if rendezvous is None:
             raise LaunchError("--num-nodes > 1 needs --rendezvous-addr ADDR:PORT")
         secret = shared_secret()
-        # Equal on every node without talking: derived from what all nodes share.
-        job_id = hashlib.sha256(
-            b"bagua_hvd-job\0" + secret + f"{rendezvous[0]}:{rendezvous[1]}".encode()
-        ).hexdigest()[:16]
+        # Made up by node 0 and read from its store by the others once authenticated: the job
+        # id travels in cleartext (peer HELLOs), so nothing secret may go into it.
+        job_id = secrets.token_hex(8) if node_rank == 0 else ""
     server = None
     try:
         if node_rank == 0:
@@ -405,11 +412,12 @@ def launch(
                 raise LaunchError(f"cannot serve the rendezvous on {bind_host}:{port}: {e}") from e
             server = candidate
             port = server.port
+            server.set(JOB_ID_KEY, job_id)
             if on_store is not None:
                 on_store(server)
         else:
             addr, port = rendezvous
-            wait_for_rendezvous(addr, port, secret, start_timeout)
+            job_id = wait_for_rendezvous(addr, port, secret, start_timeout)
         env = job_env(secret, job_id, addr, port)
         env.update(extra_env or {})
         if verbose:
