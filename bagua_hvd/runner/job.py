@@ -129,6 +129,23 @@ def pad_rank(rank: int, size: int) -> str:
     return str(rank).zfill(len(str(max(size - 1, 0))))
 
 
+def output_rank_dir(output_dir: str, rank: int, size: int) -> Path:
+    """Creates ``--output-filename``'s directory for ``rank`` (``DIR/rank.<padded rank>``, as
+    horovodrun) and returns it; LaunchError naming the directory when it cannot be created or
+    written. Every launch path (one host, ``-H``, elastic) checks it before any rank starts, so
+    that no rank's output is lost to a directory that cannot hold it."""
+    rank_dir = Path(output_dir) / f"rank.{pad_rank(rank, size)}"
+    try:
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(rank_dir, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as e:
+        raise LaunchError(
+            f"cannot write --output-filename files in {rank_dir}: {e.strerror or e}"
+        ) from e
+    return rank_dir
+
+
 class _Output:
     """Writes whole prefixed lines to the launcher's stdout/stderr under one lock; with
     ``timestamp`` (``bagua-run --prefix-output-with-timestamp``) each line starts with the local
@@ -314,9 +331,8 @@ def _start_rank(command, slot, env, output_dir, out, events, cwd, watch_fd) -> _
     full_env.update(slot.env())
     copies: Dict[str, Optional[IO[bytes]]] = {"stdout": None, "stderr": None}
     if output_dir is not None:
-        rank_dir = Path(output_dir) / f"rank.{pad_rank(slot.rank, slot.size)}"
+        rank_dir = output_rank_dir(output_dir, slot.rank, slot.size)
         try:
-            rank_dir.mkdir(parents=True, exist_ok=True)
             copies = {kind: open(rank_dir / kind, "wb") for kind in copies}
         except OSError as e:
             raise LaunchError(f"cannot write --output-filename files in {rank_dir}: {e}") from e

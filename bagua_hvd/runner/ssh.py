@@ -34,7 +34,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from bagua_hvd.common import network
@@ -48,7 +47,7 @@ from bagua_hvd.runner.job import (
     JobResult,
     LaunchError,
     SignalTrap,
-    pad_rank,
+    output_rank_dir,
     shell_exit_code,
 )
 
@@ -191,6 +190,10 @@ class OutputCopies:
         self.dir, self.size = output_dir, size
         self.files: Dict[Tuple[int, str], IO[bytes]] = {}
         self.lock = threading.Lock()
+        self.failed = False
+        if output_dir is not None:
+            # Refused before any rank starts, as one-host runs do (LaunchError naming it).
+            output_rank_dir(output_dir, 0, size)
 
     def write(self, line: bytes) -> None:
         if self.dir is None:
@@ -200,13 +203,20 @@ class OutputCopies:
             return
         key = (int(m.group(1)), m.group(2).decode())
         with self.lock:
-            f = self.files.get(key)
-            if f is None:
-                d = Path(self.dir) / f"rank.{pad_rank(key[0], self.size)}"
-                d.mkdir(parents=True, exist_ok=True)
-                f = self.files[key] = open(d / key[1], "ab")
-            f.write(line[m.end() :])
-            f.flush()
+            try:
+                f = self.files.get(key)
+                if f is None:
+                    d = output_rank_dir(self.dir, key[0], self.size)
+                    f = self.files[key] = open(d / key[1], "ab")
+                f.write(line[m.end() :])
+                f.flush()
+            except (OSError, LaunchError) as e:
+                # A copy that fails later (disk full) must not cost the console its output.
+                if not self.failed:
+                    self.failed = True
+                    OUTPUT.write(
+                        "stderr", f"bagua-run: --output-filename copy failed: {e}\n".encode()
+                    )
 
     def close(self) -> None:
         with self.lock:
