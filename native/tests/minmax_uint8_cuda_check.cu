@@ -81,6 +81,7 @@ std::vector<uint8_t> to_storage(const std::vector<float>& x, DataType t) {
 }
 
 // Per-chunk input patterns; `kind` selects the special case.
+constexpr int kKinds = 12;
 std::vector<float> make_input(size_t n_chunks, size_t c, int kind, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
@@ -88,7 +89,7 @@ std::vector<float> make_input(size_t n_chunks, size_t c, int kind, std::mt19937&
   const float inf = std::numeric_limits<float>::infinity();
   for (size_t k = 0; k < n_chunks; ++k) {
     float* p = x.data() + k * c;
-    const int chunk_kind = (kind + static_cast<int>(k)) % 9;
+    const int chunk_kind = (kind + static_cast<int>(k)) % kKinds;
     for (size_t i = 0; i < c; ++i) {
       switch (chunk_kind) {
         case 0: p[i] = normal(rng) * 1e-3f; break;            // gradient-like
@@ -99,6 +100,10 @@ std::vector<float> make_input(size_t n_chunks, size_t c, int kind, std::mt19937&
         case 5: p[i] = uni(rng) * 3e38f; break;                // near float32 max
         case 6: p[i] = (i % 3) ? 0.0f : -0.0f; break;          // signed zeros
         case 7: p[i] = normal(rng); if (i == c / 2) p[i] = NAN; break;
+        // The overflow rule (finite in, finite out): max * scale, then max - min overflow.
+        case 8: p[i] = 1e30f; break;                           // constant, huge
+        case 9: p[i] = -3e38f; break;                          // constant, near -max
+        case 10: p[i] = (i % 2) ? uni(rng) * 3e38f : ((i % 4) ? 3e38f : -3e38f); break;
         default: p[i] = normal(rng); if (i == c - 1) p[i] = (k % 2) ? inf : -inf; break;
       }
     }
@@ -229,7 +234,7 @@ int main(int argc, char** argv) {
       if (quick && c > 100003) continue;
       for (size_t n_chunks : {1, 2, 5}) {
         if (c == 0 && n_chunks > 1) continue;
-        const int kinds = c >= (1u << 20) ? 2 : 9;
+        const int kinds = c >= (1u << 20) ? 2 : kKinds;
         for (int kind = 0; kind < kinds; ++kind) check_case(t, n_chunks, c, kind, rng);
       }
     }

@@ -1,6 +1,6 @@
-"""ByteGrad (no hierarchy: every rank compresses) on gradients of 1e30, -1e30 and 3e38 at 2 ranks:
-every rank's update is finite and equals tests/reference_algorithms.py's bytegrad exactly
-(MinMaxUInt8 "finite in, finite out", docs/algorithms.md). Prints "large values ok" on success."""
+"""ByteGrad (no hierarchy: every rank compresses) on gradients of 1e30, -1e30 and 3e38 at 2 ranks,
+then low-precision decentralized on weights of 1e30: every rank's update is finite and equals the
+numpy reference (tests/reference_algorithms.py) exactly (MinMaxUInt8 "finite in, finite out", docs/algorithms.md). Prints "large values ok" on success."""
 
 import sys
 from pathlib import Path
@@ -49,8 +49,37 @@ def main() -> None:
         assert np.array_equal(got, want), (
             f"case {i}: rank {hvd.rank()}: got {got}, reference {want}"
         )
+    low_precision_decentralized()
     print(f"rank {hvd.rank()}: large values ok", flush=True)
     hvd.shutdown()
+
+
+def low_precision_decentralized() -> None:
+    """Weights of 1e30 / 2e30: d = x + L/3 + R/3 - 5/3 s is a constant chunk of ~7e29 whose
+    max * scale overflowed, which the compressor turned into Inf, then NaN. Two steps, reference from
+    tests/reference_algorithms.py's LowPrecisionRing."""
+    from bagua_hvd.torch.algorithms import LowPrecisionDecentralized
+
+    r = hvd.rank()
+    weights = [np.full(2 * C, 1e30, np.float32), np.full(2 * C, 2e30, np.float32)]
+    grads = [np.full(2 * C, 1e28, np.float32), np.full(2 * C, -1e28, np.float32)]
+    p = torch.nn.Parameter(torch.from_numpy(weights[r].copy()))
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD([p], lr=1.0),
+        named_parameters=[("w", p)],
+        algorithm=LowPrecisionDecentralized(hierarchical=False),
+    )
+    ring = ra.LowPrecisionRing.initial(weights, "float32")
+    xs = weights
+    for step in range(2):
+        xs = ring.communicate([x - g for x, g in zip(xs, grads)])
+        opt.zero_grad()
+        (p * torch.from_numpy(grads[r])).sum().backward()
+        opt.step()
+        got = p.detach().numpy()
+        assert np.isfinite(xs[r]).all(), f"step {step}: the reference is not finite: {xs[r]}"
+        assert np.isfinite(got).all(), f"step {step}: rank {r} got {got}"
+        assert np.array_equal(got, xs[r]), f"step {step}: rank {r}: got {got}, want {xs[r]}"
 
 
 if __name__ == "__main__":
