@@ -77,7 +77,7 @@ def prepare(comm: Any = None) -> bool:
             return comm is not None
         why = (
             f"MPI (mpi4py, {MPI.Get_library_version().split(',')[0].strip()}) sees rank "
-            f"{comm.Get_rank()} of {comm.Get_size()}: "
+            f"{world.Get_rank()} of {world.Get_size()}: "
             + (
                 "srun did not start it (srun --mpi=pmix does, for an MPI built with PMIx)"
                 if srun
