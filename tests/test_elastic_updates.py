@@ -76,3 +76,5 @@ def test_update_published_while_a_generation_forms_is_not_lost(tmp_path, final_h
     assert lines[1]["sizes"] == [2] + [final_size] * 9, _explain(proc)
     _check(lines[2], 2, start_rank=0, size=final_size, hostname="localhost", rendezvous=3)
     _replay(lines)
+    # A normal run: the store's end logs nothing (the workers' update readers were cut off).
+    assert "rendezvous store" not in proc.stderr, _explain(proc)

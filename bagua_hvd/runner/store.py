@@ -20,6 +20,7 @@ import hmac
 import logging
 import os
 import secrets
+import select
 import selectors
 import socket
 import struct
@@ -35,6 +36,16 @@ DEFAULT_MAX_FRAME_BYTES = 16 << 20
 MAX_HANDSHAKE_FRAME = 4096
 MAX_KEY_BYTES = 4096
 MAX_CONNECTIONS = 4096
+# What clients may store in all (keys and values); a SET beyond it is refused with an error
+# naming the cap, so a buggy or hostile client cannot take the launcher's memory.
+MAX_STORED_BYTES = 512 << 20
+MAX_STORED_KEYS = 1 << 20
+# How often a blocking GET checks that its client is still connected (a client that went away
+# frees its thread within this).
+CLIENT_CHECK_S = 0.5
+# TCP keepalive on authenticated clients: a client whose machine vanished without closing its
+# connection is noticed within about KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_COUNT.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 30, 10, 3
 # Connections handshaking at once; a newcomer beyond that evicts the oldest one (see StoreServer).
 MAX_PENDING_HANDSHAKES = 64
 # At most one warning about rejected connections per this many seconds.
@@ -291,10 +302,12 @@ def client_handshake(
 
 
 class _RateLimitedWarning:
-    """Logs at most one warning per ``interval`` seconds, counting those it left out."""
+    """Logs at most one warning per ``interval`` seconds, counting those it left out
+    (``what``: how the count's note calls them)."""
 
-    def __init__(self, interval: float) -> None:
+    def __init__(self, interval: float, what: str = "rejected") -> None:
         self._interval = interval
+        self._what = what
         self._lock = threading.Lock()
         self._last: Optional[float] = None
         self._suppressed = 0
@@ -307,7 +320,7 @@ class _RateLimitedWarning:
                 return
             suppressed, self._suppressed, self._last = self._suppressed, 0, now
         if suppressed:
-            message += " (%d more rejected since the last warning)"
+            message += f" (%d more {self._what} since the last warning)"
             args += (suppressed,)
         logger.warning(message, *args)
 
@@ -326,11 +339,17 @@ class StoreServer:
         handshake_timeout: seconds a new connection has to authenticate (the whole handshake).
         on_set: called with (key, value) after a client's SET is stored, on that client's
             thread (the elastic driver hears its workers this way); it must return quickly.
+        max_stored_bytes, max_stored_keys: what clients may store in all; a SET beyond either
+            is refused (the client gets an error naming the cap).
 
     At most ``MAX_PENDING_HANDSHAKES`` connections handshake at once: a newcomer beyond that
     evicts the oldest one still handshaking (its client retries, see :class:`StoreClient`), so
     silent, trickling or garbage connections neither hold threads for long nor keep the ranks
-    out. Rejections are logged at most once per ``REJECT_LOG_INTERVAL_S``.
+    out. Rejections, and clients dropped for errors, are logged at most once per
+    ``REJECT_LOG_INTERVAL_S`` each; nothing is logged about clients cut off by :meth:`stop`. A
+    blocking GET ends when its client disconnects (checked every ``CLIENT_CHECK_S``; TCP
+    keepalive notices a vanished machine), so clients that went away do not hold threads or
+    count against ``MAX_CONNECTIONS``.
     """
 
     def __init__(
@@ -342,6 +361,8 @@ class StoreServer:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         handshake_timeout: float = 10.0,
         on_set: Optional[Callable[[bytes, bytes], None]] = None,
+        max_stored_bytes: int = MAX_STORED_BYTES,
+        max_stored_keys: int = MAX_STORED_KEYS,
     ) -> None:
         self._secret = _check_secret(secret)
         self._on_set = on_set
@@ -350,6 +371,9 @@ class StoreServer:
         self._max_frame = int(max_frame_bytes)
         self._handshake_timeout = float(handshake_timeout)
         self._data: dict[bytes, bytes] = {}
+        self._stored_bytes = 0  # keys and values in _data, guarded by _cond
+        self._max_stored_bytes = int(max_stored_bytes)
+        self._max_stored_keys = int(max_stored_keys)
         self._cond = threading.Condition()
         self._lock = threading.Lock()  # guards the fields below
         self._listener: socket.socket | None = None
@@ -358,6 +382,7 @@ class StoreServer:
         self._accept_thread: threading.Thread | None = None
         self._clients: dict[threading.Thread, _Connection] = {}  # in accept order
         self._rejects = _RateLimitedWarning(REJECT_LOG_INTERVAL_S)
+        self._drops = _RateLimitedWarning(REJECT_LOG_INTERVAL_S, "dropped")
         self._stopping = False
         self._port = 0
 
@@ -446,10 +471,9 @@ class StoreServer:
     # -- local access (the launcher's own reads and writes) --
 
     def set(self, key: KeyLike, value: ValueLike) -> None:
-        """Sets a key directly in this process."""
+        """Sets a key directly in this process (not bound by the caps on clients)."""
         with self._cond:
-            self._data[_as_bytes(key, "key")] = _as_bytes(value, "value")
-            self._cond.notify_all()
+            self._store(_as_bytes(key, "key"), _as_bytes(value, "value"))
 
     def set_if_absent(self, key: KeyLike, value: ValueLike) -> bool:
         """Sets a key directly unless it is set already; returns whether it was set."""
@@ -457,9 +481,43 @@ class StoreServer:
         with self._cond:
             if k in self._data:
                 return False
-            self._data[k] = _as_bytes(value, "value")
-            self._cond.notify_all()
+            self._store(k, _as_bytes(value, "value"))
             return True
+
+    @property
+    def client_count(self) -> int:
+        """Connections being served now (handshaking or authenticated)."""
+        with self._lock:
+            return sum(1 for t in self._clients if t.is_alive())
+
+    def _store(self, key: bytes, value: bytes) -> None:
+        old = self._data.get(key)
+        if old is not None:
+            self._stored_bytes -= len(key) + len(old)
+        self._data[key] = value
+        self._stored_bytes += len(key) + len(value)
+        self._cond.notify_all()
+
+    def _client_set(self, key: bytes, value: bytes) -> Optional[str]:
+        """A client's SET within the caps; returns why it was refused, else None."""
+        with self._cond:
+            old = self._data.get(key)
+            after = self._stored_bytes + len(key) + len(value)
+            if old is not None:
+                after -= len(key) + len(old)
+            elif len(self._data) >= self._max_stored_keys:
+                return (
+                    f"the rendezvous store is full: it holds {len(self._data)} keys, the most "
+                    f"it takes (MAX_STORED_KEYS); refused SET of {key[:64]!r}"
+                )
+            if after > self._max_stored_bytes:
+                return (
+                    f"the rendezvous store is full: SET of {key[:64]!r} ({len(value)} bytes) "
+                    f"would bring it to {after} bytes, over its cap of "
+                    f"{self._max_stored_bytes} (MAX_STORED_BYTES)"
+                )
+            self._store(key, value)
+            return None
 
     def get(self, key: KeyLike, timeout: float = 0.0) -> bytes:
         """Reads a key directly, waiting up to ``timeout`` seconds for it (values stay readable
@@ -474,13 +532,21 @@ class StoreServer:
 
     # -- internals --
 
-    def _wait_for(self, key: bytes, timeout: float) -> bytes | None:
+    def _wait_for(
+        self, key: bytes, timeout: float, client: Optional[socket.socket] = None
+    ) -> bytes | None:
+        """The value of ``key`` once set, or None after ``timeout``, at stop, or (``client``
+        given) once that client disconnected."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
             while key not in self._data and not self._stopping:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
+                if client is not None:
+                    if _disconnected(client):
+                        return None
+                    left = min(left, CLIENT_CHECK_S)
                 self._cond.wait(left)
             return self._data.get(key)
 
@@ -561,23 +627,31 @@ class StoreServer:
                 "rendezvous store: %s authenticated (%s)", peer, info.decode(errors="replace")
             )
             sock.settimeout(None)  # authenticated clients may stay idle
+            _keepalive(sock)
             while not self._stopping:
                 try:
                     request = _recv_frame(sock, self._max_frame, what)
                 except StoreError as e:
                     if not isinstance(e, StoreConnectionClosed) and not self._stopping:
-                        logger.warning("rendezvous store: dropped %s: %s", what, e)
+                        self._drops.warning("rendezvous store: dropped %s: %s", what, e)
                         self._reply_error(sock, str(e))
                     return
-                reply = self._handle(request, what)
+                reply = self._handle(request, what, sock)
+                if reply is None:
+                    logger.debug("rendezvous store: %s left during a GET", what)
+                    return
                 _send_frame(sock, reply)
+                if reply[:1] == b"E" and self._stopping:
+                    return  # stop() cuts every client off: nothing went wrong, nothing to log
                 if reply[:1] == b"E":
-                    logger.warning("rendezvous store: dropped %s: %s", what, reply[1:].decode())
+                    self._drops.warning(
+                        "rendezvous store: dropped %s: %s", what, reply[1:].decode()
+                    )
                     self._linger(sock)
                     return
         except OSError as e:
             if not self._stopping:
-                logger.warning("rendezvous store: connection from %s failed: %s", peer, e)
+                self._drops.warning("rendezvous store: connection from %s failed: %s", peer, e)
         except Exception:  # a bug must not pass silently, but must not stop the server either
             logger.exception("rendezvous store: error serving %s", peer)
         finally:
@@ -608,7 +682,10 @@ class StoreServer:
         except OSError:  # the client is gone, or ERROR_LINGER_S passed (socket.timeout)
             pass
 
-    def _handle(self, req: bytes, what: str) -> bytes:
+    def _handle(
+        self, req: bytes, what: str, client: Optional[socket.socket] = None
+    ) -> bytes | None:
+        """The reply to one request; None when the client disconnected during a GET."""
         op = req[:1]
         if op == b"S":
             if len(req) < 5:
@@ -617,7 +694,9 @@ class StoreServer:
             if not 0 < klen <= MAX_KEY_BYTES or len(req) < 5 + klen:
                 return b"E" + f"bad key length {klen} in SET request".encode()
             key, value = req[5 : 5 + klen], req[5 + klen :]
-            self.set(key, value)
+            refused = self._client_set(key, value)
+            if refused is not None:
+                return b"E" + refused.encode()
             if self._on_set is not None:
                 self._on_set(key, value)
             return b"K"
@@ -627,9 +706,13 @@ class StoreServer:
             timeout_ms, klen = struct.unpack_from("<II", req, 1)
             if not 0 < klen <= MAX_KEY_BYTES or len(req) != 9 + klen:
                 return b"E" + f"bad key length {klen} in GET request".encode()
-            value = self._wait_for(req[9:], timeout_ms / 1000.0)
+            value = self._wait_for(req[9:], timeout_ms / 1000.0, client)
             if value is None:
-                return b"E" + b"store is shutting down" if self._stopping else b"T"
+                if self._stopping:
+                    return b"E" + b"store is shutting down"
+                if client is not None and _disconnected(client):
+                    return None
+                return b"T"
             return b"V" + value
         return b"E" + f"unknown request type {req[:1]!r}".encode()
 
@@ -651,6 +734,33 @@ class _Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # closed already
+
+
+def _disconnected(sock: socket.socket) -> bool:
+    """Whether the client closed its end or its connection failed (without consuming data: a
+    client may have sent its next request already)."""
+    try:
+        if not select.select([sock], [], [], 0)[0]:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except (OSError, ValueError):  # reset, or closed by stop()
+        return True
+
+
+def _keepalive(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for opt, value in (
+            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+            ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+        ):
+            if hasattr(socket, opt):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+    except OSError:
+        pass  # not a TCP socket (tests), or the option is not supported
 
 
 def _format_addr(addr: object) -> str:
