@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from bagua_hvd.common import config
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
+from bagua_hvd.tensorflow.gradient_aggregation_eager import LocalGradientAggregationHelperEager
 from bagua_hvd.tensorflow.mpi_ops import rank, tf_variable
 from bagua_hvd.tensorflow.optimizer import LocalGradientAggregationHelper
 from bagua_hvd.tensorflow.optimizer_state import build_optimizer
@@ -155,7 +156,14 @@ def create_distributed_optimizer(
             self.process_set = process_set
             self.scale_local_gradients = scale_local_gradients
             self._agg_helper = None
-            if backward_passes_per_step > 1:
+            if backward_passes_per_step > 1 and tf.executing_eagerly():
+                # Horovod's choice: the eager helper when built eagerly (the Keras mode of
+                # LocalGradientAggregationHelper under Horovod's eager constructor).
+                self._agg_helper = LocalGradientAggregationHelperEager(
+                    backward_passes_per_step, self._allreduce, sparse_as_dense,
+                    average_aggregated_gradients, process_set, scale_local_gradients,
+                )  # fmt: skip
+            elif backward_passes_per_step > 1:
                 self._agg_helper = LocalGradientAggregationHelper(
                     backward_passes_per_step, self._allreduce, sparse_as_dense,
                     average_aggregated_gradients, rank(),

@@ -11,8 +11,11 @@ from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 
 __all__ = ["BroadcastGlobalVariablesHook"]
 
+# A TensorFlow without TF1's hooks still imports bagua_hvd.tensorflow; the hook then refuses.
+_SessionRunHook = getattr(getattr(tf.compat.v1, "train", None), "SessionRunHook", None)
 
-class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+
+class BroadcastGlobalVariablesHook(_SessionRunHook or object):  # type: ignore[misc]
     """SessionRunHook that broadcasts every global variable from ``root_rank`` to the other
     ranks once the session is created, so that all workers start from the same values
     (random initialization or a checkpoint restored on the root). TF1 graphs only, as in
@@ -28,6 +31,11 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
     def __init__(
         self, root_rank: int, device: str = "", process_set: ProcessSet = global_process_set
     ) -> None:
+        if _SessionRunHook is None:
+            raise RuntimeError(
+                "BroadcastGlobalVariablesHook needs tf.compat.v1.train.SessionRunHook, which this "
+                f"TensorFlow ({tf.__version__}) does not have"
+            )
         super().__init__()
         self.root_rank = root_rank
         self.bcast_op: Any = None

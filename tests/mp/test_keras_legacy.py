@@ -197,6 +197,10 @@ def test_compute_gradients_then_apply_aggregates(kind, in_function, average):
         np.testing.assert_allclose(emb.numpy(), [[0.0], [shared]], rtol=1e-12, err_msg=f"{k}")
         assert int(opt.iterations.numpy()) == k
         assert int(opt._agg_helper.counter.numpy()) == k % n
+    # Built eagerly: Horovod's eager helper.
+    from bagua_hvd.tensorflow import LocalGradientAggregationHelperEager
+
+    assert isinstance(opt._agg_helper, LocalGradientAggregationHelperEager)
 
 
 @pytest.mark.parametrize("kind", ["new", "legacy"])
