@@ -71,6 +71,15 @@ def parse_hosts(spec: str) -> List[Tuple[str, int]]:
                 ) from None
             if slots < 1:
                 raise HostError(f"slot count must be >= 1 in host entry {item!r}")
+        elif ":" in item and not item.startswith("["):
+            # Several colons: only a bare IPv6 address may have them (Horovod refuses them all).
+            try:
+                ipaddress.IPv6Address(item.split("%", 1)[0])
+            except ValueError:
+                raise HostError(
+                    f"host entry {item!r} has more than one ':' and is not an IPv6 address; "
+                    "expected HOST:SLOTS, e.g. localhost:4 (IPv6 as [ADDR]:SLOTS)"
+                ) from None
         name = name.strip("[]")
         if not name:
             raise HostError(f"missing host name in host entry {item!r}")
@@ -86,6 +95,11 @@ def parse_hostfile(path: str) -> List[Tuple[str, int]]:
             lines = f.read().splitlines()
     except OSError as e:
         raise HostError(f"cannot read --hostfile {path!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise HostError(
+            f"--hostfile {path!r} is not UTF-8 text: byte {e.object[e.start]:#04x} at offset "
+            f"{e.start}"
+        ) from None
     entries: List[Tuple[str, int]] = []
     for number, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()
@@ -99,7 +113,14 @@ def parse_hostfile(path: str) -> List[Tuple[str, int]]:
                 raise HostError(
                     f"--hostfile {path!r} line {number}: expected 'HOST slots=N', got {raw!r}"
                 )
-            spec = f"{words[0]}:{value}"
+            if words[0].count(":") == 1 or "]:" in words[0]:
+                raise HostError(
+                    f"--hostfile {path!r} line {number}: {raw.strip()!r} gives the slot count "
+                    f"twice (':N' and 'slots=N'); write 'HOST slots=N'"
+                )
+            # A bare IPv6 address goes in brackets, so that its colons are not the slots'.
+            host = f"[{words[0]}]" if ":" in words[0] and "[" not in words[0] else words[0]
+            spec = f"{host}:{value}"
         try:
             entries += parse_hosts(spec)
         except HostError as e:

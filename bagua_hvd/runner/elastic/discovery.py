@@ -232,8 +232,14 @@ class HostDiscoveryScript(HostDiscovery):
             )
         if self._closed:
             raise RuntimeError(f"discovery script {script}: the launcher is ending")
-        stdout = out.decode("utf-8", errors="replace")
         stderr = err.decode("utf-8", errors="replace")
+        try:
+            stdout = out.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RuntimeError(
+                f"discovery script {script} printed output that is not UTF-8 text: byte "
+                f"{e.object[e.start]:#04x} at offset {e.start}"
+            ) from None
         if proc.returncode != 0:
             message = f"Failed to execute discovery script: {script}. Exit code: {proc.returncode}"
             last = _last_line(stderr)
