@@ -177,6 +177,8 @@ class ElasticDriver:
                 res = self.hosts.update_available_hosts()
                 failures = 0
             except Exception as e:  # noqa: BLE001 - a flaky script must not end the job
+                if self.stop_event.is_set():
+                    return  # the job ended while the script ran (and was killed): no news
                 failures += 1
                 if failures == 1 or self.settings.verbose:
                     self.log(f"host discovery failed (will retry): {e}", always=True)
