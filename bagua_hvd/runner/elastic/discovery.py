@@ -9,7 +9,10 @@ bare host without ``--slots-per-host``, a slot count that is not a positive inte
 given two different slot counts, and a line that is not ``host[:slots]`` are errors naming the
 line (Horovod turned them into a TypeError later on, an arbitrary choice, or a crash). IPv6
 literals go in brackets, ``[::1]:2``. The script runs in its own process group, with a bound of
-:data:`DISCOVERY_TIMEOUT_S`, so a hung script cannot stall the driver's polling forever.
+:data:`DISCOVERY_TIMEOUT_S` and of :data:`DISCOVERY_OUTPUT_LIMIT` bytes of output, so a hung or
+runaway script cannot stall the driver's polling forever nor take its memory; the group is
+killed at the end of each poll, by :meth:`HostDiscoveryScript.close`, and when the launcher
+dies.
 """
 
 from __future__ import annotations
