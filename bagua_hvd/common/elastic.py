@@ -186,7 +186,10 @@ def before_init() -> None:
         return
     with _state_lock:
         if _inits == 0:
-            _first_update = config.elastic_worker().first_update
+            try:
+                _first_update = config.elastic_worker().first_update
+            except ValueError:  # HOROVOD_ELASTIC=1 outside a driver's job: nothing to filter
+                _first_update = None
             return
     from bagua_hvd.runner.store import StoreClient, StoreError
 
