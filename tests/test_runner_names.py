@@ -158,6 +158,16 @@ def test_run_a_function_with_horovod_args() -> None:
     assert _run(hargs) == [(0, "2097152"), (1, "2097152"), (2, "2097152")]
 
 
+def test_run_func_with_jsrun_is_refused() -> None:
+    hargs = _HorovodArgs()
+    hargs.num_proc = 2
+    hargs.hosts = "a:1,b:1"
+    hargs.use_jsrun = True
+    hargs.run_func = lambda: None
+    with pytest.raises(ValueError, match="no jsrun mode"):
+        _run(hargs)
+
+
 def test_bad_horovod_args_raise_with_bagua_runs_message() -> None:
     hargs = _HorovodArgs()
     hargs.num_proc = 2

@@ -180,6 +180,8 @@ def _run(args: Any) -> Optional[List[Any]]:
         from bagua_hvd.runner.flags import rank_env
 
         parsed = _parse(argv + ["--", "python"])
+        if parsed.jsrun:
+            raise ValueError("run_func with use_jsrun: bagua_hvd.run has no jsrun mode")
         cooldown = _value(args, "cooldown_range")
         return run(
             func,
