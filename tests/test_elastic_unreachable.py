@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_elastic import _check, _explain, _replay
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN = ROOT / "tests" / "workers" / "elastic_torch_main.py"
 
 
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="needs an ssh client")
 def test_unreachable_host_is_dropped_without_waiting_for_the_rendezvous_timeout(tmp_path):
     logfile = tmp_path / "log.jsonl"
     script = tmp_path / "discover.sh"
