@@ -230,9 +230,8 @@ class HorovodBasics:
         on_comm = bootstrap.prepare(job)
         # The global set's ranks are that set (id 0), not a new one (Horovod's FindId); without
         # a launcher's variables the job has one rank.
-        size = os.environ.get("HOROVOD_SIZE", "1")
-        if size.isdigit():
-            sets = [s for s in sets if s != list(range(int(size)))]
+        size = config.launcher_size() or 1
+        sets = [s for s in sets if s != list(range(size))]
         dynamic = _env_true("HOROVOD_DYNAMIC_PROCESS_SETS")
         self._load_nccl()  # before the core's first CUDA tensor, which uses the NCCL loaded
         ffi = _native.ffi

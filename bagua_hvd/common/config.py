@@ -1,9 +1,14 @@
 """The one place the Python package reads its configuration from the environment.
 
-Every variable the frontends consult is read here, by name, through a function that parses and
-validates it; other modules call these functions and never touch ``os.environ`` themselves
-(the launcher, ``bagua_hvd.runner``, builds the environment of its workers and is the
-exception). The core reads its own variables in one C++ place (native/src/config.cc).
+Every variable the Python frontends consult is read here, by name, through a function that
+parses and validates it; other modules call these functions and never read ``os.environ``
+themselves. Writers are elsewhere: the launcher (``bagua_hvd.runner``) builds its workers'
+environment, ``bagua_hvd.ray`` applies the driver's to an actor, and ``common.util.env`` sets
+variables for a block (Horovod's helper). The core reads its own variables in one C++ place
+(native/src/config.cc); the TensorFlow kernels (tensorflow/kernels.cc), which run without
+Python in the step, read the wait limits and the elastic generation that this module reads
+for Python (BAGUA_HVD_OP_TIMEOUT_SECONDS, BAGUA_HVD_WAIT_WARNING_SECONDS,
+BAGUA_HVD_ELASTIC_GENERATION) the same way.
 """
 
 from __future__ import annotations
@@ -204,6 +209,12 @@ _FOREIGN_LAUNCHERS = (
     # LSF's jsrun (IBM's job step manager); its MPI also sets Open MPI's variables.
     ("jsrun (LSF)", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_SIZE"),
 )
+
+
+def launcher_size() -> Optional[int]:
+    """The job's size as a launcher gave it (HOROVOD_SIZE), None without one (or unreadable)."""
+    size = _text("HOROVOD_SIZE")
+    return int(size) if size.isdigit() else None
 
 
 def launched_by_bagua_run() -> bool:
