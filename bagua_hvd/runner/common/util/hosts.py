@@ -4,8 +4,20 @@ to slots (the placement bagua-run uses as well: each host's slots filled in the 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from bagua_hvd.runner.elastic.hosts import INVALID_SLOT_INFO, SlotInfo
+from bagua_hvd.runner.elastic.hosts import get_host_assignments as _assign
+
+__all__ = [
+    "INVALID_SLOT_INFO",
+    "HostInfo",
+    "SlotInfo",
+    "get_host_assignments",
+    "parse_host_files",
+    "parse_hosts",
+    "parse_hosts_and_slots",
+]
 
 
 class HostInfo:
@@ -23,29 +35,6 @@ class HostInfo:
 
     def __repr__(self) -> str:
         return f"HostInfo(hostname={self.hostname!r}, slots={self.slots})"
-
-
-@dataclass
-class SlotInfo:
-    """One rank's place: its host, global, local and cross ranks and the sizes."""
-
-    hostname: str
-    rank: int
-    local_rank: int
-    cross_rank: int
-    size: int
-    local_size: int
-    cross_size: int
-
-    def to_response_string(self) -> str:
-        """``"rank,size,local_rank,local_size,cross_rank,cross_size"``."""
-        values = (self.rank, self.size, self.local_rank, self.local_size, self.cross_rank,
-                  self.cross_size)  # fmt: skip
-        return ",".join(str(v) for v in values)
-
-
-INVALID_SLOT_INFO = SlotInfo(hostname="", rank=-1, local_rank=-1, cross_rank=-1, size=-1,
-                             local_size=-1, cross_size=-1)  # fmt: skip
 
 
 def parse_host_files(filename: str) -> str:
@@ -88,30 +77,6 @@ def get_host_assignments(
 ) -> List[SlotInfo]:
     """Ranks over the hosts' slots, each host filled before the next (at most
     ``max_num_proc`` ranks); the cross rank of a rank is its host's index among the hosts
-    that have a rank with its local rank. ValueError when fewer than ``min_num_proc`` slots."""
-    placed: List[Tuple[str, List[int]]] = []
-    rank = 0
-    for host in hosts:
-        ranks: List[int] = []
-        for _ in range(host.slots):
-            if rank == max_num_proc:
-                break
-            ranks.append(rank)
-            rank += 1
-        placed.append((host.hostname, ranks))
-    if rank < min_num_proc:
-        raise ValueError(
-            f"Requested more processes ({min_num_proc}) than there are available slots ({rank})"
-        )
-    # hosts having local rank l, in host order
-    having: Dict[int, List[str]] = {}
-    for name, ranks in placed:
-        for local in range(len(ranks)):
-            having.setdefault(local, []).append(name)
-    out: List[SlotInfo] = []
-    for name, ranks in placed:
-        for local, r in enumerate(ranks):
-            out.append(SlotInfo(hostname=name, rank=r, local_rank=local,
-                                cross_rank=having[local].index(name), size=rank,
-                                local_size=len(ranks), cross_size=len(having[local])))  # fmt: skip
-    return out
+    that have a rank with its local rank. ValueError when fewer than ``min_num_proc`` slots.
+    The elastic driver's assignment, over Horovod's HostInfo."""
+    return _assign([(h.hostname, h.slots) for h in hosts], min_num_proc, max_num_proc)
