@@ -52,6 +52,9 @@ MAX_PENDING_HANDSHAKES = 64
 REJECT_LOG_INTERVAL_S = 5.0
 # After an error reply, how long the server reads on (and discards) what the client still sends.
 ERROR_LINGER_S = 1.0
+# stop() lets the GETs it woke send their "shutting down" answer for this long before it cuts
+# the connections (a client that does not read cannot hold stop() longer).
+STOP_REPLY_S = 5.0
 STORE_PURPOSE = b"store"
 
 _MAGIC = b"BHVD"
@@ -384,6 +387,7 @@ class StoreServer:
         self._rejects = _RateLimitedWarning(REJECT_LOG_INTERVAL_S)
         self._drops = _RateLimitedWarning(REJECT_LOG_INTERVAL_S, "dropped")
         self._stopping = False
+        self._answering_gets = 0  # GETs between their wait and their answer sent (self._cond)
         self._port = 0
 
     # -- lifecycle --
@@ -441,6 +445,8 @@ class StoreServer:
             self._cond.notify_all()  # wake blocking gets
         if accept_thread is not None:
             accept_thread.join()
+        with self._cond:  # the woken GETs answer "shutting down" before their connection is cut
+            self._cond.wait_for(lambda: self._answering_gets == 0, timeout=STOP_REPLY_S)
         with self._lock:
             clients = list(self._clients.items())
             for _, conn in clients:
@@ -636,11 +642,28 @@ class StoreServer:
                         self._drops.warning("rendezvous store: dropped %s: %s", what, e)
                         self._reply_error(sock, str(e))
                     return
-                reply = self._handle(request, what, sock)
-                if reply is None:
-                    logger.debug("rendezvous store: %s left during a GET", what)
-                    return
-                _send_frame(sock, reply)
+                get = request[:1] == b"G"
+                if get:
+                    with self._cond:
+                        self._answering_gets += 1
+                try:
+                    reply = self._handle(request, what, sock)
+                    if reply is None:
+                        # The client's end of stream: gone, or only done sending (a half
+                        # close). The wait ends either way; the answer is a timeout's, which a
+                        # half-closed client still reads and a gone one never will.
+                        logger.debug("rendezvous store: %s ended its stream during a GET", what)
+                        try:
+                            _send_frame(sock, b"T")
+                        except OSError:
+                            pass
+                        return
+                    _send_frame(sock, reply)
+                finally:
+                    if get:
+                        with self._cond:
+                            self._answering_gets -= 1
+                            self._cond.notify_all()
                 if reply[:1] == b"E" and self._stopping:
                     return  # stop() cuts every client off: nothing went wrong, nothing to log
                 if reply[:1] == b"E":

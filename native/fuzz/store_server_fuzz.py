@@ -71,8 +71,10 @@ class BoundedWaitServer(store.StoreServer):
     """A GET may ask to wait up to 49 days for a missing key; here the wait (a Condition.wait, not
     parsing) is cut short so that each input ends quickly."""
 
-    def _wait_for(self, key: bytes, timeout: float) -> Optional[bytes]:
-        return super()._wait_for(key, min(timeout, GET_WAIT_CAP_S))
+    def _wait_for(
+        self, key: bytes, timeout: float, client: Optional[socket.socket] = None
+    ) -> Optional[bytes]:
+        return super()._wait_for(key, min(timeout, GET_WAIT_CAP_S), client)
 
 
 class ErrorRecords(logging.Handler):
