@@ -19,3 +19,24 @@ def check_unnamed_ops(hvd: Any, tensor: Callable[[list], Any], values: Callable[
     assert values(ranks) == list(range(n))
     assert values(root) == [10 * (n - 1)]
     assert obj == {"from": 0}
+
+
+def train_until_every_rank_averaged(
+    hvd: Any,
+    rounds: Callable[[], int],
+    step: Callable[[], None],
+    tensor: Callable[[list], Any],
+    values: Callable[[Any], list],
+    limit: int = 2000,
+) -> None:
+    """Steps every rank together (a named check per step: it takes no unnamed number) until
+    each rank's background averager has merged a round; on a loaded machine the first steps
+    may all end before one did. Fails after ``limit`` steps."""
+    for i in range(limit):
+        done = hvd.allreduce(
+            tensor([min(rounds(), 1)]), op=hvd.Min, name=f"unnamed_ops.averaged.{i}"
+        )
+        if values(done) == [1]:
+            return
+        step()
+    raise AssertionError(f"no background averaging round on some rank after {limit} steps")
