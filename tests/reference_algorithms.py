@@ -208,7 +208,8 @@ def _params(mn: np.float32, mx: np.float32) -> Tuple[np.float32, np.float32, np.
     with np.errstate(over="ignore"):
         scale = _F255 / ((mx - mn) + _EPS)
         ub = np.rint(mx * scale)
-        if not (np.isfinite(mx - mn) and np.isfinite(ub)):
+        overflow = not (np.isfinite(mx - mn) and np.isfinite(ub))
+        if overflow and np.isfinite(mn) and np.isfinite(mx):
             k = math.frexp(max(abs(float(mn)), abs(float(mx))))[1] - 1  # m = f * 2**(k + 1)
             s = _F32(2.0 ** (1 - k))
             scale = (_F255 / ((mx * s - mn * s) + _EPS)) * s

@@ -7,10 +7,9 @@ for non-finite chunks, canonical NaN on decode, zero padding). Every comparison 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
+import reference_algorithms as ra
 
 from bagua_hvd.common._native import ffi, lib
 
@@ -59,21 +58,10 @@ def align32(n: int) -> int:
     return (n + 31) // 32 * 32
 
 
-def ref_params(mn: np.float32, mx: np.float32) -> tuple[np.float32, np.float32, np.float32]:
-    scale = np.float32(255.0) / ((mx - mn) + np.float32(1e-7))
-    ub = np.rint(mx * scale)
-    if np.isfinite(mn) and np.isfinite(mx) and not (np.isfinite(mx - mn) and np.isfinite(ub)):
-        # Overflow: the scale of min and max times s = 2**(1 - k), k = floor(log2(max(|mn|,
-        # |mx|))), times s again (docs/algorithms.md).
-        s = np.float32(2.0 ** (1 - (math.frexp(max(abs(float(mn)), abs(float(mx))))[1] - 1)))
-        scale = (np.float32(255.0) / ((mx * s - mn * s) + np.float32(1e-7))) * s
-        ub = np.rint(mx * scale)
-    lb = ub - np.float32(255.0)
-    return scale, ub, lb
-
-
-# The largest finite value of each type: decoded values are clamped to it.
-TOP = {F32: np.finfo(np.float32).max, F16: np.float32(65504.0), BF16: np.float32(3.3895314e38)}
+# The chunk parameters (the overflow rule included) and the largest finite values: the one
+# numpy model of docs/algorithms.md's arithmetic, shared with the algorithms' reference.
+ref_params = ra._params
+TOP = ra._TOP
 
 
 def ref_compress(a: np.ndarray, dtype: str, n_chunks: int) -> bytes:
