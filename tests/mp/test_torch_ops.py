@@ -970,12 +970,15 @@ def test_pending_handle_fails_at_shutdown_no_hang():
     # on the pending handles, and everyone re-initializes cleanly. The second barrier keeps a
     # fast rank's shutdown (which stops every rank) from overtaking a slow rank's enqueue.
     hvd.barrier()
-    h = hvd.allreduce_async(torch.ones(3), name=f"never.matched.{rank()}")
+    t = torch.ones(3)
+    h = hvd.allreduce_async_(t, name=f"never.matched.{rank()}")
     hvd.barrier()
     hvd.shutdown()
     # Horovod's handle map keeps the handle, which failed with the shutdown: waiting raises
-    with pytest.raises(HorovodInternalError, match="shut down"):
+    # (it returned None before, the in-place tensor silently unreduced)
+    with pytest.raises(HorovodInternalError, match="Horovod has been shut down"):
         hvd.synchronize(h)
+    assert torch.equal(t, torch.ones(3))
     hvd.init()
     assert_job_works("after-pending-shutdown")
 
