@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -112,6 +112,9 @@ from bagua_hvd.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa
 # handle -> (finish(handle) -> result, keepalive, label, CUDA device or -1). The keepalive holds
 # every tensor and C struct the core may touch until the handle is released.
 _handle_map: Dict[int, Tuple[Callable[[int], Any], Any, str, int]] = {}
+# Handles outstanding at shutdown(): Horovod's shutdown clears its C++ handle manager but not
+# its Python handle map, so synchronize() on one raises the manager's ValueError.
+_cleared_handles: Set[int] = set()
 _lifecycle_lock = threading.Lock()
 
 
@@ -123,17 +126,20 @@ def init(*args: Any, **kwargs: Any) -> None:
     with _lifecycle_lock:
         if not _basics.is_initialized():
             _handle_map.clear()
+            _cleared_handles.clear()  # the core numbers handles from 1 again
         _basics.init(*args, **kwargs)
         _refresh_core_facts()
 
 
 def shutdown(*args: Any, **kwargs: Any) -> None:
-    """Shuts bagua_hvd down. Outstanding handles stay known, as in Horovod's handle map: an
-    operation that shutdown abandoned raises HorovodInternalError ("Horovod has been shut
-    down ...") in :func:`synchronize`; one that completed before returns its result. The next
-    ``init()`` forgets them."""
+    """Shuts bagua_hvd down. As in Horovod, the handles still outstanding are cleared:
+    :func:`synchronize` on one raises ValueError ("Handle <n> was not created or has been
+    cleared."), whether or not its operation had completed, instead of returning a result."""
     with _lifecycle_lock:
         _basics.shutdown(*args, **kwargs)
+        # Their entries stay until synchronize() or init(): a device may still be writing
+        # into the tensors they keep alive.
+        _cleared_handles.update(_handle_map)
 
 
 # ---- dtypes ------------------------------------------------------------------------------------
@@ -1331,8 +1337,14 @@ def synchronize(handle: int) -> Any:
 
     Returns a tensor; ``(output, received_splits)`` for alltoall; a tuple for grouped ops; and
     None for an unknown handle. Failures raise HorovodInternalError (cross-rank mismatch, lost
-    peer, shutdown) or ValueError/NotImplementedError.
+    peer, shutdown) or ValueError/NotImplementedError; a handle that shutdown() cleared raises
+    Horovod's ValueError.
     """
+    if handle in _cleared_handles:
+        _cleared_handles.discard(handle)
+        _handle_map.pop(handle, None)
+        _ops.release(handle)
+        raise ValueError(f"Handle {handle} was not created or has been cleared.")
     entry = _handle_map.get(handle)
     if entry is None:
         return None
