@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from bagua_hvd.runner.job import LaunchError
+from bagua_hvd.runner.job import LaunchError, shell_exit_code
 
 NO_LSF_ERROR = (
     "bagua-run --jsrun: no LSF job here (LSB_JOBID is not set): jsrun runs only inside an LSF "
@@ -41,10 +41,11 @@ def mpi_implementation_flags(version_text: str, tcp: bool = False) -> Optional[L
     """horovodrun's MPI flags for ``mpirun --version``'s text: Open MPI's ``-mca pml ob1 -mca
     btl ^openib``, Spectrum MPI's ``-tcp`` with ``--tcp``, none for MPICH and Intel MPI; None
     for no known MPI."""
-    if "IBM Spectrum MPI" in version_text:
-        return ["-tcp"] if tcp else []
+    # In Horovod's order (mpi_run._get_mpi_implementation): Open MPI is recognized first.
     if "Open MPI" in version_text or "OpenRTE" in version_text:
         return ["-mca pml ob1", "-mca btl ^openib"]
+    if "IBM Spectrum MPI" in version_text:
+        return ["-tcp"] if tcp else []
     if "HYDRA" in version_text or "MPICH" in version_text or "Intel(R) MPI" in version_text:
         return []
     return None
@@ -141,15 +142,10 @@ def run_jsrun(
         raise LaunchError(NO_LSF_ERROR)
     if not is_jsrun_installed():
         raise LaunchError(NO_JSRUN_ERROR)
-    from bagua_hvd.runner.mpi import find_mpirun
+    from bagua_hvd.runner.mpi import find_mpirun, version_text
 
     mpirun = find_mpirun()
-    try:
-        version = subprocess.run(
-            [mpirun, "--version"], capture_output=True, text=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise LaunchError(f"cannot run {mpirun} --version: {e}") from None
+    version = version_text(mpirun)
     flags = mpi_implementation_flags(version, tcp)
     if flags is None:
         raise LaunchError(
@@ -171,7 +167,7 @@ def run_jsrun(
             proc = subprocess.run(["/bin/sh", "-c", cmd], env=dict(os.environ, **extra_env))
         except OSError as e:
             raise LaunchError(f"cannot run jsrun: {e.strerror or e}") from None
-        return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        return shell_exit_code(proc.returncode)
     finally:
         if rankfile:
             os.unlink(rankfile)

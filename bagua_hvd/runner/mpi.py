@@ -35,14 +35,19 @@ def find_mpirun() -> str:
     return found
 
 
-def flavour(mpirun: str) -> str:
-    """Which MPI ``mpirun`` is: "openmpi" or "mpich" (from ``mpirun --version``)."""
+def version_text(mpirun: str) -> str:
+    """What ``mpirun --version`` prints (how horovodrun tells the MPIs apart)."""
     try:
-        out = subprocess.run(
+        return subprocess.run(
             [mpirun, "--version"], capture_output=True, text=True, timeout=30
         ).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise LaunchError(f"cannot run {mpirun} --version: {e}") from None
+
+
+def flavour(mpirun: str) -> str:
+    """Which MPI ``mpirun`` is: "openmpi" or "mpich" (from ``mpirun --version``)."""
+    out = version_text(mpirun)
     if "Open MPI" in out or "Open RTE" in out or "prte" in out.lower():
         return "openmpi"
     if "HYDRA" in out or "MPICH" in out or "Intel(R) MPI" in out:
