@@ -48,26 +48,8 @@ def _written(out: Path, n: int) -> list:
 
 
 # ---- horovod.runner.common.util.hosts (Horovod's test_run.py expectations) ----------------
-def test_get_host_assignments() -> None:
-    got = get_host_assignments(parse_hosts("worker-0:2,worker-1:2"), 4)
-    sizes = dict(size=4, local_size=2, cross_size=2)
-    assert got == [
-        SlotInfo(hostname="worker-0", rank=0, local_rank=0, cross_rank=0, **sizes),
-        SlotInfo(hostname="worker-0", rank=1, local_rank=1, cross_rank=0, **sizes),
-        SlotInfo(hostname="worker-1", rank=2, local_rank=0, cross_rank=1, **sizes),
-        SlotInfo(hostname="worker-1", rank=3, local_rank=1, cross_rank=1, **sizes),
-    ]
-
-
-def test_get_host_assignments_elastic() -> None:
-    got = get_host_assignments(parse_hosts("worker-0:2,worker-1:2"), 1, max_num_proc=2)
-    sizes = dict(size=2, local_size=2, cross_size=1)
-    assert got == [
-        SlotInfo(hostname="worker-0", rank=0, local_rank=0, cross_rank=0, **sizes),
-        SlotInfo(hostname="worker-0", rank=1, local_rank=1, cross_rank=0, **sizes),
-    ]
-
-
+# The assignment itself is the elastic driver's, checked against Horovod's other expectations in
+# test_elastic_hosts.py; here only that it takes Horovod's HostInfo list.
 def test_get_host_assignments_heterogeneous() -> None:
     got = get_host_assignments(parse_hosts("worker-0:1,worker-1:2"), 3)
     assert got == [
