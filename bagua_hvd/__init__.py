@@ -6,7 +6,7 @@ on first use.
 
 from typing import Any
 
-__version__ = "0.1.0"
+from bagua_hvd.version import __version__
 
 __all__ = ["__version__", "run"]
 

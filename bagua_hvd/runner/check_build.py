@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from typing import List, Optional, Tuple
 
-from bagua_hvd import __version__
+from bagua_hvd.version import __version__
 
 
 def _importable(module: str) -> bool:
