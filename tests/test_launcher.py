@@ -34,7 +34,7 @@ NOT_SET = ["RANK", "WORLD_SIZE", "LOCAL_RANK"]
 # (served by rank 0's launcher) outlives every reader.
 STORE_EXCHANGE = """
 import os
-from bagua_hvd.runner.store import StoreClient
+from bagua_hvd.rendezvous.store import StoreClient
 e = os.environ
 rank, size, job = int(e["HOROVOD_RANK"]), int(e["HOROVOD_SIZE"]), e["BAGUA_HVD_JOB_ID"]
 with StoreClient(e["HOROVOD_GLOO_RENDEZVOUS_ADDR"], int(e["HOROVOD_GLOO_RENDEZVOUS_PORT"]),
@@ -496,7 +496,8 @@ def test_hosts_fill_in_order_with_horovods_local_and_cross_ranks(tmp_path) -> No
 
 
 def test_slurm_node_lists_and_counts_expand() -> None:
-    from bagua_hvd.runner.slurm import allocation, expand_counts, expand_nodelist
+    from bagua_hvd.rendezvous.hostlist import expand_counts, expand_nodelist
+    from bagua_hvd.runner.slurm import allocation
 
     assert expand_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07",
                                                       "gpu5"]  # fmt: skip

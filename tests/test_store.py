@@ -1,4 +1,4 @@
-"""The launcher's rendezvous store (bagua_hvd/runner/store.py) over real sockets.
+"""The launcher's rendezvous store (bagua_hvd/rendezvous/store.py) over real sockets.
 
 No core library needed: the Python client speaks the same protocol as the C++ one
 (docs/protocol.md), and raw sockets play the strangers.
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bagua_hvd.runner.store import (
+from bagua_hvd.rendezvous.store import (
     STORE_PURPOSE,
     AuthenticationError,
     StoreClient,
@@ -27,7 +27,7 @@ from bagua_hvd.runner.store import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-LOGGER = "bagua_hvd.runner.store"
+LOGGER = "bagua_hvd.rendezvous.store"
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The rendezvous store's bounds (bagua_hvd/runner/store.py) over real sockets: a blocking GET
+"""The rendezvous store's bounds (bagua_hvd/rendezvous/store.py) over real sockets: a blocking GET
 whose client went away ends and frees its thread, so clients that died cannot starve the ranks
 of connections; what clients store is capped (bytes and keys) with an error naming the cap; the
 end of a job logs nothing, and drop warnings are rate-limited."""
@@ -14,11 +14,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from bagua_hvd.runner import store as store_mod
-from bagua_hvd.runner.store import StoreClient, StoreError, StoreServer, new_secret
+from bagua_hvd.rendezvous import store as store_mod
+from bagua_hvd.rendezvous.store import StoreClient, StoreError, StoreServer, new_secret
 
 pytestmark = pytest.mark.timeout(60)
-LOGGER = "bagua_hvd.runner.store"
+LOGGER = "bagua_hvd.rendezvous.store"
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ from typing import List, Optional
 
 import pytest
 
-from bagua_hvd.runner import store
-from bagua_hvd.runner.store import StoreClient, StoreServer, new_secret
+from bagua_hvd.rendezvous import store
+from bagua_hvd.rendezvous.store import StoreClient, StoreServer, new_secret
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "start_under_strangers.py"
@@ -252,7 +252,7 @@ def test_store_rate_limits_rejection_warnings(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(store, "REJECT_LOG_INTERVAL_S", 1.0)
-    caplog.set_level(logging.WARNING, logger="bagua_hvd.runner.store")
+    caplog.set_level(logging.WARNING, logger="bagua_hvd.rendezvous.store")
     secret = new_secret()
     with StoreServer(secret, host="127.0.0.1") as srv:
 

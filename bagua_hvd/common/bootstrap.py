@@ -198,7 +198,7 @@ def slurm_port(job_id: int, step_id: int) -> int:
 def _slurm_job(found: Any) -> dict:
     """The launcher's variables of an srun task that has no MPI (the secret from the
     environment, shared through srun); task 0 serves the store on the step's first node."""
-    from bagua_hvd.runner.slurm import expand_counts, expand_nodelist
+    from bagua_hvd.rendezvous.hostlist import expand_counts, expand_nodelist
 
     step = config.slurm_step()
     try:
@@ -227,7 +227,7 @@ def _slurm_job(found: Any) -> dict:
     secret = bytes.fromhex(config.shared_secret())
     if found.rank == 0:
         global _server
-        from bagua_hvd.runner.store import StoreServer
+        from bagua_hvd.rendezvous.store import StoreServer
 
         try:
             server = StoreServer(secret, host="0.0.0.0" if len(nodes) > 1 else addr, port=port)
@@ -269,7 +269,7 @@ def placement(hostnames: Sequence[str], rank: int) -> Tuple[int, int, int, int]:
 def _serve(hosts: List[Tuple[str, List[str]]]) -> Tuple[str, int, str, str]:
     """Rank 0: starts the store where every rank can reach it; (addr, port, secret, job)."""
     global _server
-    from bagua_hvd.runner.store import StoreServer
+    from bagua_hvd.rendezvous.store import StoreServer
 
     addr = _reachable_address(hosts)
     secret = secrets.token_bytes(32)

@@ -138,7 +138,7 @@ class WorkerNotificationManager:
             listener.on_hosts_updated(timestamp, update_res)
 
     def _read(self, worker: config.ElasticWorker) -> None:
-        from bagua_hvd.runner.store import StoreClient, StoreError, StoreTimeoutError
+        from bagua_hvd.rendezvous.store import StoreClient, StoreError, StoreTimeoutError
 
         try:
             client = StoreClient(worker.store_addr, worker.store_port, bytes.fromhex(worker.secret))
@@ -191,7 +191,7 @@ def before_init() -> None:
             except ValueError:  # HOROVOD_ELASTIC=1 outside a driver's job: nothing to filter
                 _first_update = None
             return
-    from bagua_hvd.runner.store import StoreClient, StoreError
+    from bagua_hvd.rendezvous.store import StoreClient, StoreError
 
     worker = config.elastic_worker()
     try:

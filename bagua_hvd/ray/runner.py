@@ -148,8 +148,8 @@ class RayExecutor:
         from ray.util.placement_group import get_current_placement_group, placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from bagua_hvd.runner.launch import job_env
-        from bagua_hvd.runner.store import StoreServer
+        from bagua_hvd.rendezvous.store import StoreServer
+        from bagua_hvd.runner.bagua_run import job_env
 
         if self.workers:
             raise RuntimeError("RayExecutor.start() was called already; shutdown() first")

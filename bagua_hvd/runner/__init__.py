@@ -1,7 +1,11 @@
-"""Launching jobs: the ``bagua-run`` command line (launch.py) and ``bagua_hvd.run`` (api.py).
+"""Launching jobs: the ``bagua-run`` command line (bagua_run.py; launch.py has Horovod's names
+for it) and ``bagua_hvd.run`` (api.py). The ranks never import this package: what they share
+with it is ``bagua_hvd.rendezvous``.
 
-``run`` is resolved lazily so that ``python -m bagua_hvd.runner.launch`` does not import the
-launcher twice and ``import bagua_hvd`` stays cheap.
+``run`` and ``_HorovodArgs`` are resolved lazily so that ``import bagua_hvd`` stays cheap. They
+import most of this package, so its modules import each other by full name (``import
+bagua_hvd.runner.ssh as ssh``, ``from bagua_hvd.runner.hosts import ...``), never ``from
+bagua_hvd.runner import ssh``, which reads these lazy names and would close a cycle.
 """
 
 from typing import Any

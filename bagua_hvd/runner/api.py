@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from bagua_hvd.runner import task
+import bagua_hvd.runner.task as task
+from bagua_hvd.runner.bagua_run import check_elastic_settings, elastic_driver, launch, launch_hosts
 from bagua_hvd.runner.hosts import (
     assign_slots,
     only_this_machine,
     parse_hostfile,
     parse_hosts,
 )
-from bagua_hvd.runner.launch import check_elastic_settings, elastic_driver, launch, launch_hosts
 
 # The directory holding the bagua_hvd package this process uses; the ranks import the same one.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
@@ -129,9 +129,9 @@ def _run_mpi(
     a store of its own for the function and the results (task.RUN_STORE_ENV), under a fresh
     secret that reaches the ranks through mpirun's environment, never its command line."""
     from bagua_hvd.common import network
+    from bagua_hvd.rendezvous.store import StoreServer
     from bagua_hvd.runner.job import LaunchError
     from bagua_hvd.runner.mpi import run_mpi
-    from bagua_hvd.runner.store import StoreServer
 
     if only_this_machine(entries):
         bind, addr = "127.0.0.1", "127.0.0.1"

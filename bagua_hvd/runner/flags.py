@@ -2,7 +2,7 @@
 then bagua_hvd's own; horovodrun's ``--config-file`` YAML; the variables the flags give the
 ranks (``tuning_env``, what horovodrun sets) and the one warning naming the flags bagua_hvd
 accepts but cannot honour (``no_effect_warning``). Checks that need the hosts or the
-environment are in ``bagua_hvd.runner.launch.parse_args``.
+environment are in ``bagua_hvd.runner.bagua_run.parse_args``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from bagua_hvd import __version__
+from bagua_hvd.version import __version__
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 TRANSPORTS = ("auto", "shm", "tcp")

@@ -12,16 +12,14 @@ import ipaddress
 import socket
 from typing import List, Optional, Tuple
 
+from bagua_hvd.rendezvous.hostlist import HostError
+
 # launch() (one node) starts ranks on this machine only; other hosts go through launch_hosts.
 REMOTE_HOSTS_HINT = (
     "this launch starts ranks on this machine only; start a job on other hosts with "
     "`bagua-run -np N -H HOST1:SLOTS,HOST2:SLOTS COMMAND` or "
     "`bagua_hvd.run(func, np=N, hosts='HOST1:SLOTS,HOST2:SLOTS')` (over ssh)"
 )
-
-
-class HostError(ValueError):
-    """A host list that the launcher cannot use."""
 
 
 @dataclasses.dataclass(frozen=True)

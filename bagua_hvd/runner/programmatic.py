@@ -149,7 +149,7 @@ def _argv(args: Any) -> List[str]:
 
 def _parse(argv: List[str]) -> Any:
     """bagua-run's parse of ``argv``; ValueError with its message instead of exiting."""
-    from bagua_hvd.runner.launch import parse_args
+    from bagua_hvd.runner.bagua_run import parse_args
 
     text = io.StringIO()
     try:
@@ -206,7 +206,7 @@ def _run(args: Any) -> Optional[List[Any]]:
 
 
 def _launch(argv: List[str], extra_env: Optional[Dict[str, str]] = None) -> None:
-    from bagua_hvd.runner.launch import main
+    from bagua_hvd.runner.bagua_run import main
 
     _parse(argv)  # ValueError with bagua-run's message
     code = main(argv, _extra_env=extra_env)

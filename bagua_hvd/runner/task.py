@@ -75,7 +75,7 @@ RUN_SECRET_ENV = "BAGUA_HVD_RUN_SECRET"
 
 def _connect() -> Any:
     """A client of the job's store, from the environment the launcher gives every rank."""
-    from bagua_hvd.runner.store import StoreClient, secret_from_env
+    from bagua_hvd.rendezvous.store import StoreClient, secret_from_env
 
     if os.environ.get(RUN_STORE_ENV):
         host, _, port_text = os.environ[RUN_STORE_ENV].rpartition(":")
@@ -104,7 +104,7 @@ def _report_error(rank: int, text: str) -> None:
 
 def read_outcome(store: KeyValue, rank: int) -> Optional[tuple]:
     """Rank ``rank``'s ``("ok", value)`` or ``("error", text)``; None when it left none."""
-    from bagua_hvd.runner.store import StoreTimeoutError
+    from bagua_hvd.rendezvous.store import StoreTimeoutError
 
     try:
         data = get_blob(store, result_key(rank), 0.0)

@@ -1,4 +1,4 @@
-"""Fuzz target (atheris): the launcher's rendezvous store server, bagua_hvd/runner/store.py, fed
+"""Fuzz target (atheris): the launcher's rendezvous store server, bagua_hvd/rendezvous/store.py, fed
 arbitrary client bytes over a real localhost connection to a running StoreServer.
 
 Input: a mode byte (mod 3), then
@@ -35,8 +35,8 @@ from typing import Optional
 
 import atheris
 
-with atheris.instrument_imports(include=["bagua_hvd.runner.store"]):
-    from bagua_hvd.runner import store
+with atheris.instrument_imports(include=["bagua_hvd.rendezvous.store"]):
+    from bagua_hvd.rendezvous import store
 
 SECRET = bytes(range(32))
 MAX_FRAME = 2048  # the server's request limit here: small, so inputs reach it

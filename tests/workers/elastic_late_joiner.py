@@ -9,7 +9,7 @@ import os
 import sys
 
 if os.environ["HOROVOD_HOSTNAME"] == sys.argv[1]:
-    from bagua_hvd.runner.store import StoreClient
+    from bagua_hvd.rendezvous.store import StoreClient
 
     open(f"{sys.argv[1]}.started", "w").close()
     secret = bytes.fromhex(os.environ["BAGUA_HVD_SECRET"])

@@ -38,9 +38,9 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import bagua_hvd.runner.ssh as ssh
 from bagua_hvd.common import config
 from bagua_hvd.common import elastic as worker_api
-from bagua_hvd.runner import ssh
 from bagua_hvd.runner.elastic.discovery import HostDiscovery
 from bagua_hvd.runner.elastic.hosts import (
     INVALID_SLOT_INFO,
@@ -204,7 +204,7 @@ class ElasticDriver:
             self.events.put(("ready", key.decode(errors="replace"), None))
 
     def _start_store(self, first_hosts: Sequence[str]) -> None:
-        from bagua_hvd.runner.store import StoreServer
+        from bagua_hvd.rendezvous.store import StoreServer
 
         if self.settings.nic:
             self.addr = ssh.interface_address(self.settings.nic)

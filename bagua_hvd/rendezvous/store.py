@@ -1,4 +1,5 @@
-"""Rendezvous key-value store served by the launcher (``bagua-run``) to its workers.
+"""Rendezvous key-value store served by the launcher (``bagua-run``) to its workers, or by rank 0
+under a bare mpirun or srun (common/bootstrap.py); ranks read it too (common/elastic.py).
 
 Workers' C++ core connects with ``connect_tcp_store`` (native/src/transport/store.cc). Every
 connection starts with a mutual HMAC-SHA256 challenge over fresh nonces proving knowledge of the
