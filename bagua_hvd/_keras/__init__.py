@@ -11,20 +11,26 @@ from typing import Any, Callable, Dict, Iterable, Tuple
 
 import tensorflow as tf
 
-import bagua_hvd.tensorflow as hvd
 from bagua_hvd._keras.optimizer import (  # noqa: F401
     create_distributed_optimizer,
     is_distributed_optimizer,
     is_keras3_optimizer,
 )
 from bagua_hvd.common.util import check_predivide_and_groups
-from bagua_hvd.tensorflow.optimizer import LocalGradientAggregationHelper  # noqa: F401
+from bagua_hvd.tensorflow.compression import Compression
+from bagua_hvd.tensorflow.functions import allreduce as _allreduce
+from bagua_hvd.tensorflow.functions import broadcast_global_variables as _broadcast_global_variables
+from bagua_hvd.tensorflow.functions import reducescatter as _reducescatter
+from bagua_hvd.tensorflow.gradient_aggregation import LocalGradientAggregationHelper  # noqa: F401
+from bagua_hvd.tensorflow.mpi_ops import Adasum, Average, _executing_eagerly, rocm_built
+from bagua_hvd.tensorflow.mpi_ops import allgather as _allgather
+from bagua_hvd.tensorflow.mpi_ops import broadcast as _broadcast
 from bagua_hvd.tensorflow.optimizer_state import optimizer_variables
 
 
 def _eval(backend: Any, op_or_result: Any) -> Any:
     """The value eagerly; in a TF1 graph, the result of running the op in Keras' session."""
-    if hvd._executing_eagerly():
+    if _executing_eagerly():
         return op_or_result
     return backend.get_session().run(op_or_result)
 
@@ -49,13 +55,13 @@ def collectives(
         session). In eager mode (TF2) it raises RuntimeError as Horovod does: use
         ``bagua_hvd.tensorflow.broadcast_variables(model.variables, root_rank)`` or
         ``callbacks.BroadcastGlobalVariablesCallback``."""
-        if hvd._executing_eagerly():
+        if _executing_eagerly():
             raise RuntimeError(
-                "hvd.broadcast_global_variables() does not support eager execution. "
+                "_broadcast_global_variables() does not support eager execution. "
                 "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead "
                 "(or the callbacks.BroadcastGlobalVariablesCallback in model.fit)."
             )
-        return _eval(keras.backend, hvd.broadcast_global_variables(root_rank))
+        return _eval(keras.backend, _broadcast_global_variables(root_rank))
 
     def allreduce(
         value: Any,
@@ -64,14 +70,14 @@ def collectives(
         prescale_factor: float = 1.0,
         postscale_factor: float = 1.0,
         op: int | None = None,
-        compression: Any = hvd.Compression.none,
+        compression: Any = Compression.none,
     ) -> Any:
         """Allreduces a value (tensor, array or number) across all ranks; returns a tensor (its
         value in a TF1 graph). op/average as in ``bagua_hvd.tensorflow.allreduce`` (default
         Average)."""
         if op is not None and average_default is not None:
             average = None  # an explicit op wins over the default average
-        reduced = hvd.allreduce(
+        reduced = _allreduce(
             _constant(value, name), average=average, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor, op=op, compression=compression,
         )  # fmt: skip
@@ -79,16 +85,16 @@ def collectives(
 
     def allgather(value: Any, name: str | None = None) -> Any:
         """Concatenates every rank's value along the first dimension."""
-        return _eval(keras.backend, hvd.allgather(_constant(value, name)))
+        return _eval(keras.backend, _allgather(_constant(value, name)))
 
     def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
         """``root_rank``'s value on every rank."""
-        return _eval(keras.backend, hvd.broadcast(_constant(value, name), root_rank))
+        return _eval(keras.backend, _broadcast(_constant(value, name), root_rank))
 
-    def reducescatter(value: Any, name: str | None = None, op: int = hvd.Average) -> Any:
+    def reducescatter(value: Any, name: str | None = None, op: int = Average) -> Any:
         """Reduces the value across ranks and returns this rank's slice of the first
         dimension."""
-        return _eval(keras.backend, hvd.reducescatter(_constant(value, name), op=op))
+        return _eval(keras.backend, _reducescatter(_constant(value, name), op=op))
 
     fns = (broadcast_global_variables, allreduce, allgather, broadcast, reducescatter)
     for fn in fns:
@@ -107,9 +113,9 @@ def check_optimizer_args(
     """The checks of Horovod's Keras ``DistributedOptimizer`` functions; returns ``groups`` (an
     int when ``num_groups`` was given)."""
     groups = check_predivide_and_groups(
-        op, gradient_predivide_factor, num_groups, groups, hvd.rocm_built(), stacklevel=4
+        op, gradient_predivide_factor, num_groups, groups, rocm_built(), stacklevel=4
     )
-    if op == hvd.Adasum and average_aggregated_gradients:
+    if op == Adasum and average_aggregated_gradients:
         raise ValueError("Adasum does not support average_aggregated_gradients == True")
     if groups is not None:
         if not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):

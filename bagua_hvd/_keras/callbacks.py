@@ -30,7 +30,12 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-import bagua_hvd.tensorflow as hvd
+from bagua_hvd.tensorflow.functions import (
+    broadcast_global_variables,
+    broadcast_variables,
+    grouped_allreduce,
+)
+from bagua_hvd.tensorflow.mpi_ops import Average, _executing_eagerly, rank, size
 from bagua_hvd.tensorflow.optimizer_state import build_optimizer, optimizer_variables
 from bagua_hvd.tensorflow.tape import variable_key
 
@@ -129,8 +134,8 @@ class BroadcastGlobalVariablesCallbackImpl:
         if self.broadcast_done:
             return
         with tf.device(self.device):
-            if hvd._executing_eagerly() and hasattr(self.model, "variables"):
-                hvd.broadcast_variables(self._model_variables(), root_rank=self.root_rank)
+            if _executing_eagerly() and hasattr(self.model, "variables"):
+                broadcast_variables(self._model_variables(), root_rank=self.root_rank)
                 optimizer = getattr(self.model, "optimizer", None)
                 if optimizer is not None:
                     build_optimizer(optimizer, self.model.trainable_variables)
@@ -138,9 +143,9 @@ class BroadcastGlobalVariablesCallbackImpl:
                         v for v in optimizer_variables(optimizer)
                         if variable_key(v) not in self._local_vars
                     ]  # fmt: skip
-                    hvd.broadcast_variables(opt_vars, root_rank=self.root_rank)
+                    broadcast_variables(opt_vars, root_rank=self.root_rank)
             else:  # TF1-style graph (tf_keras with eager execution disabled)
-                bcast_op = hvd.broadcast_global_variables(self.root_rank)
+                bcast_op = broadcast_global_variables(self.root_rank)
                 self.backend.get_session().run(bcast_op)
         self.broadcast_done = True
 
@@ -167,8 +172,8 @@ class MetricAverageCallbackImpl:
             values = [tf.constant(np.asarray(logs[m]), dtype=floatx) for m in names]
             # One fused request; named, so that ranks whose logs hold different keys fail
             # with a clear mismatch error instead of pairing unrelated values.
-            reduced = hvd.grouped_allreduce(
-                values, op=hvd.Average, name="MetricAverageCallback." + ",".join(names)
+            reduced = grouped_allreduce(
+                values, op=Average, name="MetricAverageCallback." + ",".join(names)
             )
         for metric, value in zip(names, reduced):
             logs[metric] = value.numpy()
@@ -294,7 +299,7 @@ class LearningRateWarmupCallbackImpl(LearningRateScheduleCallbackImpl):
     ) -> None:
         def multiplier(epoch: float) -> float:
             epoch += 1.0 / self.steps_per_epoch
-            return 1.0 / hvd.size() * (epoch * (hvd.size() - 1) / warmup_epochs + 1)
+            return 1.0 / size() * (epoch * (size() - 1) / warmup_epochs + 1)
 
         super().__init__(
             initial_lr, multiplier, 0, warmup_epochs, False, momentum_correction, steps_per_epoch
@@ -303,7 +308,7 @@ class LearningRateWarmupCallbackImpl(LearningRateScheduleCallbackImpl):
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0 and hvd.rank() == 0:
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and rank() == 0:
             new_lr = get_learning_rate(self.model.optimizer)
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {new_lr:g}.")
 

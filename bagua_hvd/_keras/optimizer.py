@@ -20,7 +20,7 @@ Where the gradients are reduced:
   (Horovod's behaviour), but not a second time inside ``minimize``.
 
 ``backward_passes_per_step=N`` goes through Horovod's ``LocalGradientAggregationHelper``
-(``bagua_hvd.tensorflow.optimizer``, in its Keras mode): gradients are summed into local ``tf.Variable`` accumulators for N calls; the N-th call reduces the sum (divided
+(``bagua_hvd.tensorflow.gradient_aggregation``, in its Keras mode): gradients are summed into local ``tf.Variable`` accumulators for N calls; the N-th call reduces the sum (divided
 by N when ``average_aggregated_gradients``) and applies it; the other calls only advance the
 optimizer's ``iterations``. ``opt._agg_helper.counter`` (a ``tf.Variable``) counts the passes since
 the last update. The decision is a ``tf.cond`` on that counter, so it works inside ``tf.function``.
@@ -36,13 +36,17 @@ from typing import Any, Callable, List, Sequence
 
 import tensorflow as tf
 
-from bagua_hvd.common import config
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
+from bagua_hvd.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 from bagua_hvd.tensorflow.gradient_aggregation_eager import LocalGradientAggregationHelperEager
 from bagua_hvd.tensorflow.mpi_ops import rank, tf_variable
-from bagua_hvd.tensorflow.optimizer import LocalGradientAggregationHelper
 from bagua_hvd.tensorflow.optimizer_state import build_optimizer
-from bagua_hvd.tensorflow.tape import filtered_reduce, make_allreduce_grads_fn, variable_key
+from bagua_hvd.tensorflow.tape import (
+    filtered_reduce,
+    make_allreduce_grads_fn,
+    resolve_algorithm,
+    variable_key,
+)
 
 _MODULE = "bagua_hvd._keras"
 
@@ -83,19 +87,6 @@ def _check_not_xla() -> None:
         )
 
 
-def _resolve_algorithm(algorithm: Any) -> Any:
-    if algorithm is None:
-        algorithm = config.algorithm_name()
-    if algorithm is not None and config.elastic():
-        # Checked when the optimizer is built (not at its first update, as the rest): an
-        # elastic job must not start with an algorithm that cannot follow a reset.
-        from bagua_hvd.common import algorithms as _common
-
-        named = isinstance(algorithm, str)
-        _common.check_algorithm(_common.from_name(algorithm) if named else algorithm, "tensorflow")
-    return algorithm
-
-
 def create_distributed_optimizer(
     keras: Any,
     optimizer: Any,
@@ -126,7 +117,7 @@ def create_distributed_optimizer(
         process_set = global_process_set
     base = optimizer.__class__
     keras3 = is_keras3_optimizer(optimizer)
-    algorithm = _resolve_algorithm(algorithm)
+    algorithm, op = resolve_algorithm(algorithm, op, compression, groups, optimizer)
     if isinstance(groups, list):
         # Keras 3 variables are unhashable: the allreduce helper matches tf.Variable refs.
         groups = [[tf_variable(v) for v in g] for g in groups]
@@ -181,7 +172,7 @@ def create_distributed_optimizer(
             if st.algorithm is None:
                 return None
             if st.impl is None:
-                from bagua_hvd.tensorflow import algorithms  # written alongside; loaded lazily
+                import bagua_hvd.tensorflow.algorithms as algorithms  # loads Keras: lazily
 
                 with tf.init_scope():
                     st.impl = algorithms.reify(st.algorithm, self, st.process_set)

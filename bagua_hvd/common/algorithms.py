@@ -19,8 +19,9 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from bagua_hvd.common import config
+from bagua_hvd.common import basics, config
 from bagua_hvd.common import ops as _ops
+from bagua_hvd.common.compression import NoneCompressor
 
 # The public names every frontend's algorithms module re-exports (each adds its QAdamOptimizer).
 FRONTEND_EXPORTS = [
@@ -377,10 +378,62 @@ def from_name(name: str) -> Algorithm:
     return table[key]()
 
 
+# The algorithms named by BAGUA_HVD_ALGORITHM, one object per name: a tape is built at every
+# step, and an algorithm's state (its implementations) lives with the object.
+_BY_ENVIRONMENT: Dict[str, Algorithm] = {}
+
+
 def from_environment() -> Optional[Algorithm]:
-    """``from_name(BAGUA_HVD_ALGORITHM)``, or None when the variable is unset or empty."""
+    """``from_name(BAGUA_HVD_ALGORITHM)``, the same object for every call with the same value;
+    None when the variable is unset or empty."""
     name = config.algorithm_name()
-    return from_name(name) if name else None
+    if not name:
+        return None
+    alg = _BY_ENVIRONMENT.get(name)
+    if alg is None:
+        alg = _BY_ENVIRONMENT[name] = from_name(name)
+    return alg
+
+
+def resolve(
+    algorithm: Any,
+    *,
+    frontend: str,
+    op: int,
+    compression: Any,
+    groups: Any,
+    optimizer: Any,
+    qadam_optimizer_class: Callable[[], type],
+) -> Tuple[Optional[Algorithm], int]:
+    """``(algorithm or None, op)``: what a frontend's DistributedOptimizer or gradient tape
+    runs for its ``algorithm=`` argument, and the reduce op of its gradient path.
+
+    ``algorithm`` None takes :func:`from_environment`. An algorithm is refused (ValueError)
+    when it is not a declaration (``frontend`` names the package in the message), when
+    ``op`` is Adasum in a job of more than one rank, or when :meth:`Algorithm.check` refuses
+    it with ``optimizer`` (the wrapped optimizer, or None), ``compression`` (the frontend's
+    compressor; ``Compression.none`` is none) and ``groups``. The op becomes the
+    algorithm's (:meth:`Algorithm.reduce_op`). An algorithm that is Horovod's allreduce
+    (``GradientAllReduce(hierarchical=False)``) is returned as None: the caller then runs its
+    own allreduce, configured by ``op``, ``compression`` and ``groups``.
+    ``qadam_optimizer_class()`` returns the frontend's QAdamOptimizer class; it is called only
+    when there is an algorithm (a frontend may load its algorithms module then)."""
+    if algorithm is None:
+        algorithm = from_environment()
+    if algorithm is None:
+        return None, op
+    check_algorithm(algorithm, frontend)
+    if op == _ops.Adasum and basics.size() > 1:
+        raise ValueError(
+            "op=hvd.Adasum is Horovod's reduction of the updates; it does not combine with "
+            f"BAGUA's algorithm {type(algorithm).__name__} (BAGUA_HVD_ALGORITHM or "
+            "algorithm=)"
+        )
+    algorithm.check(optimizer, qadam_optimizer_class(), compression is not NoneCompressor, groups)
+    op = algorithm.reduce_op(op)
+    if algorithm.is_horovod_allreduce():
+        return None, op
+    return algorithm, op
 
 
 def check_qadam_arguments(

@@ -17,10 +17,10 @@ import tensorflow as tf
 import bagua_hvd._keras as _impl
 from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics)
 from bagua_hvd.keras import callbacks, elastic  # noqa: F401  (hvd.callbacks, hvd.elastic)
-from bagua_hvd.tensorflow import (  # noqa: F401
+from bagua_hvd.tensorflow.compression import Compression
+from bagua_hvd.tensorflow.mpi_ops import (  # noqa: F401
     Adasum,
     Average,
-    Compression,
     Sum,
     global_process_set,
     init,

@@ -32,13 +32,13 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+import bagua_hvd.tensorflow.kernels as _kernels
+import bagua_hvd.tensorflow.mpi_ops as _mpi
 from bagua_hvd.common import basics as _basics
 from bagua_hvd.common import config, engine
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.primitives import Buffer
-from bagua_hvd.tensorflow import kernels as _kernels
-from bagua_hvd.tensorflow import mpi_ops as _mpi
-from bagua_hvd.tensorflow.algorithms import AlgorithmImpl, _read
+from bagua_hvd.tensorflow.algorithm_impl import AlgorithmImpl, _read
 
 __all__ = ["KernelImpl"]
 

@@ -29,21 +29,21 @@ and ``AsyncModelAverage`` (``impl.needs_after_apply``); for the others it does n
 
 from __future__ import annotations
 
-import itertools
-import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
+import bagua_hvd.tensorflow.kernels as _kernels
+import bagua_hvd.tensorflow.mpi_ops as _mpi
 from bagua_hvd.common import algorithms as _common
 from bagua_hvd.common import config, engine
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.algorithms import *  # noqa: F403  (the declarations, re-exported)
 from bagua_hvd.common.primitives import Buffer, wait_all
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
-from bagua_hvd.tensorflow import kernels as _kernels
-from bagua_hvd.tensorflow import mpi_ops as _mpi
+from bagua_hvd.tensorflow.algorithm_impl import AlgorithmImpl, _read, _tf_dtype
+from bagua_hvd.tensorflow.algorithm_kernels import KernelImpl
 
 __all__ = [*_common.FRONTEND_EXPORTS, "QAdamOptimizer", "reify"]
 
@@ -61,13 +61,6 @@ def _fma(a: tf.Tensor, b: Any, c: tf.Tensor) -> tf.Tensor:
         return a * tf.cast(b, dt) + c
     wide = tf.cast(a, tf.float64) * tf.cast(tf.cast(b, tf.float32), tf.float64)
     return tf.cast(tf.cast(wide + tf.cast(c, tf.float64), tf.float32), dt)
-
-
-def _read(v: Any) -> tf.Tensor:
-    """A variable's current value (a read op inside a graph)."""
-    if isinstance(v, tf.Variable):
-        return v.read_value() if tf.executing_eagerly() else tf.identity(v)
-    return tf.convert_to_tensor(v)
 
 
 class QAdamOptimizer(tf.keras.optimizers.Optimizer):
@@ -235,19 +228,6 @@ class NumpyArrays(engine.TensorAdapter):
 
 ARRAYS = NumpyArrays()
 
-_uids = itertools.count()
-_uid_lock = threading.Lock()
-
-
-def _tf_dtype(v: Any) -> tf.DType:
-    return tf.as_dtype(v.dtype)
-
-
-def _dense(g: Any) -> Any:
-    if isinstance(g, tf.IndexedSlices):
-        return tf.convert_to_tensor(g)
-    return g
-
 
 class _Flats:
     """Tensors (numpy arrays) flattened into one contiguous buffer per bucket."""
@@ -308,122 +288,6 @@ def _assign_if(flag: tf.Tensor, variables: Sequence[Any], values: Sequence[tf.Te
             return tf.constant(True)
 
     tf.cond(flag, write, lambda: tf.constant(False))
-
-
-# ---- the implementation ----------------------------------------------------------------------
-class AlgorithmImpl(engine.Implementation):
-    """An algorithm inside one training loop (a tape's algorithm, a Keras optimizer): the
-    engine's gradient path and weight averaging at the points of the step
-    (reduce_gradients before the update, after_apply after it). Two subclasses run them:
-    ``bagua_hvd.tensorflow.algorithm_kernels.KernelImpl`` through the kernel library (the
-    default), :class:`NumpyImpl` on numpy values (where the kernels cannot be built, or
-    ``BAGUA_HVD_TF_KERNELS=0``)."""
-
-    def __init__(self, alg: _common.Algorithm, optimizer: Any, process_set: ProcessSet) -> None:
-        self.optimizer = optimizer
-        self.process_set = process_set
-        with _uid_lock:
-            self.uid = next(_uids)
-        self._names = engine.NumberedNames(self.uid)
-        super().__init__(alg, self.adapter(), self._names, process_set, self.size)
-        self.needs_after_apply = self.averaging is not None and self.averaging.acts_after_update
-
-    def adapter(self) -> engine.TensorAdapter:
-        """What the engine's buffers are for this implementation."""
-        raise NotImplementedError
-
-    # -- properties --------------------------------------------------------------------------------
-    def size(self) -> int:
-        return _mpi.process_set_size(self.process_set)
-
-    @property
-    def step(self) -> int:
-        """Completed ``reduce_gradients`` calls (steps)."""
-        raise NotImplementedError
-
-    # -- the public interface ----------------------------------------------------------------------
-    def reduce_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
-        """This step's gradients as the optimizer must apply them (may also change the
-        variables); ``None`` entries stay ``None``. Advances :attr:`step`."""
-        grads = [_dense(g) for g in grads]
-        variables = list(variables)
-        if len(grads) != len(variables):
-            raise ValueError(
-                f"reduce_gradients got {len(grads)} gradients for {len(variables)} variables"
-            )
-        self._check_variables(variables)
-        if self.process_set.included() and self.size() > 1:
-            grads = self._communicate(grads, variables)
-        self._tick()
-        return grads
-
-    def after_apply(self, variables: Sequence[Any]) -> None:
-        """Right after the optimizer applied this step's update."""
-        variables = list(variables)
-        self._check_variables(variables)
-        if self.needs_after_apply and self.process_set.included() and self.size() > 1:
-            self._after_apply(variables)
-
-    def _communicate(self, grads: List[Any], variables: List[Any]) -> List[Any]:
-        """The step's part before the update (there is someone to communicate with)."""
-        raise NotImplementedError
-
-    def _after_apply(self, variables: List[Any]) -> None:
-        raise NotImplementedError
-
-    def _tick(self) -> None:
-        """Advances the step count when the step runs."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _build_staging(q: Any, variables: List[Any]) -> None:
-        """QAdam: builds its optimizer (the momentum slots are read before the first
-        apply() would build them)."""
-        if not q.built:
-            with tf.init_scope():
-                q.build(variables)
-
-    @staticmethod
-    def _handed_over(
-        grads: List[Any], present: List[int], outs: List[Any], q: Optional[Any]
-    ) -> List[Any]:
-        """The gradients for the optimizer: ``outs`` (the communicated ones, after QAdam's
-        flag when ``q``, its optimizer, is given) in the places ``present``."""
-        if q is not None:
-            q.set_momentum_in_grad(outs[0])
-            outs = outs[1:]
-        out = list(grads)
-        for i, r in zip(present, outs):
-            out[i] = r
-        return out
-
-    def _after_apply_missing(self) -> str:
-        return (
-            f"{type(self.alg).__name__} needs a call after every optimizer update: "
-            "tape.step_done() (or impl.after_apply(variables)) after "
-            "optimizer.apply_gradients(...)"
-        )
-
-    def _check_variables(self, variables: List[Any]) -> None:
-        if self.averaging is None:
-            return
-        if not all(hasattr(v, "assign") for v in variables):
-            raise ValueError(
-                f"{type(self.alg).__name__} communicates weights: the sources of the gradients "
-                "must be variables (tf.Variable or Keras variables), not tensors"
-            )
-        sig = tuple((tuple(v.shape), _tf_dtype(v).name) for v in variables)
-        known = getattr(self, "_variables_sig", None)
-        if known is None:
-            self._variables_sig = sig
-        elif known != sig:
-            raise ValueError(self._other_model_error())
-
-    def _other_model_error(self) -> str:
-        return (
-            f"{type(self.alg).__name__} keeps per-model state, but it was given a different "
-            "list of variables than before: use one algorithm object per model"
-        )
 
 
 # ---- the fallback: the engine on numpy values ---------------------------------------------------
@@ -635,8 +499,6 @@ def reify(
         algorithm = _common.from_name(algorithm)
     check_algorithm(algorithm, optimizer)
     if use_kernels():
-        from bagua_hvd.tensorflow.algorithm_kernels import KernelImpl
-
         return KernelImpl(algorithm, optimizer, process_set)
     if config.elastic() and not isinstance(algorithm, _common.GradientAllReduce):
         # The kernels re-plan after a reset (kernels.cc: BaguaHvdNewJob); this fallback not.
@@ -659,10 +521,6 @@ def use_kernels() -> bool:
     return _algorithm_kernels[0] and _kernels.load() is not None
 
 
-# Tapes are built anew every step: their implementation lives with the algorithm object.
-_env_algorithms: Dict[str, _common.Algorithm] = {}
-
-
 def tape_impl(algorithm: _common.Algorithm, process_set: ProcessSet) -> AlgorithmImpl:
     """The implementation a DistributedGradientTape uses for ``algorithm``: one per algorithm
     object and process set, so that its state (step count, residuals, replicas) survives the
@@ -675,13 +533,5 @@ def tape_impl(algorithm: _common.Algorithm, process_set: ProcessSet) -> Algorith
     return impl
 
 
-def environment_algorithm() -> Optional[_common.Algorithm]:
-    """``from_environment()``, the same object for every call with the same value (a tape
-    built each step keeps the algorithm's state)."""
-    name = config.algorithm_name()
-    if not name:
-        return None
-    alg = _env_algorithms.get(name)
-    if alg is None:
-        alg = _env_algorithms[name] = _common.from_name(name)
-    return alg
+# The name tests and scripts used for it here (one object per name, shared by all tapes).
+environment_algorithm = _common.from_environment

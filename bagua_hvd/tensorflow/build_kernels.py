@@ -8,7 +8,7 @@ import sys
 
 import tensorflow as tf
 
-from bagua_hvd.tensorflow import kernels
+import bagua_hvd.tensorflow.kernels as kernels
 
 
 def main() -> int:

@@ -50,13 +50,11 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-# bagua_hvd.tensorflow imports this module while it initialises: its helpers
-# (broadcast_object, allgather_object, broadcast_variables) are read when called.
-import bagua_hvd.tensorflow as _hvd
+import bagua_hvd.tensorflow.kernels as _kernels
 from bagua_hvd.common import elastic as _common_elastic
 from bagua_hvd.common.elastic import ObjectState, run_fn
 from bagua_hvd.common.exceptions import HorovodInternalError
-from bagua_hvd.tensorflow import kernels as _kernels
+from bagua_hvd.tensorflow.functions import allgather_object, broadcast_object, broadcast_variables
 from bagua_hvd.tensorflow.mpi_ops import _executing_eagerly, broadcast, init, rank, shutdown
 from bagua_hvd.tensorflow.optimizer_state import build_optimizer, optimizer_variables
 
@@ -169,7 +167,7 @@ def _check_same_variables(
     """Raises ValueError on every rank unless every rank holds variables of the same shapes and
     dtypes in each group (one allgather: broadcasting different lists would hang)."""
     mine = [(label, _signature(variables)) for label, variables in groups]
-    everyone = _hvd.allgather_object(mine, name="elastic.variables")
+    everyone = allgather_object(mine, name="elastic.variables")
     if all(theirs == everyone[0] for theirs in everyone):
         return
     counts = "; ".join(
@@ -241,17 +239,17 @@ class TensorFlowKerasState(_TensorFlowObjectState):
         if backend is not None and not _executing_eagerly() and hasattr(backend, "get_session"):
             self._session = backend.get_session()
             # One broadcast op, built once (building more would grow the graph at each sync).
-            self._bcast_op = _hvd.broadcast_variables(self._variables(), root_rank=0)
+            self._bcast_op = broadcast_variables(self._variables(), root_rank=0)
         self._save_model()
         super().__init__(
             bcast_object=self._broadcast_object if self._session is not None
-            else _hvd.broadcast_object,
+            else broadcast_object,
             get_rank=rank,
             **kwargs,
         )  # fmt: skip
 
     def _broadcast_object(self, obj: Any) -> Any:
-        return _hvd.broadcast_object(obj, root_rank=0, session=self._session)
+        return broadcast_object(obj, root_rank=0, session=self._session)
 
     def _variables(self) -> List[Any]:
         return _model_variables(self.model) + optimizer_variables(self.optimizer)
@@ -327,12 +325,12 @@ class TensorFlowState(_TensorFlowObjectState):
         self.session = session if session is not None or self._eager else _default_session()
         if not self._eager:
             # Built once (no collective runs until sync() runs it in the session).
-            self._bcast_op = _hvd.broadcast_variables(self.variables, root_rank=0)
+            self._bcast_op = broadcast_variables(self.variables, root_rank=0)
         self._save_model()
         super().__init__(bcast_object=self._broadcast_object, get_rank=rank, **kwargs)
 
     def _broadcast_object(self, obj: Any) -> Any:
-        return _hvd.broadcast_object(obj, root_rank=0, session=self.session)
+        return broadcast_object(obj, root_rank=0, session=self.session)
 
     def save(self) -> None:
         self._save_model()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable, List
 
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
-from bagua_hvd.tensorflow.optimizer import LocalGradientAggregationHelper
+from bagua_hvd.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 
 __all__ = ["LocalGradientAggregationHelperEager"]
 

@@ -8,6 +8,7 @@ from typing import Any
 import tensorflow as tf
 
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
+from bagua_hvd.tensorflow.functions import broadcast_variables
 
 __all__ = ["BroadcastGlobalVariablesHook"]
 
@@ -45,8 +46,6 @@ class BroadcastGlobalVariablesHook(_SessionRunHook or object):  # type: ignore[m
     def begin(self) -> None:
         """Builds the broadcast op in the session's graph (again if the graph changed)."""
         if self.bcast_op is None or self.bcast_op.graph != tf.compat.v1.get_default_graph():
-            from bagua_hvd.tensorflow import broadcast_variables
-
             if tf.executing_eagerly():
                 raise RuntimeError(
                     "BroadcastGlobalVariablesHook needs a TF1 graph (tf.compat.v1 session); in "

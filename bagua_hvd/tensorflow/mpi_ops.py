@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record as _record
 
+import bagua_hvd.tensorflow.kernels as _kernels
 from bagua_hvd.common import config
 from bagua_hvd.common import frontend as _frontend
 from bagua_hvd.common import ops as _ops
@@ -50,7 +51,6 @@ from bagua_hvd.common.process_sets import (
     remove_process_set,
 )
 from bagua_hvd.common.util import num_rank_is_power_2
-from bagua_hvd.tensorflow import kernels as _kernels
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",

@@ -16,9 +16,11 @@ from typing import Any, Callable, List, Sequence, Tuple
 
 import tensorflow as tf
 
+from bagua_hvd.common import algorithms as _common_algorithms
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.common.util import check_predivide_and_groups, split_list
 from bagua_hvd.tensorflow.compression import Compression
+from bagua_hvd.tensorflow.functions import grouped_allreduce
 from bagua_hvd.tensorflow.mpi_ops import (
     Average,
     process_set_size,
@@ -26,14 +28,6 @@ from bagua_hvd.tensorflow.mpi_ops import (
     tf_variable,
     traced_set_size,
 )
-
-
-def _grouped_allreduce() -> Callable[..., List[Any]]:
-    # The package's grouped_allreduce (dense fused, IndexedSlices via allgather); imported when
-    # first used because bagua_hvd/tensorflow/__init__.py imports this module.
-    from bagua_hvd.tensorflow import grouped_allreduce
-
-    return grouped_allreduce
 
 
 def variable_key(v: Any) -> Any:
@@ -129,11 +123,10 @@ def make_allreduce_grads_fn(
         else:
             split = [present]
         out = list(grads)
-        reduce = _grouped_allreduce()
         with tf.name_scope(name + "_Allreduce"):
             for chunk in split:
                 idx = [i for i, _ in chunk]
-                reduced = reduce(
+                reduced = grouped_allreduce(
                     [g for _, g in chunk], compression=compression, op=op,
                     prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                     process_set=process_set, ignore_name_scope=use_generic_names,
@@ -176,7 +169,7 @@ class _DistributedGradientTape(tf.GradientTape):
         # built every step; its state must outlive them).
         self._algo_impl: Any = None
         if algorithm is not None:
-            from bagua_hvd.tensorflow import algorithms as _alg
+            import bagua_hvd.tensorflow.algorithms as _alg
 
             self._algo_impl = _alg.tape_impl(algorithm, process_set)
         self._last_sources: List[Any] = []
@@ -264,20 +257,21 @@ def check_tape_args(op: int, gradient_predivide_factor: float, num_groups: int, 
     return groups
 
 
-def _resolve_algorithm(algorithm: Any, op: int, compression: Any, groups: Any) -> Tuple[Any, int]:
-    """(algorithm or None, op): the environment's default, validation (the torch frontend's
-    messages), and GradientAllReduce without hierarchy mapped to Horovod's path."""
-    from bagua_hvd.tensorflow import algorithms as _alg
+def _qadam_optimizer_class() -> type:
+    import bagua_hvd.tensorflow.algorithms as _alg  # when there is an algorithm: it loads Keras
 
-    if algorithm is None:
-        algorithm = _alg.environment_algorithm()
-    if algorithm is None:
-        return None, op
-    _alg.check_algorithm(algorithm, None, compression is not Compression.none, groups)
-    op = algorithm.reduce_op(op)
-    if algorithm.is_horovod_allreduce():
-        return None, op  # Horovod's allreduce (compression=, groups= apply)
-    return algorithm, op
+    return _alg.QAdamOptimizer
+
+
+def resolve_algorithm(
+    algorithm: Any, op: int, compression: Any, groups: Any, optimizer: Any = None
+) -> Tuple[Any, int]:
+    """``(algorithm or None, op)`` for the tapes and the Keras optimizer (``optimizer``: the
+    wrapped one): :func:`bagua_hvd.common.algorithms.resolve` with this frontend's names."""
+    return _common_algorithms.resolve(
+        algorithm, frontend="tensorflow", op=op, compression=compression, groups=groups,
+        optimizer=optimizer, qadam_optimizer_class=_qadam_optimizer_class,
+    )  # fmt: skip
 
 
 def DistributedGradientTape(
@@ -335,7 +329,7 @@ def DistributedGradientTape(
     path with ``op`` Average or Sum (``average=``).
     """
     groups = check_tape_args(op, gradient_predivide_factor, num_groups, groups)
-    algorithm, op = _resolve_algorithm(algorithm, op, compression, groups)
+    algorithm, op = resolve_algorithm(algorithm, op, compression, groups)
     cls = type(
         gradtape.__class__.__name__,
         (gradtape.__class__,),
@@ -388,16 +382,3 @@ def PartialDistributedGradientTape(
     for v in local_vars:
         tape.register_local_source(v)
     return tape
-
-
-def broadcast_global_variables(root_rank: int) -> Any:
-    """Horovod's TF1 helper: broadcasts ``tf.compat.v1.global_variables()``. In eager mode it
-    raises RuntimeError, as Horovod does (use ``broadcast_variables``)."""
-    if tf.executing_eagerly():
-        raise RuntimeError(
-            "hvd.broadcast_global_variables() does not support eager execution. "
-            "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead."
-        )
-    from bagua_hvd.tensorflow import broadcast_variables
-
-    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)

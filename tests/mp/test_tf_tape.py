@@ -146,7 +146,7 @@ def test_op_sum_and_predivide(mode, monkeypatch):
         calls.append((kw["prescale_factor"], kw["postscale_factor"], kw["op"]))
         return real(tensors, **kw)
 
-    monkeypatch.setattr(hvd, "grouped_allreduce", spy)
+    monkeypatch.setattr(hvd.tape, "grouped_allreduce", spy)  # what the tapes call
     got = dist_grads(mode, v, x, y, gradient_predivide_factor=4.0)
     assert_close(got, mean, what="gradient_predivide_factor=4")
     # Horovod splits the averaging: prescale 1/f, postscale f (then / size by Average).
@@ -165,7 +165,7 @@ def test_groups(mode, monkeypatch):
         seen.append(tuple(tuple(t.shape) for t in tensors))
         return real(tensors, **kw)
 
-    monkeypatch.setattr(hvd, "grouped_allreduce", spy)
+    monkeypatch.setattr(hvd.tape, "grouped_allreduce", spy)  # what the tapes call
     s = {k: tuple(t.shape) for k, t in v.items()}
     cases = [
         ({}, [(s["w1"], s["b1"], s["w2"], s["b2"])]),  # default: one fused request
@@ -187,7 +187,7 @@ def test_num_groups_deprecated(monkeypatch):
         seen.append(len(tensors))
         return real(tensors, **kw)
 
-    monkeypatch.setattr(hvd, "grouped_allreduce", spy)
+    monkeypatch.setattr(hvd.tape, "grouped_allreduce", spy)  # what the tapes call
     v = make_vars()
     x, y = batch(rank(), 2)
     with pytest.warns(DeprecationWarning, match="replaced by `groups`"):

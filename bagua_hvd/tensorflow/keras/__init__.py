@@ -16,9 +16,10 @@ from tensorflow import keras
 
 import bagua_hvd._keras as _impl
 from bagua_hvd.common.frontend import *  # noqa: F403  (Horovod's basics)
-from bagua_hvd.tensorflow import (  # noqa: F401
+from bagua_hvd.tensorflow.compression import Compression
+from bagua_hvd.tensorflow.keras import callbacks, elastic  # noqa: F401  (hvd.callbacks/elastic)
+from bagua_hvd.tensorflow.mpi_ops import (  # noqa: F401
     Average,
-    Compression,
     ProcessSet,
     Sum,
     add_process_set,
@@ -27,7 +28,6 @@ from bagua_hvd.tensorflow import (  # noqa: F401
     remove_process_set,
     shutdown,
 )
-from bagua_hvd.tensorflow.keras import callbacks, elastic  # noqa: F401  (hvd.callbacks/elastic)
 
 
 def DistributedOptimizer(
