@@ -23,7 +23,7 @@ bucket_layout=None, bucket_bytes=None, **alg_kwargs) -> ReferenceResult``
   ``weight_decay`` (keyword arguments, bagua_hvd's defaults).
 * ``bucket_layout``: buckets as lists of parameter indices (each bucket one dtype). Default:
   ``bucket_layout_for(params, bucket_bytes)``, which is the first-guess layout of
-  ``bagua_hvd/torch/optimizer.py`` (reverse registration order, per dtype, cut at
+  ``bagua_hvd/torch/buckets.py`` (reverse registration order, per dtype, cut at
   ``bucket_bytes``; ``bucket_bytes=None`` reads ``BAGUA_HVD_BUCKET_MB`` like ``_bucket_bytes``).
   The optimizer re-lays the buckets out after step 1 in rank 0's observed gradient-ready order;
   for a ``Sequential``-like MLP that order is reverse registration order, so both agree.

@@ -14,19 +14,15 @@ number of ranks; float16/32/64 parameters on the CPU.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Optional, Tuple
 
 import torch
 
+import bagua_hvd.torch.hooks as _hooks
+from bagua_hvd.torch.hooks import NOT_STARTED, TOO_MANY_PASSES_MESSAGE, Pending
 from bagua_hvd.torch.mpi_ops import Adasum, allreduce_async_, synchronize
-from bagua_hvd.torch.optimizer import (
-    _TOO_MANY_PASSES_MESSAGE,
-    _ZERO_GRAD_MESSAGE,
-    _DistributedOptimizer,
-    init_hook_state,
-    register_grad_hooks,
-)
 
 
 class _DistributedAdasumOptimizer(torch.optim.Optimizer):
@@ -42,17 +38,21 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
     ) -> None:
         super(self._hvd_cls, self).__init__(params)
-        named = init_hook_state(self, named_parameters, compression, backward_passes_per_step)
+        named = _hooks.init_hook_state(
+            self, named_parameters, compression, backward_passes_per_step
+        )
         self._starting_models = {p: torch.zeros_like(p, requires_grad=False) for _, p in named}
         p_list = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         for p in p_list:
             p.grad = p.data.new(p.size()).zero_()
         self._requires_update.update(p_list)
-        register_grad_hooks(self, p_list)
+        _hooks.register_grad_hooks(self, p_list)
 
-    set_backward_passes_per_step = _DistributedOptimizer.set_backward_passes_per_step
+    set_backward_passes_per_step = _hooks.set_backward_passes_per_step
+    zero_grad = _hooks.zero_grad
 
-    def _allreduce_grad_async(self, p: torch.Tensor) -> Tuple[Any, Any]:
+    def _allreduce_grad_async(self, p: torch.Tensor) -> Pending:
+        """Starts the reduction of ``p``'s delta; its wait() returns the combined delta."""
         # delta = (start - lr * f(g)) - start: the wrapped optimizer steps p alone from start.
         start = self._starting_models[p]
         stashed = []
@@ -68,19 +68,22 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         finally:
             for params, group in zip(stashed, self.param_groups):
                 group["params"] = params
-        return handle, ctx
+        compression = self._compression
+        return Pending(
+            functools.partial(synchronize, handle), lambda out: compression.decompress(out, ctx)
+        )
 
     def _grad_ready(self, p: torch.Tensor) -> None:
-        if p in self._handles and self._handles[p][0] is not None:
+        if p in self._handles and self._handles[p].started:
             if self._allreduce_delay[p] <= 0:
-                raise AssertionError(_TOO_MANY_PASSES_MESSAGE)
+                raise AssertionError(TOO_MANY_PASSES_MESSAGE)
         assert not p.grad.requires_grad
         assert self._allreduce_delay[p] > 0
-        handle, ctx = None, None
         self._allreduce_delay[p] -= 1
         if self._allreduce_delay[p] == 0:
-            handle, ctx = self._allreduce_grad_async(p)
-        self._handles[p] = (handle, ctx)
+            self._handles[p] = self._allreduce_grad_async(p)
+        else:
+            self._handles[p] = NOT_STARTED
 
     def synchronize(self) -> None:
         pass
@@ -98,19 +101,13 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
             loss = closure()
         for p in self._requires_update - set(self._handles):
             self._handles[p] = self._allreduce_grad_async(p)
-        for p, (handle, ctx) in self._handles.items():
-            if handle is None:  # step() before backward_passes_per_step passes: reduce now
-                handle, ctx = self._allreduce_grad_async(p)
-                self._handles[p] = (handle, ctx)
-            delta = self._compression.decompress(synchronize(handle), ctx)
+        for p, pending in self._handles.items():
+            if not pending.started:  # step() before backward_passes_per_step passes: reduce now
+                pending = self._handles[p] = self._allreduce_grad_async(p)
+            delta = pending.wait()
             start = self._starting_models[p]
             start.data.add_(delta.data)
             p.data.copy_(start)
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._handles.clear()
         return loss
-
-    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
-        if self._handles:
-            raise AssertionError(_ZERO_GRAD_MESSAGE)
-        return super(self._hvd_cls, self).zero_grad(*args, **kwargs)

@@ -30,7 +30,7 @@ from bagua_hvd.common import algorithms as _common
 from bagua_hvd.common import config, engine
 from bagua_hvd.common.algorithms import *  # noqa: F403  (the declarations, re-exported)
 from bagua_hvd.common.primitives import Buffer, Request
-from bagua_hvd.torch import optimizer as _optimizer
+from bagua_hvd.torch.bucketwise import register_partial_step
 from bagua_hvd.torch.mpi_ops import core_dtype
 
 __all__ = [*_common.FRONTEND_EXPORTS, "QAdamOptimizer"]
@@ -204,7 +204,7 @@ _PIECE = 1 << 18
 
 
 _common.register_qadam_optimizer(QAdamOptimizer)
-_optimizer.register_partial_step(QAdamOptimizer, QAdamOptimizer.begin_step)
+register_partial_step(QAdamOptimizer, QAdamOptimizer.begin_step)
 
 
 # ---- the engine's torch side ----------------------------------------------------------------------

@@ -428,12 +428,12 @@ def test_load_state_dict_resets_handles():
         opt.zero_grad()
         ref.loss_of(model, ref.batch(seed, step, hvd.rank())).backward()
         assert opt._handles
-        handles = [h for h, _ in opt._handles.values()]
+        pending = [h for h in opt._handles.values() if h.started]
         opt.load_state_dict(opt.state_dict())
         assert not opt._handles
         opt.zero_grad()  # no pending handles any more
-        for h in handles:  # let the dropped operations finish before the next step
-            hvd.synchronize(h)
+        for h in pending:  # let the dropped operations finish before the next step
+            h.wait()
 
 
 # ---- unused parameters, groups, sparse gradients ----------------------------------------------
@@ -495,8 +495,8 @@ def test_sparse_gradients(sparse_as_dense, monkeypatch):
     def check(opt, step):
         assert mine.emb.weight.grad.is_sparse
         if not sparse_as_dense and step > 0:
-            assert mine.emb.weight in opt._sparse_params
-            assert mine.emb.weight not in opt._p_bucket
+            assert mine.emb.weight in opt._bucketing.sparse
+            assert mine.emb.weight not in opt._bucketing.by_param
 
     _distributed(mine, _plain_sgd, seed, sparse_as_dense=sparse_as_dense, step_hook=check)
     ref.train(reference, _plain_sgd, seed, STEPS, hvd.size())
@@ -645,9 +645,9 @@ BUCKETWISE = {
 def _update_every_bucket(monkeypatch):
     """The bucket-by-bucket update merges buckets below 1 MiB: here every bucket is updated
     on its own, so the tests below see as many separate updates as buckets."""
-    from bagua_hvd.torch import optimizer as _optimizer
+    from bagua_hvd.torch import bucketwise
 
-    monkeypatch.setattr(_optimizer, "_BUCKETWISE_MIN_BYTES", 0)
+    monkeypatch.setattr(bucketwise, "_BUCKETWISE_MIN_BYTES", 0)
 
 
 def _train_split(make_opt, seed, dtype, bucketwise, algorithm=None, extras=False, use_extra=False):
@@ -750,9 +750,9 @@ def test_bucketwise_update_with_qadam_gives_the_same_bits(piece, monkeypatch):
 
 def test_bucketwise_update_merges_small_buckets(monkeypatch):
     """Buckets below 1 MiB are updated together (an update call has a fixed cost)."""
-    from bagua_hvd.torch import optimizer as _optimizer
+    from bagua_hvd.torch import bucketwise
 
-    monkeypatch.setattr(_optimizer, "_BUCKETWISE_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(bucketwise, "_BUCKETWISE_MIN_BYTES", 1 << 20)
     monkeypatch.setenv("BAGUA_HVD_BUCKET_MB", "0.0005")
     seed = ref.seed_for("bucketwise_merged")
     mine, opt = _train_split(_sgd, seed, torch.float64, bucketwise=True)
