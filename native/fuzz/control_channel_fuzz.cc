@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "core/message.h"
 #include "fuzz_util.h"
+#include "requests/message.h"
 #include "transport/control_channel.h"
 
 namespace bagua_hvd {

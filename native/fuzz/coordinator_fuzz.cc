@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "core/coordinator.h"
-#include "core/message.h"
 #include "fuzz_util.h"
+#include "requests/message.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   setenv("HOROVOD_LOG_LEVEL", "fatal", 0);  // stall reports would flood the fuzzer's output

@@ -1,13 +1,13 @@
-// Fuzz target: the negotiation message decoder (core/message.cc), fed arbitrary bytes as a request
-// list and as a response list. Each must decode or throw TransportError. What decodes must encode
-// back to the same bytes, except that a bool byte reads as true for any non-zero value and is
-// written as 1; and decoding that encoding must give it back unchanged.
+// Fuzz target: the negotiation message decoder (requests/message.cc), fed arbitrary bytes as a
+// request list and as a response list. Each must decode or throw TransportError. What decodes must
+// encode back to the same bytes, except that a bool byte reads as true for any non-zero value and
+// is written as 1; and decoding that encoding must give it back unchanged.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
-#include "core/message.h"
 #include "fuzz_util.h"
+#include "requests/message.h"
 
 namespace bagua_hvd {
 namespace {

@@ -1,5 +1,5 @@
 // The extern "C" guard (core/c_api_guard.h), the core's one "not initialized" message through
-// real entry points, and format_seconds (common.h).
+// real entry points, and format_seconds (base/common.h).
 #include <gtest/gtest.h>
 
 #include <new>
@@ -7,7 +7,7 @@
 #include <string>
 
 #include "bagua_hvd/c_api.h"
-#include "common.h"
+#include "base/common.h"
 #include "core/c_api_guard.h"
 
 namespace bagua_hvd {

@@ -1,11 +1,11 @@
-// Logging (common.cc): HOROVOD_LOG_LEVEL holds for every line, also from a caller that calls
+// Logging (base/common.cc): HOROVOD_LOG_LEVEL holds for every line, also from a caller that calls
 // log_message directly instead of through BHVD_LOG (the CUDA engine's device line was printed
 // at DEBUG under the default level, on every GPU job).
 #include <gtest/gtest.h>
 
 #include <string>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace bagua_hvd {
 namespace {

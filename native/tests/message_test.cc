@@ -1,6 +1,6 @@
-// Negotiation messages (core/message.cc): encode/decode round trips, hand-picked and random
+// Negotiation messages (requests/message.cc): encode/decode round trips, hand-picked and random
 // (seeded), and the rejection of truncated, extended and corrupted frames.
-#include "core/message.h"
+#include "requests/message.h"
 
 #include <gtest/gtest.h>
 

@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
+#include "base/float_bits.h"
 #include "compression/minmax_uint8.h"
 #include "compression/minmax_uint8_cuda.h"
-#include "float_bits.h"
 
 namespace {
 

@@ -1,13 +1,13 @@
-// The MPI data engine's attachment (ops/mpi_library.cc, ops/mpi_engine.cc) in a process without
-// MPI: no engine, and the reason hvd.init() gives. The collectives themselves run in jobs that
-// mpirun starts (tests/test_mpi_ops.py, Open MPI and MPICH).
+// The MPI data engine's attachment (engines/mpi_library.cc, engines/mpi_engine.cc) in a process
+// without MPI: no engine, and the reason hvd.init() gives. The collectives themselves run in jobs
+// that mpirun starts (tests/test_mpi_ops.py, Open MPI and MPICH).
 #include <gtest/gtest.h>
 
 #include <string>
 
 #include "bagua_hvd/c_api.h"
-#include "ops/data_engine.h"
-#include "ops/mpi_library.h"
+#include "engines/data_engine.h"
+#include "engines/mpi_library.h"
 
 namespace bagua_hvd {
 namespace {

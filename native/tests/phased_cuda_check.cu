@@ -1,5 +1,5 @@
 // The GPU check of BAGUA's phased primitives (collectives/stream_backend.h) with the CUDA kernels
-// (ops/cuda_kernels.cu and the MinMaxUInt8 CUDA kernels), against the same phases with the CPU
+// (engines/cuda_kernels.cu and the MinMaxUInt8 CUDA kernels), against the same phases with the CPU
 // kernels. NCCL refuses two ranks on one device, so the ranks here are threads of this process,
 // each with its own stream, and their exchanges go through a hub (copies between the ranks'
 // buffers) instead of NCCL; CTest shows that the phases with CPU kernels give the pipelined CPU
@@ -24,8 +24,8 @@
 #include "collectives/stream_backend.h"
 #include "compression/minmax_uint8.h"
 #include "compression/minmax_uint8_cuda.h"
+#include "engines/cuda_kernels.h"
 #include "host_stream_kernels.h"
-#include "ops/cuda_kernels.h"
 
 namespace bagua_hvd {
 namespace {

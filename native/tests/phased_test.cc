@@ -10,11 +10,11 @@
 #include <random>
 #include <vector>
 
-#include "collectives/algorithms.h"
+#include "base/float_bits.h"
+#include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 #include "collectives/stream_backend.h"
 #include "compression/minmax_uint8.h"
-#include "float_bits.h"
 #include "host_stream_kernels.h"
 #include "in_process_ranks.h"
 

@@ -16,9 +16,9 @@ nv() {
     -Xcompiler=-ffp-contract=off -Inative/include -Inative/src "$@"
 }
 common=(native/src/compression/minmax_uint8_cuda.cu native/src/compression/minmax_uint8_cpu.cc
-  native/src/common.cc native/src/config.cc)
+  native/src/base/common.cc native/src/core/config.cc)
 nv native/tests/minmax_uint8_cuda_check.cu "${common[@]}" -o "$out/minmax_uint8_cuda_check"
-nv native/tests/phased_cuda_check.cu "${common[@]}" native/src/ops/cuda_kernels.cu \
+nv native/tests/phased_cuda_check.cu "${common[@]}" native/src/engines/cuda_kernels.cu \
   native/src/collectives/allreduce_minmax_uint8_phased.cc \
   native/src/collectives/peer_average_phased.cc native/src/collectives/lp_decentralized_phased.cc \
   native/src/collectives/primitive_rules.cc \

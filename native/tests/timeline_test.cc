@@ -1,7 +1,7 @@
-// Horovod's timeline writer (core/timeline.cc): the file is one valid JSON array (while
+// Horovod's timeline writer (requests/timeline.cc): the file is one valid JSON array (while
 // recording and once stopped), B/E events are well nested on every row whatever the producer
 // sends, names are escaped, and a full queue drops records (counted, marked) without blocking.
-#include "core/timeline.h"
+#include "requests/timeline.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/message.h"
+#include "requests/message.h"
 
 namespace bagua_hvd {
 namespace {

@@ -20,13 +20,13 @@
 #include <thread>
 #include <vector>
 
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 #include "collectives/comm.h"
 #include "collectives/hierarchy.h"
 #include "compression/minmax_uint8.h"
-#include "transport/shm.h"
 #include "in_process_ranks.h"
+#include "transport/shm.h"
 
 namespace bagua_hvd {
 namespace {

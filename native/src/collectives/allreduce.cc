@@ -1,7 +1,7 @@
 // allreduce(): picks the algorithm. Also the helpers shared by all collectives.
 #include <string>
 
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 #include "collectives/trace.h"
 

@@ -3,7 +3,7 @@
 // so every rank computes bitwise-identical results.
 #include <cstring>
 
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 
 namespace bagua_hvd {

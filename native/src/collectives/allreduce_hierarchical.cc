@@ -1,10 +1,10 @@
-// Hierarchical allreduce as one two-level pipeline (collectives/algorithms.h): the host's ring
+// Hierarchical allreduce as one two-level pipeline (collectives/building_blocks.h): the host's ring
 // over shared memory and the cross-host ring over the network carry different blocks at once.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 #include "collectives/trace.h"
 

@@ -4,7 +4,7 @@
 // in the same order (the sum adds rank 0's decoded chunk first), so the same bits.
 #include <string>
 
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/stream_backend.h"
 #include "compression/minmax_uint8.h"
 

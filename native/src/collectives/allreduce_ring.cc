@@ -1,7 +1,7 @@
 // Bandwidth-optimal allreduce: pipelined ring reduce-scatter then allgather over n segments of
 // count/n elements (the first count % n segments one element longer). Each segment is reduced
 // along one chain of ranks and then copied, so every rank ends with identical bits.
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 
 namespace bagua_hvd {

@@ -1,6 +1,6 @@
 // barrier: dissemination in ceil(log2 n) rounds; in round i every rank signals rank + 2^i and
 // waits for rank - 2^i, so no rank leaves before every rank has entered.
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 
 namespace bagua_hvd {

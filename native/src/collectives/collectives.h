@@ -6,8 +6,8 @@
 #include <cstddef>
 #include <vector>
 
+#include "base/common.h"
 #include "collectives/comm.h"
-#include "common.h"
 
 namespace bagua_hvd {
 

@@ -1,4 +1,4 @@
-// Comm: process-set membership and the progress engine that drives transfers over data pairs.
+// Comm: process-set membership and the progress loop that drives transfers over data pairs.
 //
 // run() keeps one "lane" per (peer, direction): the transfers of a lane share one byte stream and
 // go strictly in vector order, while lanes progress independently, so a rank can send to and
@@ -14,7 +14,7 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 
 namespace bagua_hvd {

@@ -1,4 +1,4 @@
-// Comm: the ranks of one process set and a progress engine that drives several transfers at once
+// Comm: the ranks of one process set and a progress loop that drives several transfers at once
 // over the transport's data pairs. Collective algorithms are written against this only.
 #pragma once
 
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
+#include "base/common.h"
 #include "transport/transport.h"
 
 namespace bagua_hvd {

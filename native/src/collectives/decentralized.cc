@@ -8,7 +8,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 #include "collectives/trace.h"
 #include "compression/minmax_uint8.h"

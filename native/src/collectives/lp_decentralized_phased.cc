@@ -3,7 +3,7 @@
 // MinMaxUInt8, the own replica advanced, x = it), then the compressed differences exchanged with
 // both neighbours, whose replicas advance by them. The pipelined CPU form does the same work
 // block by block, element-wise: the same bits.
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/stream_backend.h"
 #include "compression/minmax_uint8.h"
 

@@ -3,7 +3,7 @@
 // decentralized.cc makes piece by piece as the bytes arrive (the same bits).
 #include <string>
 
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 #include "collectives/stream_backend.h"
 

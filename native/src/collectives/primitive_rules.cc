@@ -3,7 +3,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 
 namespace bagua_hvd {

@@ -1,4 +1,4 @@
-// Element-wise reduction and scaling kernels for every data type of common.h.
+// Element-wise reduction and scaling kernels for every data type of base/common.h.
 //
 // The loops are plain element-wise loops over __restrict pointers so that g++ -O3 vectorizes them
 // for the baseline x86-64 ISA (SSE2); target_clones adds an AVX2 variant picked at load time.
@@ -17,8 +17,8 @@
 #define BHVD_F16C 1
 #endif
 
+#include "base/float_bits.h"
 #include "collectives/collectives.h"
-#include "float_bits.h"
 
 namespace bagua_hvd {
 namespace {

@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "collectives/algorithms.h"
+#include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 
 namespace bagua_hvd {

@@ -12,8 +12,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "base/common.h"
 #include "collectives/collectives.h"
-#include "common.h"
 
 namespace bagua_hvd {
 

@@ -13,7 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace bagua_hvd {
 

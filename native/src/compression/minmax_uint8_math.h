@@ -34,8 +34,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "common.h"
-#include "float_bits.h"
+#include "base/common.h"
+#include "base/float_bits.h"
 
 namespace bagua_hvd {
 namespace mmu8 {

@@ -21,8 +21,8 @@
 #include <thread>
 #include <vector>
 
-#include "common.h"
-#include "ops/device_engine.h"
+#include "base/common.h"
+#include "engines/device_engine.h"
 
 namespace bagua_hvd {
 

@@ -15,8 +15,8 @@
 #include "core/async_average.h"
 #include "core/c_api_guard.h"
 #include "core/runtime.h"
-#include "device/nccl_library.h"
-#include "ops/device_engine.h"
+#include "engines/device_engine.h"
+#include "engines/nccl_library.h"
 
 using bagua_hvd::Runtime;
 using bagua_hvd::Status;

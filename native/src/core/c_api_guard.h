@@ -1,4 +1,4 @@
-// The guard of every extern "C" entry point (core/c_api.cc, compression/c_api_compression.cc):
+// The guard of every extern "C" entry point (core/c_api.cc, core/c_api_compression.cc):
 // no C++ exception may cross into C, where it would terminate the process. An entry point runs
 // its body through guarded() (status results) or guarded_value() (other results); an exception
 // becomes a status and this thread's bhvd_last_error(), as any failure does.
@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace bagua_hvd {
 

@@ -1,6 +1,6 @@
 // The coordinator (global rank 0): collects every rank's requests, decides when a tensor is
 // ready on all members of its process set, validates the requests against each other with
-// Horovod's error texts, fuses ready allreduces (ops/fusion.cc), assigns response-cache ids
+// Horovod's error texts, fuses ready allreduces (core/fusion.cc), assigns response-cache ids
 // (core/response_cache.cc), and emits one totally ordered ResponseList.
 #pragma once
 
@@ -10,11 +10,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "common.h"
-#include "core/message.h"
+#include "base/common.h"
+#include "core/fusion.h"
 #include "core/response_cache.h"
-#include "core/timeline.h"
-#include "ops/fusion.h"
+#include "requests/message.h"
+#include "requests/timeline.h"
 
 namespace bagua_hvd {
 

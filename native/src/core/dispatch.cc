@@ -5,8 +5,8 @@
 #include <stdexcept>
 
 #include "core/runtime.h"
-#include "device/nccl_library.h"
-#include "ops/device_engine.h"
+#include "engines/device_engine.h"
+#include "engines/nccl_library.h"
 #include "ops/op.h"
 
 namespace bagua_hvd {

@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/message.h"
+#include "requests/message.h"
 
 namespace bagua_hvd {
 

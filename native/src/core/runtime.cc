@@ -8,11 +8,11 @@
 #include <thread>
 #include <utility>
 
-#include "config.h"
 #include "core/async_average.h"
+#include "core/config.h"
 #include "core/validate.h"
-#include "device/nccl_library.h"
-#include "ops/device_engine.h"
+#include "engines/device_engine.h"
+#include "engines/nccl_library.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

@@ -1,7 +1,7 @@
 // The runtime: one per process. Frontend threads enqueue requests and wait on handles; one
 // background thread owns the transport, talks to the coordinator (over the control channel,
 // transport/control_channel.h) and runs each response through its op executor (ops/). Request
-// validation: core/validate.cc; configuration: config.cc; the response cache:
+// validation: core/validate.cc; configuration: core/config.cc; the response cache:
 // core/response_cache.cc; host hierarchies: collectives/hierarchy.cc.
 #pragma once
 
@@ -18,17 +18,17 @@
 #include <unordered_set>
 #include <vector>
 
+#include "base/common.h"
 #include "collectives/comm.h"
 #include "collectives/hierarchy.h"
-#include "common.h"
 #include "core/coordinator.h"
-#include "core/handle.h"
-#include "core/message.h"
 #include "core/response_cache.h"
-#include "core/timeline.h"
-#include "ops/data_engine.h"
-#include "ops/device_engine.h"
-#include "ops/fusion.h"
+#include "engines/data_engine.h"
+#include "engines/device_engine.h"
+#include "engines/fusion_buffer.h"
+#include "requests/handle.h"
+#include "requests/message.h"
+#include "requests/timeline.h"
 #include "transport/control_channel.h"
 #include "transport/transport.h"
 
@@ -174,12 +174,12 @@ class Runtime {
   std::atomic<int> callbacks_pending_{0};   // on_done callbacks not yet run (a caller waits)
   bool oversubscribed_ = false;             // more local ranks than cores
   std::chrono::microseconds spin_{1000};    // BAGUA_HVD_SPIN_US: poll this long before sleeping
-  bool hierarchical_allreduce_ = false;     // HOROVOD_HIERARCHICAL_ALLREDUCE (config.h)
+  bool hierarchical_allreduce_ = false;     // HOROVOD_HIERARCHICAL_ALLREDUCE (core/config.h)
   int last_device_ = -1;                    // the CUDA device of the last device response
-  std::unique_ptr<DataEngine> mpi_engine_;  // HOROVOD_CPU_OPERATIONS=mpi (ops/mpi_engine.cc)
+  std::unique_ptr<DataEngine> mpi_engine_;  // HOROVOD_CPU_OPERATIONS=mpi (engines/mpi_engine.cc)
   MpiFacts mpi_facts_;
   Clock::time_point wake_at_ = Clock::time_point::max();
-  Timeline timeline_;              // rank 0's (core/timeline.h)
+  Timeline timeline_;              // rank 0's (requests/timeline.h)
   bool timeline_enabled_ = false;  // HOROVOD_TIMELINE set: start_timeline allowed
 };
 

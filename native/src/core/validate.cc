@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "compression/minmax_uint8.h"
-#include "ops/device_engine.h"
+#include "engines/device_engine.h"
 
 namespace bagua_hvd {
 

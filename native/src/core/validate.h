@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
-#include "core/handle.h"
-#include "core/message.h"
+#include "base/common.h"
+#include "requests/handle.h"
+#include "requests/message.h"
 
 namespace bagua_hvd {
 

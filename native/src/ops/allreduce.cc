@@ -1,7 +1,7 @@
 // Allreduce (Horovod's): fused through the fusion buffer, or in place for one tensor; flat, or
 // through the set's hierarchy when the runtime gives one (HOROVOD_HIERARCHICAL_ALLREDUCE, and
-// the op type BHVD_OP_HIERARCHICAL_ALLREDUCE). Fusion itself: ops/fusion.cc; the compressed
-// allreduce: ops/compressed_allreduce.cc.
+// the op type BHVD_OP_HIERARCHICAL_ALLREDUCE). Fusion itself: core/fusion.cc (the grouping) and
+// engines/fusion_buffer.h; the compressed allreduce: ops/compressed_allreduce.cc.
 #include <algorithm>
 #include <optional>
 #include <vector>

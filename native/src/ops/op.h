@@ -12,11 +12,11 @@
 
 #include "collectives/comm.h"
 #include "collectives/hierarchy.h"
-#include "core/handle.h"
-#include "core/message.h"
-#include "core/timeline.h"
-#include "ops/data_engine.h"
-#include "ops/fusion.h"
+#include "engines/data_engine.h"
+#include "engines/fusion_buffer.h"
+#include "requests/handle.h"
+#include "requests/message.h"
+#include "requests/timeline.h"
 
 namespace bagua_hvd {
 
@@ -27,7 +27,7 @@ struct ExecContext {
   std::vector<Entry*>& entries;
   DataEngine& engine;
   FusionBuffer& fusion;
-  // The set's host hierarchy when r runs hierarchical (runs_hierarchical, core/message.h) on
+  // The set's host hierarchy when r runs hierarchical (runs_hierarchical, requests/message.h) on
   // several hosts with a crowded one, else null.
   Hierarchy* hierarchy;
   // Guards the handles' core-allocated outputs, which frontend threads read.

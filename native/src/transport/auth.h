@@ -6,7 +6,7 @@
 #include <functional>
 #include <string>
 
-#include "common.h"
+#include "base/common.h"
 #include "transport/socket.h"
 
 namespace bagua_hvd {

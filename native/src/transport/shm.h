@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
+#include "base/common.h"
 #include "transport/doorbell.h"
 #include "transport/socket.h"
 #include "transport/transport.h"

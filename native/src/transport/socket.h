@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace bagua_hvd {
 

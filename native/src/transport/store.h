@@ -1,4 +1,4 @@
-// TCP client of the launcher's rendezvous store (bagua_hvd/runner/store.py). Wire format:
+// TCP client of the launcher's rendezvous store (bagua_hvd/rendezvous/store.py). Wire format:
 // docs/protocol.md.
 #pragma once
 

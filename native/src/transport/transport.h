@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace bagua_hvd {
 
@@ -41,7 +41,7 @@ class Pair {
   virtual void check_alive() {}
 };
 
-// Rendezvous key-value store, served by the launcher (bagua_hvd/runner/store.py).
+// Rendezvous key-value store, served by the launcher (bagua_hvd/rendezvous/store.py).
 class Store {
  public:
   virtual ~Store() = default;

@@ -5,8 +5,8 @@
 #include <functional>
 #include <vector>
 
+#include "base/common.h"
 #include "collectives/comm.h"
-#include "common.h"
 
 namespace bagua_hvd {
 

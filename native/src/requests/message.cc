@@ -1,4 +1,4 @@
-#include "core/message.h"
+#include "requests/message.h"
 
 #include <cstring>
 #include <type_traits>

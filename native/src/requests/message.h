@@ -6,7 +6,7 @@
 #include <variant>
 #include <vector>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace bagua_hvd {
 
@@ -16,7 +16,7 @@ constexpr int32_t kOpAddProcessSet = 100;
 constexpr int32_t kOpRemoveProcessSet = 101;
 
 // The parameters of BAGUA's primitives that every rank must agree on: c_api.h's
-// bhvd_*_params without their buffers (this rank's state, core/handle.h), one struct per kind.
+// bhvd_*_params without their buffers (this rank's state, requests/handle.h), one struct per kind.
 struct CompressedAllreduceParams {  // BHVD_OP_COMPRESSED_ALLREDUCE
   int32_t compression = BHVD_COMPRESSION_MINMAX_UINT8;
   bool hierarchical = false;

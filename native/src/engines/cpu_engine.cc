@@ -1,8 +1,8 @@
 // The CPU data engine: host memory, the collectives of collectives/ over the transport's pairs.
 #include <cstring>
 
-#include "collectives/algorithms.h"
-#include "ops/data_engine.h"
+#include "collectives/building_blocks.h"
+#include "engines/data_engine.h"
 
 namespace bagua_hvd {
 

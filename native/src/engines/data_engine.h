@@ -1,8 +1,10 @@
 // The data engine: how an op executor moves and reduces the bytes of one device kind over a
 // Comm. The seam for a second device and a second data engine (CUDA tensors with NCCL): the op
 // executors call only this, so adding one is a new implementation, not branches in every op.
-// Two today, both for host memory: the CPU engine (ops/cpu_engine.cc), over the collectives of
-// collectives/, and the MPI engine (ops/mpi_engine.cc) for HOROVOD_CPU_OPERATIONS=mpi.
+// For host memory: the CPU engine (engines/cpu_engine.cc), over the collectives of collectives/,
+// and the MPI engine (engines/mpi_engine.cc) for HOROVOD_CPU_OPERATIONS=mpi; for CUDA memory: the
+// device engines (engines/device_engine.h). In engines/ too: the libraries they load at run time
+// (engines/mpi_library.h, engines/nccl_library.h) and the fusion buffer.
 #pragma once
 
 #include <cstddef>
@@ -11,20 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "base/common.h"
 #include "collectives/collectives.h"
 #include "collectives/comm.h"
-#include "common.h"
+#include "requests/handle.h"
 
 namespace bagua_hvd {
-
-// A core-allocated output (allgather, alltoall) that the frontend copies out (bhvd_output_copy):
-// host memory, or memory of the CUDA device that wrote it (freed in the order of that device
-// engine's stream, after the copy).
-struct Output {
-  std::shared_ptr<void> data;
-  size_t bytes = 0;
-  int device = -1;
-};
 
 class DataEngine {
  public:

@@ -1,6 +1,6 @@
-// Horovod's timeline (core/timeline.h): the producers' side (stamp and queue a record) and the
+// Horovod's timeline (requests/timeline.h): the producers' side (stamp and queue a record) and the
 // writer thread (JSON formatting, the rows' nesting, the file).
-#include "core/timeline.h"
+#include "requests/timeline.h"
 
 #include <cerrno>
 #include <chrono>
@@ -10,7 +10,7 @@
 #include <unordered_map>
 #include <utility>
 
-#include "core/message.h"
+#include "requests/message.h"
 
 namespace bagua_hvd {
 

@@ -1,5 +1,6 @@
-// Handles (what a frontend waits on) and entries (one tensor of a handle, pending in the
-// runtime's table until its response has run). Shared by the runtime and the op executors.
+// Handles (what a frontend waits on), entries (one tensor of a handle, pending in the runtime's
+// table until its response has run) and core-allocated outputs. Shared by the runtime, the op
+// executors and the data engines (which allocate the outputs).
 #pragma once
 
 #include <condition_variable>
@@ -10,11 +11,19 @@
 #include <variant>
 #include <vector>
 
-#include "common.h"
-#include "core/message.h"
-#include "ops/data_engine.h"
+#include "base/common.h"
+#include "requests/message.h"
 
 namespace bagua_hvd {
+
+// A core-allocated output (allgather, alltoall) that the frontend copies out (bhvd_output_copy):
+// host memory, or memory of the CUDA device that wrote it (freed in the order of that device
+// engine's stream, after the copy).
+struct Output {
+  std::shared_ptr<void> data;
+  size_t bytes = 0;
+  int device = -1;
+};
 
 struct Handle {
   int64_t id = 0;

@@ -1,5 +1,5 @@
 // The MPI data engine (HOROVOD_CPU_OPERATIONS=mpi): Horovod's collectives on host memory through
-// the MPI library the process runs (ops/mpi_library.h), as Horovod's MPI build does, so that
+// the MPI library the process runs (engines/mpi_library.h), as Horovod's MPI build does, so that
 // interconnects only MPI reaches (InfiniBand, Slingshot) carry them. One MPI communicator per
 // member set, created from MPI_COMM_WORLD on first use (every member runs the same responses in
 // the same order, so the creations are collective by construction). BAGUA's primitives, and
@@ -12,8 +12,8 @@
 #include <map>
 #include <stdexcept>
 
-#include "ops/data_engine.h"
-#include "ops/mpi_library.h"
+#include "engines/data_engine.h"
+#include "engines/mpi_library.h"
 
 namespace bagua_hvd {
 

@@ -32,7 +32,7 @@
 #include <thread>
 #include <vector>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace bagua_hvd {
 
@@ -62,7 +62,7 @@ struct TimelineRecord {
   uint64_t group = 0;
   int64_t ts_ns = 0;               // Clock (steady), nanoseconds
   const char* activity = nullptr;  // a static string
-  std::vector<std::string> names;  // tensor keys (set:name, core/message.h)
+  std::vector<std::string> names;  // tensor keys (set:name, requests/message.h)
 };
 
 class Timeline {

@@ -1,13 +1,13 @@
 // Tensor fusion, which serves the allreduce (ops/allreduce.cc): the coordinator's grouping of
-// ready allreduces into one response, and the fusion buffer each rank packs them into.
+// ready allreduces into one response. The buffer each rank packs them into is the data engine's
+// (engines/fusion_buffer.h).
 #pragma once
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
-#include "core/message.h"
+#include "requests/message.h"
 
 namespace bagua_hvd {
 
@@ -23,21 +23,5 @@ struct FusionParams {
 // threshold, in first-ready order) and marks them used.
 void fuse_into(Response& head, std::vector<Response>& singles, size_t i, std::vector<char>& used,
                const FusionParams& params);
-
-// Each rank: the buffer fused tensors are packed into. Grows, never shrinks, until release().
-// In host memory; a device engine's (ops/device_engine.h) holds device memory.
-class FusionBuffer {
- public:
-  explicit FusionBuffer(std::atomic<int64_t>& bytes_stat) : bytes_stat_(bytes_stat) {}
-  virtual ~FusionBuffer() = default;
-  virtual unsigned char* get(size_t bytes);
-  virtual void release();
-
- protected:
-  std::atomic<int64_t>& bytes_stat_;  // reported through bhvd_stat("fusion_buffer_bytes")
-
- private:
-  std::vector<unsigned char> buf_;
-};
 
 }  // namespace bagua_hvd

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common.h"
+#include "base/common.h"
 #include "core/coordinator.h"
 #include "transport/transport.h"
 
@@ -26,9 +26,9 @@ struct Config {
   // then within the host again (flat where the set has one host, or one rank per host)
   bool hierarchical_allreduce = false;
   // HOROVOD_CPU_OPERATIONS=mpi: Horovod's collectives through the process's MPI library
-  // (ops/mpi_engine.cc); gloo (the default): the core's own transports.
+  // (engines/mpi_engine.cc); gloo (the default): the core's own transports.
   bool cpu_operations_mpi = false;
-  // HOROVOD_TIMELINE: the file rank 0 writes its timeline to (core/timeline.h), "DYNAMIC" to
+  // HOROVOD_TIMELINE: the file rank 0 writes its timeline to (requests/timeline.h), "DYNAMIC" to
   // start none until hvd.start_timeline(); empty: off, and start_timeline refused.
   std::string timeline;
   bool timeline_mark_cycles = false;  // HOROVOD_TIMELINE_MARK_CYCLES

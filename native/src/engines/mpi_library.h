@@ -2,14 +2,14 @@
 // MPI is needed to build the core, and one build serves Open MPI and the MPICH family (MPICH,
 // Intel MPI, MVAPICH, Cray MPICH), whose ABIs differ: Open MPI's handles are pointers to the
 // library's predefined objects, MPICH's are fixed integers. Used by the MPI data engine
-// (ops/mpi_engine.cc) only.
+// (engines/mpi_engine.cc) only.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace bagua_hvd {
 

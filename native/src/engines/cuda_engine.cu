@@ -1,5 +1,5 @@
-// The data engine of a CUDA device (ops/device_engine.h). Built with nvcc only;
-// builds without it have ops/device_engine_none.cc. The host code calls the
+// The data engine of a CUDA device (engines/device_engine.h). Built with nvcc only;
+// builds without it have engines/device_engine_none.cc. The host code calls the
 // CUDA runtime (linked statically, as the compression kernels are) and NCCL
 // through its loaded function table.
 #include <cuda_runtime.h>
@@ -17,13 +17,13 @@
 #include <thread>
 #include <vector>
 
+#include "base/float_bits.h"
 #include "collectives/stream_backend.h"
 #include "compression/minmax_uint8.h"
 #include "compression/minmax_uint8_cuda.h"
-#include "device/nccl_library.h"
-#include "float_bits.h"
-#include "ops/cuda_kernels.h"
-#include "ops/device_engine.h"
+#include "engines/cuda_kernels.h"
+#include "engines/device_engine.h"
+#include "engines/nccl_library.h"
 
 namespace bagua_hvd {
 

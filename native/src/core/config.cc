@@ -1,6 +1,6 @@
 // Every environment variable the core reads, in one place (config.h). Nothing else in native/
 // calls getenv.
-#include "config.h"
+#include "core/config.h"
 
 #include <strings.h>
 #include <unistd.h>

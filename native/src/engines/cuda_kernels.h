@@ -1,4 +1,4 @@
-// Element-wise CUDA kernels of the device engine (ops/cuda_engine.cu) and of BAGUA's phased
+// Element-wise CUDA kernels of the device engine (engines/cuda_engine.cu) and of BAGUA's phased
 // primitives on it (collectives/stream_backend.h), with the CPU path's rounding bit for bit
 // (collectives/reduce.cc, decentralized.cc): 16-bit floats computed in float32 and rounded once,
 // float64 in double, every operation an explicit _rn intrinsic (no contraction).
@@ -11,7 +11,7 @@
 
 #include <cstddef>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace bagua_hvd {
 

@@ -1,5 +1,5 @@
-// The element-wise CUDA kernels (ops/cuda_kernels.h).
-#include "ops/cuda_kernels.h"
+// The element-wise CUDA kernels (engines/cuda_kernels.h).
+#include "engines/cuda_kernels.h"
 
 #include <cuda_runtime.h>
 
@@ -9,8 +9,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "base/float_bits.h"
 #include "compression/minmax_uint8_math.h"
-#include "float_bits.h"
 
 namespace bagua_hvd {
 

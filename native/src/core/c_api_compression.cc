@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "common.h"
+#include "base/common.h"
 #include "compression/minmax_uint8.h"
 #include "core/c_api_guard.h"
 

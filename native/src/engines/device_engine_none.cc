@@ -1,7 +1,7 @@
-// Builds without nvcc: no device engine (ops/device_engine.h); the frontends
+// Builds without nvcc: no device engine (engines/device_engine.h); the frontends
 // stage CUDA tensors through host memory themselves. CUDA builds define these
-// in ops/cuda_engine.cu. The counters exist in every build.
-#include "ops/device_engine.h"
+// in engines/cuda_engine.cu. The counters exist in every build.
+#include "engines/device_engine.h"
 
 namespace bagua_hvd {
 

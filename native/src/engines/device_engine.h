@@ -1,14 +1,13 @@
-// The data engine of a CUDA device (ops/cuda_engine.cu): CUDA tensors stay on
-// the device. Horovod's collectives run through NCCL (device/nccl_library.h) on
-// the engine's own stream, and so do ByteGrad's compressed allreduce and the
-// peer averages (the CUDA kernels between NCCL exchanges,
-// collectives/stream_backend.h), and the low-precision ring; what NCCL cannot
-// serve (NCCL missing, ranks sharing a device, which NCCL refuses, dtypes NCCL
-// has no type for, unequal reducescatter shares) is staged through pinned host
-// memory and the CPU engine, on the same stream order. Ordering with the frontend's streams is by events: the engine's
-// stream waits for the event recorded on the caller's stream at enqueue, and at
-// synchronize the caller's stream waits for the event recorded after the op (as
-// Horovod and DDP do), so no host thread blocks on a GPU in the NCCL path.
+// The data engine of a CUDA device (engines/cuda_engine.cu): CUDA tensors stay on the device.
+// Horovod's collectives run through NCCL (engines/nccl_library.h) on the engine's own stream, and
+// so do ByteGrad's compressed allreduce and the peer averages (the CUDA kernels between NCCL
+// exchanges, collectives/stream_backend.h), and the low-precision ring; what NCCL cannot serve
+// (NCCL missing, ranks sharing a device, which NCCL refuses, dtypes NCCL has no type for, unequal
+// reducescatter shares) is staged through pinned host memory and the CPU engine, on the same stream
+// order. Ordering with the frontend's streams is by events: the engine's stream waits for the event
+// recorded on the caller's stream at enqueue, and at synchronize the caller's stream waits for the
+// event recorded after the op (as Horovod and DDP do), so no host thread blocks on a GPU in the
+// NCCL path.
 #pragma once
 
 #include <atomic>
@@ -17,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "ops/data_engine.h"
-#include "ops/fusion.h"
+#include "engines/data_engine.h"
+#include "engines/fusion_buffer.h"
 
 namespace bagua_hvd {
 

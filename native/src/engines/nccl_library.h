@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common.h"
+#include "base/common.h"
 
 namespace bagua_hvd {
 namespace nccl {

@@ -1,9 +1,9 @@
-// Attaching to the process's MPI library (ops/mpi_library.h). The library is found among the
+// Attaching to the process's MPI library (engines/mpi_library.h). The library is found among the
 // objects already mapped into the process (mpi4py dlopens it RTLD_LOCAL, so its symbols are not
 // global: they are looked up in its own handle), and its ABI family is told by Open MPI's
 // predefined objects. The MPICH-family constants are those of its mpi.h (the MPICH ABI
 // Compatibility Initiative keeps them fixed across MPICH, Intel MPI, MVAPICH and Cray MPICH).
-#include "ops/mpi_library.h"
+#include "engines/mpi_library.h"
 
 #include <dlfcn.h>
 

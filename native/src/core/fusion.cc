@@ -1,5 +1,5 @@
-// Tensor fusion (ops/fusion.h).
-#include "ops/fusion.h"
+// Tensor fusion: the coordinator's grouping (core/fusion.h).
+#include "core/fusion.h"
 
 namespace bagua_hvd {
 
@@ -28,19 +28,6 @@ void fuse_into(Response& r, std::vector<Response>& singles, size_t i, std::vecto
     r.per_rank.push_back(std::move(c.per_rank[0]));
     r.cache_ids.push_back(-1);
   }
-}
-
-unsigned char* FusionBuffer::get(size_t bytes) {
-  if (buf_.size() < bytes) {
-    buf_.resize(bytes);
-    bytes_stat_ = static_cast<int64_t>(buf_.size());
-  }
-  return buf_.data();
-}
-
-void FusionBuffer::release() {
-  std::vector<unsigned char>().swap(buf_);
-  bytes_stat_ = 0;
 }
 
 }  // namespace bagua_hvd

@@ -1,5 +1,5 @@
-// Loading NCCL at run time (device/nccl_library.h).
-#include "device/nccl_library.h"
+// Loading NCCL at run time (engines/nccl_library.h).
+#include "engines/nccl_library.h"
 
 #include <dlfcn.h>
 

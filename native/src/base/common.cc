@@ -1,4 +1,4 @@
-#include "common.h"
+#include "base/common.h"
 
 #include <unistd.h>
 #if defined(__linux__)
