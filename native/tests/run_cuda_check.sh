@@ -16,7 +16,7 @@ nv() {
     -Xcompiler=-ffp-contract=off -Inative/include -Inative/src "$@"
 }
 common=(native/src/compression/minmax_uint8_cuda.cu native/src/compression/minmax_uint8_cpu.cc
-  native/src/base/common.cc native/src/core/config.cc)
+  native/src/base/common.cc native/src/base/env.cc)
 nv native/tests/minmax_uint8_cuda_check.cu "${common[@]}" -o "$out/minmax_uint8_cuda_check"
 nv native/tests/phased_cuda_check.cu "${common[@]}" native/src/engines/cuda_kernels.cu \
   native/src/collectives/allreduce_minmax_uint8_phased.cc \

@@ -118,7 +118,7 @@ class TransportError : public std::runtime_error {
 
 // ---- logging (HOROVOD_LOG_LEVEL / BAGUA_HVD_LOG_LEVEL; default warning) -------------------
 enum class LogLevel : int { TRACE = 0, DEBUG = 1, INFO = 2, WARNING = 3, ERROR = 4, FATAL = 5 };
-// The settings come from the environment, read by config.cc: HOROVOD_LOG_LEVEL,
+// The settings come from the environment, read by base/env.cc: HOROVOD_LOG_LEVEL,
 // HOROVOD_LOG_HIDE_TIME, and HOROVOD_RANK for the rank a line names.
 LogLevel log_level();
 bool log_hide_time();
@@ -130,7 +130,7 @@ void log_message(LogLevel level, const std::string& msg);
       ::bagua_hvd::log_message(::bagua_hvd::LogLevel::level, (msg));           \
   } while (0)
 
-// The environment is read in one place: config.h.
+// The environment is read through base/env.h only; what hvd.init() reads: core/config.h.
 
 // Horovod's text, the one "not initialized" message of the core, always with the status
 // NOT_INITIALIZED (by which the frontends choose their error class).

@@ -1,72 +1,23 @@
-// Every environment variable the core reads, in one place (config.h). Nothing else in native/
-// calls getenv.
+// Every environment variable hvd.init() reads, in one place (core/config.h), through the readers
+// of base/env.h.
 #include "core/config.h"
 
 #include <strings.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+
+#include "base/env.h"
 
 namespace bagua_hvd {
 
 namespace {
 
-const char* raw(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : nullptr;
-}
-
-// Horovod's name first, then the BAGUA_HVD_ alias.
-const char* env_lookup(const char* suffix) {
-  if (const char* v = raw((std::string("HOROVOD_") + suffix).c_str())) return v;
-  return raw((std::string("BAGUA_HVD_") + suffix).c_str());
-}
-
-std::string env_str(const char* suffix, const std::string& fallback) {
-  const char* v = env_lookup(suffix);
-  return v ? std::string(v) : fallback;
-}
-
-int64_t env_int(const char* suffix, int64_t fallback) {
-  const char* v = env_lookup(suffix);
-  if (!v) return fallback;
-  char* end = nullptr;
-  long long x = std::strtoll(v, &end, 10);
-  if (end == v) {
-    BHVD_LOG(WARNING, std::string("ignoring non-integer value '") + v + "' of " + suffix);
-    return fallback;
-  }
-  return x;
-}
-
-double env_double(const char* suffix, double fallback) {
-  const char* v = env_lookup(suffix);
-  if (!v) return fallback;
-  char* end = nullptr;
-  double x = std::strtod(v, &end);
-  if (end == v) {
-    BHVD_LOG(WARNING, std::string("ignoring non-numeric value '") + v + "' of " + suffix);
-    return fallback;
-  }
-  return x;
-}
-
-bool env_bool(const char* suffix, bool fallback) {
-  const char* v = env_lookup(suffix);
-  if (!v) return fallback;
-  std::string s(v);
-  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (s == "1" || s == "true" || s == "yes" || s == "on") return true;
-  if (s == "0" || s == "false" || s == "no" || s == "off") return false;
-  return fallback;
-}
-
 // A rank variable set by the launcher (exact name, no alias); atoi as Horovod does.
 int env_rank_var(const char* name, int fallback) {
-  const char* v = raw(name);
+  const char* v = env_raw(name);
   return v ? std::atoi(v) : fallback;
 }
 
@@ -89,11 +40,11 @@ Status load_config(int epoch, Config* out) {
   BootstrapConfig& b = c.bootstrap;
   // An elastic job's workers meet under the driver's generation, however many jobs each process
   // formed before (bagua_hvd/common/elastic.py).
-  if (const char* g = raw("BAGUA_HVD_ELASTIC_GENERATION")) epoch = std::atoi(g);
+  if (const char* g = env_raw("BAGUA_HVD_ELASTIC_GENERATION")) epoch = std::atoi(g);
   b.epoch = epoch;
   b.timeout_s = env_double("GLOO_TIMEOUT_SECONDS", 30);
-  if (const char* t = raw("BAGUA_HVD_TIMEOUT_SECONDS")) b.timeout_s = std::atof(t);
-  const char* addr = raw("HOROVOD_GLOO_RENDEZVOUS_ADDR");
+  if (const char* t = env_raw("BAGUA_HVD_TIMEOUT_SECONDS")) b.timeout_s = std::atof(t);
+  const char* addr = env_raw("HOROVOD_GLOO_RENDEZVOUS_ADDR");
   c.fusion_threshold = env_int("FUSION_THRESHOLD", int64_t(128) << 20);
   c.cycle_time_s = env_double("CYCLE_TIME", 1.0) / 1000.0;
   CoordinatorParams& cp = c.coordinator;
@@ -144,7 +95,7 @@ Status load_config(int epoch, Config* out) {
   b.hostname = env_str("HOSTNAME", host);
   b.store_host = addr;
   b.store_port = env_rank_var("HOROVOD_GLOO_RENDEZVOUS_PORT", 0);
-  const char* secret = raw("BAGUA_HVD_SECRET");
+  const char* secret = env_raw("BAGUA_HVD_SECRET");
   if (!secret)
     return Status::InvalidArgument(
         "Horovod initialization failed: BAGUA_HVD_SECRET is not set; start the job with "
@@ -153,38 +104,14 @@ Status load_config(int epoch, Config* out) {
   if (b.secret.empty())
     return Status::InvalidArgument(
         "Horovod initialization failed: BAGUA_HVD_SECRET must be a non-empty hex string");
-  const char* job = raw("BAGUA_HVD_JOB_ID");
+  const char* job = env_raw("BAGUA_HVD_JOB_ID");
   b.job_id = job ? job : ("job" + std::to_string(b.store_port));
-  const char* tr = raw("BAGUA_HVD_TRANSPORT");
+  const char* tr = env_raw("BAGUA_HVD_TRANSPORT");
   b.force_tcp = tr && std::string(tr) == "tcp";
   b.iface = env_str("GLOO_IFACE", "");
   b.shm_ring_bytes = env_int("SHM_RING_BYTES", 0);
   *out = std::move(c);
   return Status::OK();
-}
-
-LogLevel log_level() {
-  static const LogLevel level = [] {
-    std::string s = env_str("LOG_LEVEL", "warning");
-    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-    if (s == "trace") return LogLevel::TRACE;
-    if (s == "debug") return LogLevel::DEBUG;
-    if (s == "info") return LogLevel::INFO;
-    if (s == "error") return LogLevel::ERROR;
-    if (s == "fatal") return LogLevel::FATAL;
-    return LogLevel::WARNING;
-  }();
-  return level;
-}
-
-bool log_hide_time() {
-  static const bool hide = env_bool("LOG_HIDE_TIME", false);
-  return hide;
-}
-
-std::string log_rank() {
-  const char* rank = std::getenv("HOROVOD_RANK");
-  return rank ? rank : "0";
 }
 
 }  // namespace bagua_hvd

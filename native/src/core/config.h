@@ -1,8 +1,8 @@
-// The one place the core reads its environment: every variable, parsed and validated once per
-// hvd.init() into a Config that the runtime, the coordinator and the transport take. Horovod's
-// name comes first, then the BAGUA_HVD_ alias (HOROVOD_FUSION_THRESHOLD, then
-// BAGUA_HVD_FUSION_THRESHOLD). The Python side has its own one place
-// (bagua_hvd/common/config.py).
+// The one place hvd.init() reads its environment: every variable, parsed and validated once per
+// hvd.init() into a Config that the runtime, the coordinator and the transport take (so it sits
+// above them, in core/). Horovod's name comes first, then the BAGUA_HVD_ alias
+// (HOROVOD_FUSION_THRESHOLD, then BAGUA_HVD_FUSION_THRESHOLD), through base/env.h, which also
+// reads the log settings. The Python side has its own one place (bagua_hvd/common/config.py).
 #pragma once
 
 #include <cstdint>
@@ -38,8 +38,8 @@ struct Config {
 // into bootstrap.epoch. On error *out is unspecified.
 Status load_config(int epoch, Config* out);
 
-// Also defined in config.cc, declared in common.h: log_level() and log_hide_time() (read on
-// first use), log_rank() (HOROVOD_RANK, read at each call: log lines name the rank even before
-// hvd.init()).
+// The log settings, which hold before hvd.init(), are base/env.cc's: log_level() and
+// log_hide_time() (read on first use), log_rank() (HOROVOD_RANK, read at each call: log lines
+// name the rank even before hvd.init()).
 
 }  // namespace bagua_hvd
