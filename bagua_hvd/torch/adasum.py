@@ -14,7 +14,6 @@ number of ranks; float16/32/64 parameters on the CPU.
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Optional, Tuple
 
@@ -22,7 +21,12 @@ import torch
 
 import bagua_hvd.torch.hooks as _hooks
 from bagua_hvd.torch.hooks import NOT_STARTED, TOO_MANY_PASSES_MESSAGE, Pending
-from bagua_hvd.torch.mpi_ops import Adasum, allreduce_async_, synchronize
+from bagua_hvd.torch.mpi_ops import Adasum, allreduce_async_
+
+
+def _decompressed(arg: Tuple[Any, Any], out: torch.Tensor) -> torch.Tensor:
+    compression, ctx = arg
+    return compression.decompress(out, ctx)
 
 
 class _DistributedAdasumOptimizer(torch.optim.Optimizer):
@@ -68,10 +72,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         finally:
             for params, group in zip(stashed, self.param_groups):
                 group["params"] = params
-        compression = self._compression
-        return Pending(
-            functools.partial(synchronize, handle), lambda out: compression.decompress(out, ctx)
-        )
+        return Pending(handle, _decompressed, (self._compression, ctx))
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if p in self._handles and self._handles[p].started:

@@ -29,9 +29,8 @@
 
 from __future__ import annotations
 
-import functools
 import json
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -62,11 +61,13 @@ class Bucket:
         "params",
         "name",
         "flat",
+        "views",
         "comp",
         "direct",
         "remaining",
         "sent",
         "sparse_dense",
+        "compressed",
         "skip",
         "residuals",
     )
@@ -75,19 +76,24 @@ class Bucket:
         self.params = params
         self.name = name
         self.flat: Optional[torch.Tensor] = None  # the flat gradient buffer
+        self.views: Optional[List[torch.Tensor]] = None  # per-parameter views of ``flat``
         self.comp: Optional[torch.Tensor] = None  # persistent fp16/bf16 buffer
         self.direct = False  # one parameter, reduced in its own .grad
         self.remaining = len(params)  # gradients still to come before the bucket is sent
-        # This round: parameter -> the dense tensor its gradient is reduced in.
-        self.sent: Dict[torch.Tensor, torch.Tensor] = {}
+        # This round: the dense tensor each parameter's gradient is reduced in (None: not yet,
+        # or sent on its own).
+        self.sent: List[Optional[torch.Tensor]] = [None] * len(params)
         self.sparse_dense: Dict[torch.Tensor, torch.Tensor] = {}  # sparse grads sent densely
+        # A custom compressor's (compressor, [(parameter, compressed, context)]) of the round.
+        self.compressed: Optional[Tuple[Any, List[Tuple[torch.Tensor, torch.Tensor, Any]]]] = None
         self.skip: set = set()  # sparse grads sent on their own this round (not yet moved out)
         self.residuals: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # error feedback
 
     def reset(self) -> None:
         self.remaining = len(self.params)
-        self.sent.clear()
+        self.sent = [None] * len(self.params)
         self.sparse_dense.clear()
+        self.compressed = None
         self.skip.clear()
 
 
@@ -138,6 +144,28 @@ def gradient_tensor(
     return view
 
 
+def _finish(b: Bucket, _out: Any) -> None:
+    """The bucket's reduced values (reduced in place) where the optimizer reads them: out of
+    the low-precision buffer, decompressed, back to sparse (sparse_as_dense)."""
+    if b.comp is not None:
+        target = b.flat if b.flat is not None else b.sent[0]
+        if target is not None:  # None: waited for after the round was dropped
+            target.copy_(b.comp)
+    elif b.compressed is not None:
+        compression, compressed = b.compressed
+        b.compressed = None
+        for p, tc, ctx in compressed:
+            out = compression.decompress(tc, ctx)
+            if p in b.sparse_dense:
+                b.sparse_dense[p] = out
+            elif out is not p.grad:
+                p.grad.set_(out)
+    for p, dense in b.sparse_dense.items():
+        # sparse_as_dense: the gradient goes back to sparse before the update.
+        p.grad.zero_().add_(dense if dense.is_sparse else dense.to_sparse())
+    b.sparse_dense.clear()
+
+
 def _finish_sparse(p: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
     g = p.grad
     if g.is_sparse:
@@ -181,8 +209,7 @@ class Buckets:
         self.impl = impl
         self.cast_dtype = _CAST_COMPRESSORS.get(compression, False)
         self.buckets: List[Bucket] = []
-        self.by_param: Dict[torch.Tensor, Bucket] = {}
-        self.views: Dict[torch.Tensor, torch.Tensor] = {}  # views of the flat buffers
+        self.by_param: Dict[torch.Tensor, Tuple[Bucket, int]] = {}  # bucket, index in it
         self.sparse: set = set()  # known sparse (allgather path), outside buckets
         self.sparse_dims: Dict[torch.Tensor, int] = {}
         self.layout_final = False
@@ -197,18 +224,20 @@ class Buckets:
     # ---- the reductions ------------------------------------------------------------------------
     def key(self, p: torch.Tensor) -> Any:
         """What ``p``'s reduction is pending under in ``handles``."""
-        return self.by_param.get(p, p)
+        entry = self.by_param.get(p)
+        return p if entry is None else entry[0]
 
     def ready(self, p: torch.Tensor) -> None:
         """``p``'s gradient is final for this round: into its bucket, whose reduction starts
         with its last gradient (a known sparse one goes on its own)."""
         if self.observed is not None:
             self.observed.append(p)
-        b = self.by_param.get(p)
-        if b is None:
+        entry = self.by_param.get(p)
+        if entry is None:
             self._send_sparse(p)
             return
-        self._place(b, p)
+        b, i = entry
+        self._place(b, i, p)
         b.remaining -= 1
         if b.remaining:
             self.handles.setdefault(b, NOT_STARTED)
@@ -226,15 +255,17 @@ class Buckets:
             if not handles.get(p, NOT_STARTED).started:
                 self._send_sparse(p)
 
-    def _place(self, b: Bucket, p: torch.Tensor) -> None:
-        """``p``'s gradient where bucket ``b`` reduces it, or on its own if it is sparse."""
-        t = gradient_tensor(p, self.views.get(p), self.sparse_as_dense)
+    def _place(self, b: Bucket, i: int, p: torch.Tensor) -> None:
+        """``p``'s gradient (``b.params[i]``) where bucket ``b`` reduces it, or on its own if it
+        is sparse."""
+        view = None if b.views is None else b.views[i]
+        t = gradient_tensor(p, view, self.sparse_as_dense)
         if t.is_sparse:  # from now on outside the buckets (the layout moves it out)
             self.sparse.add(p)
             b.skip.add(p)
             self._send_sparse(p)
             return
-        b.sent[p] = t
+        b.sent[i] = t
         if p.grad.is_sparse:  # sparse_as_dense: sparse again after the reduction
             b.sparse_dense[p] = t
 
@@ -243,14 +274,13 @@ class Buckets:
         (if any) which primitive sends it. ``fill``: from synchronize(), so gradients that did
         not arrive through the hook are taken from ``p.grad`` as they are, or zeros."""
         if fill:
-            for p in b.params:
+            for i, p in enumerate(b.params):
                 if p not in b.skip:
-                    self._place(b, p)
+                    self._place(b, i, p)
         if b.flat is not None:
-            params, tensors = b.params, [b.flat]
+            tensors = [b.flat]
         else:
-            params = [p for p in b.params if p in b.sent]
-            tensors = [b.sent[p] for p in params]
+            tensors = [t for t in b.sent if t is not None]
             if not tensors:  # only sparse gradients, sent on their own
                 self.handles[b] = _NOTHING_SENT
                 return
@@ -261,16 +291,21 @@ class Buckets:
                 b.params, tensors[0], name, b, self.op, self.prescale, self.postscale
             )
             if request is not None:
-                finish = functools.partial(self._finish, b, params, tensors, tensors, None)
-                self.handles[b] = Pending(request.wait, finish)
+                self.handles[b] = Pending(request, _finish, b)
                 return
-        sent, ctxs = tensors, None
+        sent = tensors
+        b.compressed = None
         if b.comp is not None:
             b.comp.copy_(tensors[0])
             sent = [b.comp]
         elif b.flat is None and not b.direct and self.compression is not NoneCompressor:
-            pairs = [self.compression.compress(t) for t in tensors]
-            sent, ctxs = [tc for tc, _ in pairs], [ctx for _, ctx in pairs]
+            # Each gradient compressed on its own (Horovod's semantics).
+            compression = self.compression
+            compressed = [
+                (p, *compression.compress(t)) for p, t in zip(b.params, b.sent) if t is not None
+            ]
+            b.compressed = (compression, compressed)
+            sent = [tc for _, tc, _ in compressed]
         handle = mpi_ops.bucket_allreduce_async(
             sent,
             b.name,
@@ -280,35 +315,7 @@ class Buckets:
             self.process_set,
             urgent=self.cap > 0 or self.groups is not None,
         )
-        self.handles[b] = Pending(
-            functools.partial(mpi_ops.synchronize, handle),
-            functools.partial(self._finish, b, params, tensors, sent, ctxs),
-        )
-
-    def _finish(
-        self,
-        b: Bucket,
-        params: Sequence[torch.Tensor],
-        tensors: Sequence[torch.Tensor],
-        sent: Sequence[torch.Tensor],
-        ctxs: Optional[List[Any]],
-        _out: Any,
-    ) -> None:
-        """The reduced values (reduced in place) where the optimizer reads them: out of the
-        low-precision buffer, decompressed, back to sparse (sparse_as_dense)."""
-        if b.comp is not None:
-            tensors[0].copy_(b.comp)
-        elif ctxs is not None:  # compressed one by one
-            for p, tc, ctx in zip(params, sent, ctxs):
-                out = self.compression.decompress(tc, ctx)
-                if p in b.sparse_dense:
-                    b.sparse_dense[p] = out
-                elif out is not p.grad:
-                    p.grad.set_(out)
-        for p, dense in b.sparse_dense.items():
-            # sparse_as_dense: the gradient goes back to sparse before the update.
-            p.grad.zero_().add_(dense if dense.is_sparse else dense.to_sparse())
-        b.sparse_dense.clear()
+        self.handles[b] = Pending(handle, _finish, b)
 
     def _send_sparse(self, p: torch.Tensor) -> None:
         t = gradient_tensor(p, None, False, self.sparse_dims.get(p, 1))
@@ -317,7 +324,7 @@ class Buckets:
         wait = mpi_ops.sparse_allreduce_async(
             t, name=self.names.get(p), op=self.op, process_set=self.process_set
         )
-        self.handles[p] = Pending(wait, functools.partial(_finish_sparse, p))
+        self.handles[p] = Pending(wait, _finish_sparse, p)
 
     def reset_round(self) -> None:
         for b in self.buckets:
@@ -410,11 +417,10 @@ class Buckets:
         for g in p_groups:
             b = Bucket(g, engine.bucket_label(self.names.get(g[0]), len(g)))
             self.buckets.append(b)
-            for p in g:
-                self.by_param[p] = b
+            for i, p in enumerate(g):
+                self.by_param[p] = (b, i)
 
     def _flatten_all(self) -> None:
-        self.views = {}
         if self.cast_dtype is not False:  # element-wise compression (or none)
             for b in self.buckets:
                 self._flatten(b)
@@ -434,6 +440,7 @@ class Buckets:
             return  # mixed bucket (user groups): stays a grouped allreduce
         total = sum(p.numel() for p in b.params)
         flat = torch.zeros(total, dtype=dtype, device=device)
+        views = []
         off = 0
         with torch.no_grad():
             for p in b.params:
@@ -447,8 +454,9 @@ class Buckets:
                     else:
                         view.copy_(g)
                         p.grad = view
-                self.views[p] = view
+                views.append(view)
         b.flat = flat
+        b.views = views
         if cast is not None and dtype.is_floating_point and dtype != cast:
             b.comp = torch.empty(total, dtype=cast, device=device)
 

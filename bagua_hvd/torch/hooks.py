@@ -10,6 +10,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+import bagua_hvd.torch.mpi_ops as mpi_ops
+from bagua_hvd.common.primitives import Request
+
 ZERO_GRAD_MESSAGE = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
     "optimizer.synchronize(). This is prohibited as it can cause a race condition."
@@ -21,30 +24,38 @@ TOO_MANY_PASSES_MESSAGE = (
 
 
 class Pending:
-    """One reduction of an optimizer's, whichever call started it (a core handle, BAGUA's
-    ``Request``, sparse allgathers): ``wait`` blocks until it completes and returns its result,
-    which ``finish`` first writes where it belongs. Without ``wait`` it is not started yet
-    (:data:`NOT_STARTED`: gradients still accumulate locally; zero_grad() refuses)."""
+    """One reduction of an optimizer's, whichever call started it: ``handle`` is a handle of
+    ``mpi_ops`` (an int), BAGUA's ``Request``, or a callable that waits (the sparse
+    allgathers); None: not started yet (:data:`NOT_STARTED`: gradients still accumulate
+    locally; zero_grad() refuses). ``wait()`` blocks until it completes and returns its result,
+    or ``finish(arg, result)``, which writes it where it belongs. (Allocates one object: a
+    step holds one per bucket, and more would set off the garbage collector every step.)"""
 
-    __slots__ = ("_wait", "_finish")
+    __slots__ = ("handle", "finish", "arg", "started")
 
     def __init__(
         self,
-        wait: Optional[Callable[[], Any]],
-        finish: Optional[Callable[[Any], Any]] = None,
+        handle: Any,
+        finish: Optional[Callable[[Any, Any], Any]] = None,
+        arg: Any = None,
     ) -> None:
-        self._wait = wait
-        self._finish = finish
-
-    @property
-    def started(self) -> bool:
-        return self._wait is not None
+        self.handle = handle
+        self.finish = finish
+        self.arg = arg
+        self.started = handle is not None
 
     def wait(self) -> Any:
-        if self._wait is None:
+        h = self.handle
+        if type(h) is int:
+            out = mpi_ops.synchronize(h)
+        elif type(h) is Request:
+            h.wait()  # in place: the result is where the request was given it
+            out = None
+        elif h is None:
             raise AssertionError("a reduction that was not started cannot be waited for")
-        out = self._wait()
-        return out if self._finish is None else self._finish(out)
+        else:
+            out = h()
+        return out if self.finish is None else self.finish(self.arg, out)
 
 
 NOT_STARTED = Pending(None)
