@@ -91,3 +91,36 @@ def test_design_core_names_every_native_file() -> None:
     src = REPO / "native" / "src"
     files = {str(p.relative_to(src)) for p in src.rglob("*") if p.is_file()}
     assert sorted(files - named) == []
+
+
+# ---- bagua_hvd's import graph -------------------------------------------------------------
+
+
+def test_python_imports_have_no_cycle_and_common_no_runner() -> None:
+    problems = check_layers.check_python_imports()
+    assert problems == [], "\n".join(problems)
+
+
+def test_python_import_check_fails_on_a_cycle(tmp_path: Path) -> None:
+    """A lazy relative import closing a cycle, and a common module importing the launcher;
+    a package importing its own child is no cycle."""
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg import a\n",
+            "pkg/a.py": "def f():\n    from . import b\n",
+            "pkg/b.py": "import pkg.a.missing\n",
+            "pkg/common/__init__.py": "",
+            "pkg/common/x.py": "from pkg.runner import launch\n",
+            "pkg/runner/__init__.py": "",
+            "pkg/runner/launch.py": "import os\n",
+        },
+    )
+    problems = check_layers.check_python_imports(tmp_path, "pkg")
+    assert problems == [
+        "import cycle among 2 modules: pkg.a, pkg.b\n"
+        "    pkg.a imports pkg.b (pkg/a.py:2)\n"
+        "    pkg.b imports pkg.a (pkg/b.py:1)",
+        "pkg.common.x imports pkg.runner.launch (pkg/common/x.py:1): pkg.common is imported by "
+        "the workers, which never import the launcher",
+    ]
