@@ -1,4 +1,4 @@
-"""Horovod's timeline (HOROVOD_TIMELINE, hvd.start_timeline/stop_timeline; core/timeline.h) at 2
+"""Horovod's timeline (HOROVOD_TIMELINE, hvd.start_timeline/stop_timeline; requests/timeline.h) at 2
 ranks through the real launcher: rank 0's Chrome-trace JSON parses, B/E events are well nested
 on every row, each tensor's row shows Horovod's phases in order (NEGOTIATE_<TYPE> with one mark
 per rank, then <TYPE> with QUEUE, MEMCPY_IN_FUSION_BUFFER, the collective and

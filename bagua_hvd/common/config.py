@@ -5,7 +5,7 @@ parses and validates it; other modules call these functions and never read ``os.
 themselves. Writers are elsewhere: the launcher (``bagua_hvd.runner``) builds its workers'
 environment, ``bagua_hvd.ray`` applies the driver's to an actor, and ``common.util.env`` sets
 variables for a block (Horovod's helper). The core reads its own variables in one C++ place
-(native/src/config.cc); the TensorFlow kernels (tensorflow/kernels.cc), which run without
+(native/src/core/config.cc); the TensorFlow kernels (tensorflow/kernels.cc), which run without
 Python in the step, read the wait limits and the elastic generation that this module reads
 for Python (BAGUA_HVD_OP_TIMEOUT_SECONDS, BAGUA_HVD_WAIT_WARNING_SECONDS,
 BAGUA_HVD_ELASTIC_GENERATION) the same way.
@@ -23,7 +23,7 @@ DEFAULT_BUCKET_MB = 10.0  # BAGUA's default bucket size (BAGUA_DEFAULT_BUCKET_SI
 OP_TIMEOUT_ENV = "BAGUA_HVD_OP_TIMEOUT_SECONDS"
 WAIT_WARNING_ENV = "BAGUA_HVD_WAIT_WARNING_SECONDS"
 GLOO_TIMEOUT_ENV = "HOROVOD_GLOO_TIMEOUT_SECONDS"
-DEFAULT_GLOO_TIMEOUT_S = 30.0  # Horovod's default, as native/src/config.cc
+DEFAULT_GLOO_TIMEOUT_S = 30.0  # Horovod's default, as native/src/core/config.cc
 DEFAULT_WAIT_WARNING_S = 60.0
 DYNAMIC_PROCESS_SETS_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
 
@@ -218,7 +218,7 @@ def launcher_size() -> Optional[int]:
 
 
 def launched_by_bagua_run() -> bool:
-    """The launcher's contract (bagua_hvd.runner.launch.job_env) is in the environment."""
+    """The launcher's contract (bagua_hvd.runner.bagua_run.job_env) is in the environment."""
     return bool(_text("HOROVOD_GLOO_RENDEZVOUS_ADDR") or _text("HOROVOD_RANK"))
 
 
@@ -331,7 +331,7 @@ def network_interface() -> str:
 
 def cpu_operations() -> str:
     """``HOROVOD_CPU_OPERATIONS`` (or ``BAGUA_HVD_CPU_OPERATIONS``) as set, lower case; "gloo"
-    (the core's own transports) when unset. The core validates it (native/src/config.cc)."""
+    (the core's own transports) when unset. The core validates it (native/src/core/config.cc)."""
     return (_text("HOROVOD_CPU_OPERATIONS") or _text("BAGUA_HVD_CPU_OPERATIONS") or "gloo").lower()
 
 

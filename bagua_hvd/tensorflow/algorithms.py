@@ -533,5 +533,16 @@ def tape_impl(algorithm: _common.Algorithm, process_set: ProcessSet) -> Algorith
     return impl
 
 
-# The name tests and scripts used for it here (one object per name, shared by all tapes).
-environment_algorithm = _common.from_environment
+_env_algorithms: Dict[str, _common.Algorithm] = {}
+
+
+def environment_algorithm() -> Optional[_common.Algorithm]:
+    """``from_environment()``, the same object for every call with the same value: a tape is
+    built at every step, and the algorithm's state (its implementations) lives with it."""
+    name = config.algorithm_name()
+    if not name:
+        return None
+    alg = _env_algorithms.get(name)
+    if alg is None:
+        alg = _env_algorithms[name] = _common.from_name(name)
+    return alg

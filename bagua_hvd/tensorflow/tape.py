@@ -17,6 +17,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 import tensorflow as tf
 
 from bagua_hvd.common import algorithms as _common_algorithms
+from bagua_hvd.common import config
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.common.util import check_predivide_and_groups, split_list
 from bagua_hvd.tensorflow.compression import Compression
@@ -329,6 +330,11 @@ def DistributedGradientTape(
     path with ``op`` Average or Sum (``average=``).
     """
     groups = check_tape_args(op, gradient_predivide_factor, num_groups, groups)
+    if algorithm is None and config.algorithm_name():
+        # A tape is built at every step: the environment's algorithm is one object for all.
+        import bagua_hvd.tensorflow.algorithms as _alg  # loads Keras: only with an algorithm
+
+        algorithm = _alg.environment_algorithm()
     algorithm, op = resolve_algorithm(algorithm, op, compression, groups)
     cls = type(
         gradtape.__class__.__name__,

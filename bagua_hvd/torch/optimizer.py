@@ -312,27 +312,6 @@ def _checked_groups(groups: Any) -> Any:
     return groups
 
 
-def _resolve_algorithm(
-    algorithm: Any, optimizer: torch.optim.Optimizer, op: int, compression: Any, groups: Any
-) -> Tuple[Any, int]:
-    """``algorithm=`` (None: ``BAGUA_HVD_ALGORITHM``, or none) checked against the other
-    arguments; returns it and the reduce op it uses."""
-    if algorithm is None:
-        algorithm = _alg.from_environment()
-    if algorithm is None:
-        return None, op
-    if op == Adasum and size() > 1:
-        raise ValueError(
-            "op=hvd.Adasum is Horovod's reduction of the updates; it does not combine with "
-            f"BAGUA's algorithm {type(algorithm).__name__} (BAGUA_HVD_ALGORITHM or "
-            "algorithm=)"
-        )
-    _alg_common.check_algorithm(algorithm, "torch")
-    op = algorithm.reduce_op(op)
-    algorithm.check(optimizer, _alg.QAdamOptimizer, compression is not Compression.none, groups)
-    return algorithm, op
-
-
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
@@ -422,7 +401,10 @@ def DistributedOptimizer(
         raise ValueError("backward_passes_per_step must be > 0")
 
     adasum = op == Adasum and size() > 1
-    algorithm, op = _resolve_algorithm(algorithm, optimizer, op, compression, groups)
+    algorithm, op = _alg_common.resolve(
+        algorithm, frontend="torch", op=op, compression=compression, groups=groups,
+        optimizer=optimizer, qadam_optimizer_class=lambda: _alg.QAdamOptimizer,
+    )  # fmt: skip
     if adasum:
         if _ops.process_set_id(process_set) != 0:
             raise NotImplementedError("Adasum does not support non-global process sets yet.")

@@ -456,6 +456,13 @@ def test_environment_selects_algorithm(monkeypatch):
         sgd(model.parameters()), named_parameters=model.named_parameters()
     )
     assert isinstance(opt._algorithm, A.ByteGrad)
+    # An optimizer's algorithm holds its state (QAdam its optimizer, async its averagers): the
+    # environment gives each optimizer its own (only TensorFlow's per-step tapes share one).
+    other = make_model(hvd.rank())
+    opt2 = hvd.DistributedOptimizer(
+        sgd(other.parameters()), named_parameters=other.named_parameters()
+    )
+    assert isinstance(opt2._algorithm, A.ByteGrad) and opt2._algorithm is not opt._algorithm
     _train(model, opt)
     _compare(model, _reference("bytegrad").params[hvd.rank()], "bytegrad from the environment")
 
