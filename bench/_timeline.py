@@ -3,14 +3,15 @@
 Two sources, on one clock (CLOCK_MONOTONIC: Python's ``time.monotonic_ns`` and the core's):
 
 * Python, around the primitives (installed by :func:`install`): a bucket's launch (the engine's
-  ``primitives.allreduce`` / ``lp_exchange_half`` or Horovod's ``bucket_allreduce_async``), the
+  ``primitives.allreduce`` or Horovod's ``bucket_allreduce_async``), the
   return of its wait (``Request.wait``, ``mpi_ops.synchronize``), the optimizer's updates
   (the wrapped ``torch.optim`` class's ``step``), and the step's own phases (forward, backward,
   ``step()``), which the benchmark marks.
 * The core (``bhvd_trace_read``, native/include/bagua_hvd/c_api.h, when the library has
   it): begin and end of each collective on the core's thread (ByteGrad's compressed allreduce
-  also marks the end of its alltoall half), and the low-precision step's local half on the
-  training thread.
+  also marks the end of its alltoall half), and the low-precision step on the training thread:
+  the core's ring marks each bucket's "wait returns" (the previous step's exchange) and
+  "exchange launch", around its local half.
 
 Events are (t_ns, what, bucket, elements). A bucket is numbered in launch order within the step;
 core events are matched to buckets by element count, in order.
@@ -25,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 Event = Tuple[int, str, str, int]  # t_ns, what, bucket label ("" if none), elements
 
 _CORE_OPS = {1: "bytegrad", 2: "bytegrad", 3: "allreduce", 4: "lp exchange", 5: "lp local"}
+_RING_LAUNCH, _RING_WAITED = 6, 7  # the core's low-precision ring: marks named as Python's
 _CORE_PHASES = {0: "begin", 1: "alltoall done", 2: "end"}
 PREV = " (prev. step)"  # a bucket launched by the step before
 
@@ -72,7 +74,9 @@ class Tracer:
         self.t0 = time.monotonic_ns()
         # Core events since the last step's end, labelled with that step's buckets, are shown
         # in this step (those between the two steps with negative times).
-        late = self._carry + (self._label_core(self._drain()) if self._core is not None else [])
+        late = self._carry + (
+            self._label_core(self._drain(), ring=False) if self._core is not None else []
+        )
         self._carry = []
         self.events = [(self.t0, "step begins", "", 0)]
         self._launches = 0
@@ -96,7 +100,7 @@ class Tracer:
         self.events.append((t_end, "step ends", "", 0))
         self.cpu_ns = time.process_time_ns() - self.cpu0
         self.on = False
-        core = self._label_core(self._drain())
+        core = self._label_core(self._drain(), ring=True)
         self._carry = [e for e in core if e[0] > t_end]  # the next step's
         events = self.events + self._early + [e for e in core if self.t0 <= e[0] <= t_end]
         events.sort(key=lambda e: e[0])  # stable: "step ends" last
@@ -114,13 +118,26 @@ class Tracer:
             if n < 1024:
                 return out
 
-    def _label_core(self, core: List[Tuple[int, int, int, int]]) -> List[Event]:
+    def _label_core(self, core: List[Tuple[int, int, int, int]], ring: bool) -> List[Event]:
         """Core events named and matched to buckets: a collective's begin to the earliest
-        launch of its element count before it; the local halves (no launch) by their order."""
+        launch of its element count before it; the local halves (no launch) by their order;
+        the ring's launches and waits (``ring``: within a traced step, else dropped) by theirs."""
         open_ = self._open
-        local = 0
+        local = waited = 0
         out: List[Event] = []
         for t, op, phase, count in core:
+            if op in (_RING_LAUNCH, _RING_WAITED) and not ring:
+                continue  # between traced steps: Python's own marks would not be recorded
+            if op == _RING_LAUNCH:  # a launch as Python's, in the ring's bucket order
+                label = str(self._launches)
+                self._launches += 1
+                self._pending.append([t, count, label])
+                out.append((t, "exchange launch", label, count))
+                continue
+            if op == _RING_WAITED:  # the previous step's exchange of the next bucket
+                out.append((t, "wait returns", _prev(str(waited)), count))
+                waited += 1
+                continue
             name = _CORE_OPS.get(op, f"op{op}")
             key = (1 if op == 2 else op, count)
             if op == 5:
@@ -180,15 +197,6 @@ def install(tracer: Tracer) -> None:
         tracer.launched(req, numel_of(buf), t)
         return req
 
-    orig_exchange = primitives.lp_exchange_half
-
-    @functools.wraps(orig_exchange)
-    def lp_exchange_half(diff: Any, left: Any, *a: Any, **k: Any) -> Any:
-        t = time.monotonic_ns()
-        req = orig_exchange(diff, left, *a, **k)
-        tracer.launched(req, numel_of(left), t, "exchange launch")
-        return req
-
     orig_wait = primitives.Request.wait
 
     @functools.wraps(orig_wait)
@@ -216,7 +224,6 @@ def install(tracer: Tracer) -> None:
         return out
 
     primitives.allreduce = allreduce
-    primitives.lp_exchange_half = lp_exchange_half
     primitives.Request.wait = wait
     mpi_ops.bucket_allreduce_async = bucket_allreduce_async
     mpi_ops.synchronize = synchronize

@@ -14,8 +14,8 @@ What lives here, once:
 * the gradient path (:class:`GradientPath`): the QAdam stage, the choice between Horovod's
   allreduce and BAGUA's (compressed / hierarchical) one, error feedback's residual sizing;
 * the weight averaging of :class:`PeerAverage` (Decentralized), :class:`LowPrecisionRing`
-  (LowPrecisionDecentralized: the split decision, the exchanges left running in the
-  background) and :class:`AsyncAveraging` (AsyncModelAverage: start, steps, abort, resume,
+  (LowPrecisionDecentralized: the buffers of the core's ring, which decides the split and
+  keeps the exchanges left running in the background) and :class:`AsyncAveraging` (AsyncModelAverage: start, steps, abort, resume,
   rounds, generations), chosen by the declaration's ``weight_averaging``.
 
 This module imports no framework and no numpy.
@@ -23,7 +23,6 @@ This module imports no framework and no numpy.
 
 from __future__ import annotations
 
-import time
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -406,51 +405,19 @@ def _forget(requests: Sequence[Request]) -> None:
         r.keep = r.hold = None
 
 
-# The exchanges of low-precision decentralized steps still running in the background, of every
-# LowPrecisionRing of this process: (owner, requests, the buffers the core writes into). A name
-# stays taken until its handle is seen complete (docs/design-core.md), so a ring dropped with its
-# last exchange in flight would block a later one's names: each flush() (and each new ring's
-# initialisation) waits for them all, at the same point of the program on every rank.
-_in_flight: List[Tuple[Any, List[Request], Any]] = []
-
-
-def _sweep_in_flight(timeout_s: Optional[float] = None) -> int:
-    """Waits for every ring's exchange, and releases those whose ring was dropped. Waits rather
-    than polls, whether or not the owner is still alive: whether a request has completed, or
-    whether the garbage collector has freed its owner yet, may differ between ranks, while this
-    point of the program is the same on all. A live owner sees its failure in its own flush().
-    With ``timeout_s``, waits that long in all and returns how many exchanges were still in
-    flight then (they stay listed)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    keep = []
-    late = 0
-    for owner, requests, buffers in _in_flight:
-        for r in requests:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not r.settle(left):
-                late += 1
-        if late:
-            keep.append((owner, requests, buffers))
-        elif owner() is None:
-            for r in requests:
-                r.release()
-        else:
-            keep.append((owner, requests, buffers))
-    _in_flight[:] = keep
-    return late
-
-
-def _sweep_before_shutdown() -> None:
-    """At shutdown: the exchanges in flight complete first, so that a rank that ends first does
-    not fail a slower rank's last step; bounded by HOROVOD_GLOO_TIMEOUT_SECONDS (a rank that
-    never takes that step must not hold this one's exit forever)."""
+def settle_rings_before_shutdown() -> None:
+    """At shutdown: the exchanges in flight of every low-precision ring of this process (the
+    engine's and the TensorFlow kernels': one registry in the core) complete first, so that a
+    rank that ends first does not fail a slower rank's last step; bounded by
+    HOROVOD_GLOO_TIMEOUT_SECONDS (a rank that never takes that step must not hold this one's
+    exit forever)."""
     limit = _config.gloo_timeout_seconds()
-    warn_exchanges_left(_sweep_in_flight(limit), limit)
+    warn_exchanges_left(_prim.lp_rings_settle(limit), limit)
 
 
 def warn_exchanges_left(late: int, limit: float) -> None:
     """The warning of a shutdown that stopped waiting for ``late`` exchanges in flight after
-    ``limit`` seconds (also a frontend's own rings: the TensorFlow kernels')."""
+    ``limit`` seconds."""
     if late:
         warnings.warn(
             f"bagua_hvd: shutting down with {late} low-precision decentralized exchange(s) still "
@@ -461,34 +428,50 @@ def warn_exchanges_left(late: int, limit: float) -> None:
         )
 
 
+def _release_ring(ring: int, buffers: Any) -> None:
+    """Forgets a dropped ring once its exchanges in flight complete; ``buffers`` (the replicas
+    and differences the core writes into) are freed only after this returns."""
+    _prim.lp_ring_release(ring)
+
+
 class LowPrecisionRing(_WeightAveraging):
-    """LowPrecisionDecentralized: replicas (self, left, right) initialised before the first
-    update; after each update of a communicating step, the compressed ring step. On a flat
-    ring its local half runs here and its exchange in the background, overlapping the next
-    step (waited for by the next step or :meth:`flush`); with the host hierarchy in play the
-    core runs the whole step, blocking."""
+    """LowPrecisionDecentralized: the core's ring (c_api.h ``bhvd_lp_ring_*``), started before
+    the first update with replicas (self, left, right) from the weights; after each update of
+    a communicating step, its step. On a flat ring the local half runs on this thread and the
+    exchange in the background, overlapping the next step (waited for by the next step or
+    :meth:`flush`); with the host hierarchy in play (or CUDA buckets) the core runs the whole
+    step, blocking. This object allocates the replicas and differences and keeps them alive
+    until the core's ring is released (:meth:`replan`, or when this object is collected)."""
 
     acts_after_update = True
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.replicas: Optional[List[List[Any]]] = None  # per bucket: self, left, right
-        self.pending: List[Request] = []
         self.diffs: List[Any] = []
-        self._split: Optional[bool] = None
+        self.ring = 0  # the core's ring (0: none)
+        self._release: Optional[weakref.finalize] = None
         # A rank that ends first must not stop the job while a slower one's last exchange
         # still needs it: hvd.shutdown() (and exit) waits for the exchanges first.
-        _basics.before_shutdown(_sweep_before_shutdown)
+        _basics.before_shutdown(settle_rings_before_shutdown)
 
     def replan(self) -> None:
         # New neighbours: the replicas are initialised again before the next update, on every
-        # rank (a new worker's are None too).
-        _forget(self.pending)
-        for owner, requests, _ in _in_flight:
-            if owner() is self:
-                _forget(requests)
-        _in_flight[:] = [e for e in _in_flight if e[0]() is not self]
-        self.replicas, self.pending, self.diffs, self._split = None, [], [], None
+        # rank (a new worker's are None too). The old job's ring ended with it (its release
+        # finds it unknown).
+        self._drop()
+
+    def _drop(self) -> None:
+        if self._release is not None:
+            self._release()  # releases the ring, then lets go of its buffers
+        self._release = None
+        self.replicas, self.diffs, self.ring = None, [], 0
+
+    @property
+    def pending(self) -> List[str]:
+        """The names of the exchanges started and not yet waited for."""
+        n = _prim.lp_ring_pending(self.ring) if self.ring else 0
+        return [self.names.op("lp.x", i) for i in range(n)]
 
     def before_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
         # Before the first update: replicas from the weights as they are on every rank. One
@@ -499,30 +482,32 @@ class LowPrecisionRing(_WeightAveraging):
 
     def init_replicas(self, flats: List[Any]) -> None:
         """self = x, left/right = the ring neighbours' x, exchanged by the core."""
-        self.flush()  # an earlier ring's last exchange, if it was dropped in flight
+        self._drop()
         a = self.adapter
-        out = [[a.empty_like(f) for _ in range(3)] for f in flats]
-        requests = [
-            _prim.lp_init(
-                a.buffer(flat),
-                self._bufs(reps),
-                self.names.op("lp.init", i),
-                self.process_set_id,
-                hierarchical=self.alg.hierarchical,
-                errors=a.errors,
-            )
-            for i, (flat, reps) in enumerate(zip(flats, out))
+        bufs = self._bufs(flats)
+        replicas = [[a.empty_like(f) for _ in range(3)] for f in flats]
+        # The split step's compressed differences (host buckets; CUDA buckets take the whole
+        # step, on the device).
+        diffs = [
+            a.empty_bytes(_prim.compressed_size(b.dtype, b.numel)) if b.device < 0 else None
+            for b in bufs
         ]
-        _prim.wait_all(requests)
-        self.replicas = out
-
-    def split(self) -> bool:
-        """Flat ring (no host hierarchy in play): the local half here, the exchange in the
-        background (BAGUA blocks)."""
-        if self._split is None:
-            group = _prim.compression_group_size(self.process_set_id, True)
-            self._split = not self.alg.hierarchical or group == self.size()
-        return self._split
+        self.ring = _prim.lp_ring_start(
+            [[b] for b in bufs],
+            [self._bufs(reps) for reps in replicas],
+            [None if d is None else a.buffer(d) for d in diffs],
+            [
+                (self.names.op("lp.init", i), self.names.op("lp.step", i), self.names.op("lp.x", i))
+                for i in range(len(flats))
+            ],
+            self.process_set_id,
+            hierarchical=self.alg.hierarchical,
+            errors=a.errors,
+        )
+        self.replicas, self.diffs = replicas, diffs
+        # Never at exit: the core's shutdown ends the ring's exchanges there.
+        self._release = weakref.finalize(self, _release_ring, self.ring, (replicas, diffs))
+        self._release.atexit = False
 
     def communicating(self, step: Any) -> Any:
         """Whether the update of ``step`` is followed by a ring step (an int, or a graph's
@@ -532,83 +517,14 @@ class LowPrecisionRing(_WeightAveraging):
     def after_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
         if self.replicas is None or not self.communicating(step):
             return None
-        a = self.adapter
         flats = weights()
-        # CUDA buckets take the whole step (lp_step), which the core queues on the device; the
-        # split form's local half runs on the host.
-        if self.split() and (not flats or a.buffer(flats[0]).device < 0):
-            if not self.diffs:
-                self.diffs = [
-                    a.empty_bytes(_prim.compressed_size(b.dtype, b.numel))
-                    for b in self._bufs(flats)
-                ]
-            # Bucket by bucket: the previous round's exchange of bucket i (which wrote its
-            # replicas and read its difference) is waited for, its local half runs and its new
-            # exchange starts, which then overlaps the next buckets' local halves. Each bucket's
-            # math is the same as when all local halves ran first: the same bits.
-            old, self.pending = self.pending, []
-            _in_flight[:] = [e for e in _in_flight if e[1] is not old]
-            _sweep_in_flight()  # the other rings' exchanges, as flush() does
-            try:
-                for i, (flat, (own, left, right), c) in enumerate(
-                    zip(flats, self.replicas, self.diffs)
-                ):
-                    if i < len(old):
-                        old[i].wait()
-                    _prim.lp_local_half(
-                        a.buffer(flat),
-                        a.buffer(own),
-                        a.buffer(left),
-                        a.buffer(right),
-                        a.buffer(c),
-                        errors=a.errors,
-                    )
-                    self.pending.append(
-                        _prim.lp_exchange_half(
-                            a.buffer(c),
-                            a.buffer(left),
-                            a.buffer(right),
-                            self.names.op("lp.x", i),
-                            self.process_set_id,
-                            errors=a.errors,
-                        )
-                    )
-            except BaseException:
-                # Every exchange of the previous round completes before the error surfaces
-                # (as wait_all does); those started here are flushed by the next flush().
-                try:
-                    _prim.wait_all([r for r in old if not r.done])
-                except Exception:  # noqa: BLE001 - the first error is the one raised
-                    pass
-                raise
-            finally:
-                if self.pending:
-                    # The exchange writes into the replicas after this returns: they stay
-                    # alive with the entry even if this ring is dropped before flush().
-                    _in_flight.append(
-                        (weakref.ref(self), self.pending, (self.replicas, self.diffs))
-                    )
-        else:  # hierarchical: the host average needs communication first, one blocking op
-            requests = [
-                _prim.lp_step(
-                    a.buffer(flat),
-                    self._bufs(reps),
-                    self.names.op("lp.step", i),
-                    self.process_set_id,
-                    errors=a.errors,
-                )
-                for i, (flat, reps) in enumerate(zip(flats, self.replicas))
-            ]
-            _prim.wait_all(requests)
+        _prim.lp_ring_step(self.ring, [self._bufs([f]) for f in flats], errors=self.adapter.errors)
         return flats
 
     def flush(self) -> None:
         """Waits for the last exchange (and every other ring's): afterwards the replicas are
         final."""
-        pending, self.pending = self.pending, []
-        _prim.wait_all(pending)
-        _in_flight[:] = [e for e in _in_flight if e[1] is not pending]
-        _sweep_in_flight()
+        _prim.lp_ring_flush(self.ring, errors=self.adapter.errors)
 
 
 # Running averagers: the core writes into their buffers until abort().

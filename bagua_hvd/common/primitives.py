@@ -2,10 +2,10 @@
 
 Every call of a core primitive that the algorithms make lives here (docs/algorithms.md): the
 bucketed allreduce (compressed or not, hierarchical or not, with error-feedback residuals),
-the decentralized peer average, the low-precision decentralized step (its replica
-initialisation, its blocking hierarchical form, and its split form: a local half on the
-caller's thread and an exchange half in the core), asynchronous model averaging (a small class
-that releases the core's averager) and the sizes the algorithms allocate by.
+the decentralized peer average, the low-precision decentralized ring (the core's ring object:
+its replicas' initialisation, its steps, split or whole, and its exchanges left in flight,
+behind ``bhvd_lp_ring_*``), asynchronous model averaging (a small class that releases the
+core's averager) and the sizes the algorithms allocate by.
 
 Each primitive is its own op type of the core with its own parameter struct (c_api.h:
 ``bhvd_compressed_allreduce_params``, ``bhvd_peer_average_params``, ``bhvd_lp_*_params``), built
@@ -23,9 +23,10 @@ This module imports no framework and no numpy.
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from bagua_hvd.common import _native
+from bagua_hvd.common import config as _config
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.exceptions import HorovodInternalError
 
@@ -37,10 +38,12 @@ __all__ = [
     "wait_all",
     "allreduce",
     "peer_average",
-    "lp_init",
-    "lp_step",
-    "lp_local_half",
-    "lp_exchange_half",
+    "lp_ring_start",
+    "lp_ring_step",
+    "lp_ring_flush",
+    "lp_ring_pending",
+    "lp_ring_release",
+    "lp_rings_settle",
     "compression_group_size",
     "compressed_size",
     "AsyncAverager",
@@ -314,110 +317,117 @@ def peer_average(
     return _submit(_ops.OP_PEER_AVERAGE, buf, out, name, process_set_id, errors, params)
 
 
-def _lp_replicas(
-    c_type: str, op_type: int, replicas: Sequence[Buffer], hierarchical: bool, keep: List[Any]
-) -> Any:
-    """The parameters of the ring's INIT and STEP: ``replicas`` = (self, left, right)."""
-    own, left, right = replicas
-    params = _params(c_type, op_type, keep)
-    params.hierarchical = int(hierarchical)
-    params.self = _state(own, keep)
-    params.left = _state(left, keep)
-    params.right = _state(right, keep)
-    return params
+def _lp_weights(weights: Sequence[Sequence[Buffer]], keep: List[Any]) -> Any:
+    """``bhvd_lp_weights[]``: per bucket its segments (kept alive in ``keep``)."""
+    n = _ops.native()
+    ffi = n.ffi
+    out = ffi.new("bhvd_lp_weights[]", len(weights))
+    keep.append(out)
+    for i, segments in enumerate(weights):
+        data = ffi.new(
+            "void *[]", [n.cast(n.voidp, s.ptr) if s.numel else n.empty for s in segments]
+        )
+        counts = ffi.new("int64_t[]", [s.numel for s in segments])
+        keep += (data, counts)
+        out[i].data = data
+        out[i].counts = counts
+        out[i].num_segments = len(segments)
+    return out
 
 
-def lp_init(
-    buf: Buffer,
-    replicas: Sequence[Buffer],
-    name: str,
+def _lp_status(status: int, errors: Errors) -> None:
+    if status != _ops.OK:
+        raise errors.status(status, _native.last_error() or "low-precision ring failed")
+
+
+def lp_ring_start(
+    weights: Sequence[Sequence[Buffer]],
+    replicas: Sequence[Sequence[Buffer]],
+    diffs: Sequence[Optional[Buffer]],
+    names: Sequence[Tuple[str, str, str]],
     process_set_id: int,
     *,
     hierarchical: bool = False,
     errors: Errors = PYTHON_ERRORS,
-) -> Request:
-    """Low-precision decentralized: ``replicas`` (self, left, right) = this rank's and its ring
-    neighbours' ``buf``."""
-    _placed(buf, *replicas)
-    keep: List[Any] = []
-    op_type = _ops.OP_LP_DECENTRALIZED_INIT
-    params = _lp_replicas("bhvd_lp_init_params", op_type, replicas, hierarchical, keep)
-    return _submit(op_type, buf, buf, name, process_set_id, errors, params)
-
-
-def lp_step(
-    buf: Buffer,
-    replicas: Sequence[Buffer],
-    name: str,
-    process_set_id: int,
-    *,
-    errors: Errors = PYTHON_ERRORS,
-) -> Request:
-    """Low-precision decentralized: the whole hierarchical step of ``buf`` in the core (the
-    flat step is split: :func:`lp_local_half`, :func:`lp_exchange_half`)."""
-    _placed(buf, *replicas)
-    keep: List[Any] = []
-    op_type = _ops.OP_LP_DECENTRALIZED_STEP
-    params = _lp_replicas("bhvd_lp_step_params", op_type, replicas, True, keep)
-    return _submit(op_type, buf, buf, name, process_set_id, errors, params)
-
-
-def lp_local_half(
-    x: Buffer,
-    own: Buffer,
-    left: Buffer,
-    right: Buffer,
-    diff: Buffer,
-    *,
-    errors: Errors = PYTHON_ERRORS,
-) -> None:
-    """The local half of the split low-precision step, on this thread: ``diff`` (uint8,
-    :func:`compressed_size` bytes) = MinMaxUInt8(x + left/3 + right/3 - 5/3 own); own +=
-    decompress(diff); x = own."""
-    _host(
-        x,
-        own,
-        left,
-        right,
-        diff,
-        message=(
-            "the split low-precision step runs its local half on the host: CUDA buckets take "
-            "lp_step (the engine chooses it for them)"
-        ),
-    )
+) -> int:
+    """Starts the core's low-precision decentralized ring (c_api.h ``bhvd_lp_ring_start``) and
+    returns its id: per bucket its weights' segments, its replicas (self, left, right), its
+    compressed difference (uint8, :func:`compressed_size` bytes; None where the step never
+    splits: CUDA buckets) and its op names (init, whole step, exchange). The replicas start
+    from the weights (blocking). The caller keeps the buffers alive until
+    :func:`lp_ring_release` returns."""
+    state = [b for reps in replicas for b in reps] + [d for d in diffs if d is not None]
+    _placed(*(s for segs in weights for s in segs), *state)
+    first = next((s for segs in weights for s in segs), None)
     n = _ops.native()
-    cast, voidp = n.cast, n.voidp
-    status = n.lib.bhvd_lp_decentralized_local(
-        cast(voidp, x.ptr),
-        cast(voidp, own.ptr),
-        cast(voidp, left.ptr),
-        cast(voidp, right.ptr),
-        x.dtype,
-        x.numel,
-        n.ffi.cast("uint8_t *", diff.ptr),
-    )
-    if status != _ops.OK:
-        raise errors.status(status, _native.last_error() or "core call failed")
-
-
-def lp_exchange_half(
-    diff: Buffer,
-    left: Buffer,
-    right: Buffer,
-    name: str,
-    process_set_id: int,
-    *,
-    errors: Errors = PYTHON_ERRORS,
-) -> Request:
-    """The exchange half of the split step: ``diff`` to both neighbours, theirs decompressed
-    into the ``left`` and ``right`` replicas."""
-    _placed(diff, left, right)
+    ffi = n.ffi
     keep: List[Any] = []
-    op_type = _ops.OP_LP_DECENTRALIZED_EXCHANGE
-    params = _params("bhvd_lp_exchange_params", op_type, keep)
-    params.left = _state(left, keep)
-    params.right = _state(right, keep)
-    return _submit(op_type, diff, diff, name, process_set_id, errors, params)
+    buckets = ffi.new("bhvd_lp_bucket[]", len(weights))
+    for i, ((own, left, right), diff, bucket_names) in enumerate(zip(replicas, diffs, names)):
+        b = buckets[i]
+        encoded = [ffi.new("char[]", name.encode()) for name in bucket_names]
+        keep += encoded
+        b.init_name, b.step_name, b.exchange_name = encoded
+        b.dtype = own.dtype
+        b.count = own.numel
+        b.self, b.left, b.right = (
+            n.cast(n.voidp, r.ptr) if r.numel else n.empty for r in (own, left, right)
+        )
+        b.diff = ffi.cast("uint8_t *", diff.ptr) if diff is not None and diff.numel else n.null
+    params = ffi.new("bhvd_lp_ring_params *")
+    params.process_set_id = process_set_id
+    params.hierarchical = int(hierarchical)
+    params.device = first.device if first is not None else -1
+    params.num_buckets = len(weights)
+    params.buckets = buckets
+    params.weights = _lp_weights(weights, keep)
+    params.stream = n.cast(n.voidp, first.stream) if first is not None and first.stream else n.null
+    params.op_timeout_s = _config.op_timeout_seconds()
+    params.wait_warning_s = _config.wait_warning_seconds()
+    out = ffi.new("int64_t *")
+    _lp_status(n.lib.bhvd_lp_ring_start(params, out), errors)
+    return int(out[0])
+
+
+def lp_ring_step(
+    ring: int, weights: Sequence[Sequence[Buffer]], *, errors: Errors = PYTHON_ERRORS
+) -> None:
+    """The ring's step after a communicating step's update, on ``weights`` (per bucket its
+    segments, the start's layout) in place: split (the local half here, the exchange left in
+    flight) or whole (blocking), as the core decides for the job."""
+    first = next((s for segs in weights for s in segs), None)
+    n = _ops.native()
+    keep: List[Any] = []
+    stream = n.cast(n.voidp, first.stream) if first is not None and first.stream else n.null
+    _lp_status(
+        n.lib.bhvd_lp_ring_step(ring, _lp_weights(weights, keep), len(weights), stream), errors
+    )
+
+
+def lp_ring_flush(ring: int, *, errors: Errors = PYTHON_ERRORS) -> None:
+    """Waits for the ring's exchanges in flight (raising their failure) and every other ring's
+    (``ring`` 0: every ring's, no failure raised)."""
+    _lp_status(_ops.native().lib.bhvd_lp_ring_flush(ring), errors)
+
+
+def lp_ring_pending(ring: int) -> int:
+    """The ring's exchanges started and not yet waited for (0 for an unknown ring)."""
+    return max(0, int(_ops.native().lib.bhvd_lp_ring_pending(ring)))
+
+
+def lp_ring_release(ring: int) -> None:
+    """Forgets the ring once its exchanges in flight have completed (blocks until then):
+    afterwards its buffers may be freed. An unknown ring (its job ended) is a no-op."""
+    _ops.native().lib.bhvd_lp_ring_release(ring)
+
+
+def lp_rings_settle(timeout_s: float) -> int:
+    """At shutdown: waits up to ``timeout_s`` in all for every ring's exchanges in flight (the
+    TensorFlow kernels' too); returns how many were still in flight then."""
+    n = _ops.native()
+    late = n.ffi.new("int64_t *")
+    n.lib.bhvd_lp_rings_settle(float(timeout_s), late)
+    return int(late[0])
 
 
 def compression_group_size(process_set_id: int, hierarchical: bool) -> int:

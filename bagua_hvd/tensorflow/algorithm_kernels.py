@@ -5,8 +5,7 @@ the core").
 The engine (``bagua_hvd.common.engine``) still decides everything, at trace time (eagerly: at
 each call), on descriptors of the tensors: the buckets (:func:`engine.bucket_layout`), their
 names on the wire, the primitive of each stage of the gradient path
-(:meth:`engine.GradientPath.stages`) and error feedback's residual sizes, the low-precision
-ring's split, and when the weight algorithms act (``communicating(step)``, ``round(step)``,
+(:meth:`engine.GradientPath.stages`) and error feedback's residual sizes, and when the weight algorithms act (``communicating(step)``, ``round(step)``,
 ``averages(step)``: written once, they give graph conditions when the step is a tensor). The
 graph then holds, per step:
 
@@ -17,8 +16,9 @@ graph then holds, per step:
   C++; buffers and residuals kept by the library), one asynchronous kernel per bucket, each
   started as soon as its gradients exist; or Decentralized's peer average of every weight
   bucket;
-- ``BaguaHvdLpInit`` / ``BaguaHvdLpStep``: the low-precision ring (replicas and the exchange
-  left in flight kept by the library);
+- ``BaguaHvdLpInit`` / ``BaguaHvdLpStep``: the low-precision ring, the core's (c_api.h
+  ``bhvd_lp_ring_*``: it decides the split and keeps the exchange left in flight) over the
+  variables' buffers, its replicas kept by the library;
 - ``BaguaHvdAsyncStep``: asynchronous model averaging's step boundary;
 
 chosen per step by ``tf.switch_case`` / ``tf.cond`` on the counts, and ``assign`` ops that
@@ -27,7 +27,6 @@ write averaged weights back into the variables.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -164,21 +163,6 @@ def _assign(variables: Sequence[Any], values: Sequence[Any]) -> None:
         v.assign(x)
 
 
-_sweep_lock = threading.Lock()
-_sweep_registered = [False]
-
-
-def _sweep_rings() -> None:
-    """Before hvd.shutdown(): waits for every low-precision ring's exchange in flight, at most
-    HOROVOD_GLOO_TIMEOUT_SECONDS (as the engine's own rings)."""
-    ops = _kernels.load()
-    if ops is not None:
-        limit = config.gloo_timeout_seconds()
-        with tf.init_scope():
-            late = int(ops.bagua_hvd_lp_flush(key="", timeout_s=limit))
-        engine.warn_exchanges_left(late, limit)
-
-
 class KernelImpl(AlgorithmImpl):
     """The engine's parts as the kernel library's ops (module docstring)."""
 
@@ -196,10 +180,8 @@ class KernelImpl(AlgorithmImpl):
         self._before_update = before.get(kind)
         self._after_update = after.get(kind)
         if kind == "low_precision_ring":
-            with _sweep_lock:
-                if not _sweep_registered[0]:
-                    _sweep_registered[0] = True
-                    _basics.before_shutdown(_sweep_rings)
+            # The core's rings are one registry: the engine's shutdown hook settles these too.
+            _basics.before_shutdown(engine.settle_rings_before_shutdown)
         if kind == "async":
             alg.register_impl(self)  # abort() and resume() reach the library's averager
 
@@ -378,11 +360,14 @@ class KernelImpl(AlgorithmImpl):
     def _lp_init(self, step: Any, variables: List[Any]) -> None:
         """Before the first update: the replicas (the kernel does nothing once they exist)."""
         b, handles = self._handles(variables)
+        n = len(b.sizes)
         self._ops.bagua_hvd_lp_init(
             handles,
             key=self._key,
             bucket_sizes=b.sizes,
-            names=[self._names.op("lp.init", i) for i in range(len(b.sizes))],
+            names=[self._names.op("lp.init", i) for i in range(n)],
+            step_names=[self._names.op("lp.step", i) for i in range(n)],
+            exchange_names=[self._names.op("lp.x", i) for i in range(n)],
             process_set_id=self.averaging.process_set_id,
             hierarchical=bool(self.alg.hierarchical),
         )
@@ -391,19 +376,10 @@ class KernelImpl(AlgorithmImpl):
         ring = self.averaging
 
         def run() -> None:
-            # The kernel splits the step or not (the engine's ring.split()) for the job as it
-            # is when it runs: an elastic reset may change the hosts after this trace.
+            # The core's ring splits the step or not for the job it was started in (an elastic
+            # reset, which may change the hosts after this trace, starts a new one).
             b, handles = self._handles(variables)
-            n = len(b.sizes)
-            self._ops.bagua_hvd_lp_step(
-                handles,
-                key=self._key,
-                bucket_sizes=b.sizes,
-                names=[self._names.op("lp.x", i) for i in range(n)],
-                step_names=[self._names.op("lp.step", i) for i in range(n)],
-                process_set_id=ring.process_set_id,
-                hierarchical=bool(self.alg.hierarchical),
-            )
+            self._ops.bagua_hvd_lp_step(handles, key=self._key, bucket_sizes=b.sizes)
 
         _when(ring.communicating(step), run)
 

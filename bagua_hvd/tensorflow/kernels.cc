@@ -379,9 +379,9 @@ class BaguaHvdRaiseOp : public OpKernel {
 // The Python engine decides, at trace time, the buckets (how many of the op's inputs each one
 // takes, in order), their names on the wire, the primitive and its parameters, and when each op
 // runs (graph conditions); these kernels pack the buckets, call the core's primitive and unpack
-// the results, and keep the state that must outlive a step (error-feedback residuals,
-// low-precision replicas and exchanges in flight, the asynchronous averager, the step counts),
-// keyed by the implementation's unique names.
+// the results, and keep the state that must outlive a step (error-feedback residuals, the
+// low-precision ring's replicas and its id in the core, which keeps its exchanges in flight, the
+// asynchronous averager, the step counts), keyed by the implementation's unique names.
 
 // Memory of empty buffers: the core wants a non-null pointer for them.
 char kEmptyBuffer[1];
@@ -454,49 +454,6 @@ bhvd_request PeerAverageRequest(const char* name, int32_t process_set_id, int32_
   return r;
 }
 
-// Low-precision decentralized: replicas (self, left, right) = this rank's and its neighbours' x.
-bhvd_request LpInitRequest(const char* name, int32_t process_set_id, bool hierarchical,
-                           const bhvd_tensor* x, const bhvd_tensor* replicas,
-                           bhvd_lp_init_params* params) {
-  bhvd_request r = BaseRequest(BHVD_OP_LP_DECENTRALIZED_INIT, name, process_set_id, x, x);
-  *params = bhvd_lp_init_params{};
-  params->op_type = BHVD_OP_LP_DECENTRALIZED_INIT;
-  params->hierarchical = hierarchical ? 1 : 0;
-  params->self = &replicas[0];
-  params->left = &replicas[1];
-  params->right = &replicas[2];
-  r.params = params;
-  return r;
-}
-
-// Low-precision decentralized: the whole (hierarchical) step of x in the core.
-bhvd_request LpStepRequest(const char* name, int32_t process_set_id, const bhvd_tensor* x,
-                           const bhvd_tensor* replicas, bhvd_lp_step_params* params) {
-  bhvd_request r = BaseRequest(BHVD_OP_LP_DECENTRALIZED_STEP, name, process_set_id, x, x);
-  *params = bhvd_lp_step_params{};
-  params->op_type = BHVD_OP_LP_DECENTRALIZED_STEP;
-  params->hierarchical = 1;
-  params->self = &replicas[0];
-  params->left = &replicas[1];
-  params->right = &replicas[2];
-  r.params = params;
-  return r;
-}
-
-// The exchange half of the split step: diff to both neighbours, theirs decompressed into the left
-// and right replicas.
-bhvd_request LpExchangeRequest(const char* name, int32_t process_set_id, const bhvd_tensor* diff,
-                               const bhvd_tensor* left_right, bhvd_lp_exchange_params* params) {
-  bhvd_request r =
-      BaseRequest(BHVD_OP_LP_DECENTRALIZED_EXCHANGE, name, process_set_id, diff, diff);
-  *params = bhvd_lp_exchange_params{};
-  params->op_type = BHVD_OP_LP_DECENTRALIZED_EXCHANGE;
-  params->left = &left_right[0];
-  params->right = &left_right[1];
-  r.params = params;
-  return r;
-}
-
 absl::Status Enqueue(const bhvd_request& r, int64_t* handle) {
   const int rc = bhvd_enqueue(&r, handle);
   return rc == BHVD_OK ? absl::OkStatus() : EnqueueError(rc);
@@ -510,8 +467,8 @@ absl::Status HandleError(int64_t handle, int32_t status, const std::string& name
 }
 
 // Blocks until handle completes (BAGUA_HVD_OP_TIMEOUT_SECONDS: DeadlineExceeded after that),
-// releases it and returns its outcome. For the kernels that run synchronously (the
-// low-precision ring and the asynchronous averager), whose buffers the store keeps alive.
+// releases it and returns its outcome. For the kernels that wait at once (the step counts'
+// agreement).
 absl::Status WaitAndRelease(int64_t handle, const std::string& name) {
   const double limit_s = EnvSeconds("BAGUA_HVD_OP_TIMEOUT_SECONDS", 0.0);
   const int64_t timeout_ms = limit_s > 0 ? static_cast<int64_t>(limit_s * 1000) : -1;
@@ -726,16 +683,15 @@ struct BucketBuffers {  // one bucket's buffers, kept from step to step
   Tensor flat, result;
 };
 
-// Low-precision decentralized, one implementation: per bucket the replicas (self, left, right)
-// and the compressed difference, and the exchanges of the last step still in flight.
+// Low-precision decentralized, one implementation: the core's ring (bhvd_lp_ring_*), which
+// orchestrates the steps and keeps the exchanges in flight, and the buffers it writes into: per
+// bucket the replicas (self, left, right) and the compressed difference.
 struct Ring {
   std::mutex mu;
-  bool initialized = false;
-  int64_t job = -1;  // the job the replicas were made in
+  int64_t id = 0;    // the core's ring (0: none)
+  int64_t job = -1;  // the job it was started in
   std::vector<std::array<Tensor, 3>> replicas;
   std::vector<Tensor> diffs;
-  std::vector<Tensor> flats;  // the hierarchical step's weight buckets, kept from step to step
-  std::vector<std::pair<int64_t, std::string>> pending;  // handle, name
 };
 
 struct Averager {  // asynchronous model averaging, one implementation
@@ -772,72 +728,6 @@ class Store {
   std::unordered_map<std::string, std::shared_ptr<Ring>> rings;
   std::unordered_map<std::string, std::shared_ptr<Averager>> averagers;
 };
-
-// Waits for a ring's exchanges in flight (ring->mu held); the first failure.
-absl::Status SettleRing(Ring* ring) {
-  absl::Status first = absl::OkStatus();
-  for (auto& [handle, name] : ring->pending) {
-    absl::Status s = WaitAndRelease(handle, name);
-    if (first.ok()) first = s;
-  }
-  ring->pending.clear();
-  return first;
-}
-
-// Waits for every ring's exchanges (each flush and each new ring's initialisation: a name stays
-// taken until its handle is seen complete, at the same point of the program on every rank); the
-// failures of rings other than `own` are left to their own flush... which finds them settled:
-// like the engine's sweep, only the owner reports its failure.
-absl::Status SweepRings(Ring* own) {
-  std::vector<std::shared_ptr<Ring>> rings;
-  {
-    Store& store = Store::Get();
-    std::lock_guard<std::mutex> lock(store.mu);
-    for (auto& [key, ring] : store.rings) rings.push_back(ring);
-  }
-  absl::Status mine = absl::OkStatus();
-  for (auto& ring : rings) {
-    if (ring.get() == own) {
-      mine = SettleRing(own);  // own->mu is held by the caller
-      continue;
-    }
-    // A ring busy in its own step (another thread) settles its exchanges there.
-    std::unique_lock<std::mutex> lock(ring->mu, std::try_to_lock);
-    if (lock.owns_lock()) SettleRing(ring.get()).IgnoreError();
-  }
-  return mine;
-}
-
-// At shutdown: waits up to timeout_s in all for every ring's exchanges in flight; those still in
-// flight then stay pending. Returns how many they are.
-int64_t SweepRingsBounded(double timeout_s) {
-  std::vector<std::shared_ptr<Ring>> rings;
-  {
-    Store& store = Store::Get();
-    std::lock_guard<std::mutex> lock(store.mu);
-    for (auto& [key, ring] : store.rings) rings.push_back(ring);
-  }
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(timeout_s));
-  int64_t late = 0;
-  for (auto& ring : rings) {
-    std::unique_lock<std::mutex> lock(ring->mu, std::try_to_lock);
-    if (!lock.owns_lock()) continue;
-    std::vector<std::pair<int64_t, std::string>> still;
-    for (auto& entry : ring->pending) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
-                                                                              Clock::now());
-      if (bhvd_wait(entry.first, std::max<int64_t>(0, left.count())) == BHVD_TIMED_OUT) {
-        ++late;
-        still.push_back(entry);
-      } else {
-        bhvd_release(entry.first);
-      }
-    }
-    ring->pending = std::move(still);
-  }
-  return late;
-}
 
 // The ranks' agreement on an implementation's counts (an elastic job's first step in a job):
 // the largest of every rank's (the survivors' are equal; a worker that just joined has 0).
@@ -1097,16 +987,48 @@ class BaguaHvdBucketsOp : public AsyncOpKernel {
   bool compressed_ = false, hierarchical_ = false, error_feedback_ = false;
 };
 
-// BaguaHvdLpInit: low-precision decentralized, before the first update: the replicas of every
-// bucket (self, left, right) from the weights as they are on every rank; nothing when the ring
-// of `key` is initialised already in this job (a new job has new neighbours). The inputs are
-// the weights' resource variables.
+// ---- low-precision decentralized: the core's ring (bhvd_lp_ring_*) over the variables ----
+// The variables of every bucket, held exclusively (their mutexes) with buffers of their own, as
+// the core's weights: per bucket its variables' buffers as segments.
+struct LpWeights {
+  std::vector<InPlace> held;
+  std::vector<bhvd_lp_weights> weights;
+
+  absl::Status Take(const Variables& vars, const BucketAttrs& buckets) {
+    const size_t nb = buckets.sizes.size();
+    held = std::vector<InPlace>(nb);
+    weights.assign(nb, bhvd_lp_weights{});
+    for (size_t b = 0; b < nb; ++b) {
+      TF_RETURN_IF_ERROR(held[b].Take(vars, buckets.first(b), buckets.sizes[b]));
+      weights[b].data = held[b].data.data();
+      weights[b].counts = held[b].counts.data();
+      weights[b].num_segments = static_cast<int32_t>(held[b].data.size());
+    }
+    return absl::OkStatus();
+  }
+};
+
+absl::Status CoreStatus(int rc) {
+  return rc == BHVD_OK ? absl::OkStatus() : absl::Status(ToCode(rc), bhvd_last_error());
+}
+
+// BaguaHvdLpInit: low-precision decentralized, before the first update: starts the core's ring,
+// whose replicas of every bucket (self, left, right) start from the weights as they are on every
+// rank; nothing when the ring of `key` runs already in this job (a new job has new neighbours).
+// The inputs are the weights' resource variables; names: the initialisations', step_names: the
+// whole (hierarchical) steps', exchange_names: the split steps' exchanges.
 class BaguaHvdLpInitOp : public OpKernel {
  public:
   explicit BaguaHvdLpInitOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, buckets_.Read(c));
     OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
     OP_REQUIRES_OK(c, c->GetAttr("hierarchical", &hierarchical_));
+    OP_REQUIRES_OK(c, c->GetAttr("step_names", &step_names_));
+    OP_REQUIRES_OK(c, c->GetAttr("exchange_names", &exchange_names_));
+    OP_REQUIRES(c,
+                step_names_.size() == buckets_.names.size() &&
+                    exchange_names_.size() == buckets_.names.size(),
+                absl::InvalidArgumentError("bagua_hvd: one step and exchange name per bucket"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -1118,209 +1040,106 @@ class BaguaHvdLpInitOp : public OpKernel {
       job = store.job;
     }
     std::lock_guard<std::mutex> lock(ring->mu);
-    if (ring->initialized && ring->job == job) return;
-    OP_REQUIRES_OK(ctx, SweepRings(ring.get()));  // an earlier ring's last exchange
+    if (ring->id != 0 && ring->job == job) return;
+    if (ring->id != 0) bhvd_lp_ring_release(ring->id);  // the old job's (ended with it)
+    ring->id = 0;
     Variables vars;
     OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
+    LpWeights x;
+    OP_REQUIRES_OK(ctx, x.Take(vars, buckets_));
     const size_t nb = buckets_.sizes.size();
-    std::vector<Tensor> flats(nb);
     std::vector<std::array<Tensor, 3>> replicas(nb);
-    std::vector<std::pair<int64_t, std::string>> handles;
-    absl::Status failed = absl::OkStatus();
-    for (size_t b = 0; b < nb && failed.ok(); ++b) {
+    std::vector<Tensor> diffs(nb);
+    std::vector<bhvd_lp_bucket> specs(nb);
+    for (size_t b = 0; b < nb; ++b) {
       int32_t dtype = 0;
-      failed = PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &flats[b]);
-      if (failed.ok()) failed = CoreDtype(flats[b].dtype(), &dtype);
-      if (!failed.ok()) break;
-      for (auto& rep : replicas[b]) rep = Tensor(flats[b].dtype(), flats[b].shape());
-      View x(flats[b], dtype), own(replicas[b][0], dtype), left(replicas[b][1], dtype),
-          right(replicas[b][2], dtype);
-      const bhvd_tensor reps[3] = {own.desc, left.desc, right.desc};
-      bhvd_lp_init_params params;
-      int64_t handle = 0;
-      failed = Enqueue(LpInitRequest(buckets_.names[b].c_str(), buckets_.process_set_id,
-                                     hierarchical_, &x.desc, reps, &params),
-                       &handle);
-      if (failed.ok()) handles.emplace_back(handle, buckets_.names[b]);
+      OP_REQUIRES_OK(ctx, CoreDtype(x.held[b].dtype, &dtype));
+      const int64_t n = x.held[b].count;
+      for (auto& rep : replicas[b]) rep = Tensor(x.held[b].dtype, ::tensorflow::TensorShape({n}));
+      // The split step's difference (an unsupported dtype: the core's initialisation says so).
+      const int64_t bytes = bhvd_minmax_uint8_size(dtype, n, 1);
+      if (bytes > 0) diffs[b] = Tensor(::tensorflow::DT_UINT8, ::tensorflow::TensorShape({bytes}));
+      bhvd_lp_bucket& k = specs[b];
+      k.init_name = buckets_.names[b].c_str();
+      k.step_name = step_names_[b].c_str();
+      k.exchange_name = exchange_names_[b].c_str();
+      k.dtype = dtype;
+      k.count = n;
+      k.self = Data(replicas[b][0]);
+      k.left = Data(replicas[b][1]);
+      k.right = Data(replicas[b][2]);
+      k.diff = bytes > 0 ? reinterpret_cast<uint8_t*>(Data(diffs[b])) : nullptr;
     }
-    for (auto& [handle, name] : handles) {  // all of them, even after a failure
-      absl::Status s = WaitAndRelease(handle, name);
-      if (failed.ok()) failed = s;
-    }
-    OP_REQUIRES_OK(ctx, failed);
-    ring->replicas = std::move(replicas);
-    ring->diffs.clear();
-    ring->initialized = true;
+    bhvd_lp_ring_params p{};
+    p.process_set_id = buckets_.process_set_id;
+    p.hierarchical = hierarchical_ ? 1 : 0;
+    p.device = -1;
+    p.num_buckets = static_cast<int32_t>(nb);
+    p.buckets = specs.data();
+    p.weights = x.weights.data();
+    p.op_timeout_s = EnvSeconds("BAGUA_HVD_OP_TIMEOUT_SECONDS", 0.0);
+    p.wait_warning_s = EnvSeconds("BAGUA_HVD_WAIT_WARNING_SECONDS", 60.0);
+    int64_t id = 0;
+    OP_REQUIRES_OK(ctx, CoreStatus(bhvd_lp_ring_start(&p, &id)));
+    ring->id = id;
     ring->job = job;
+    ring->replicas = std::move(replicas);  // the core writes into them until it is released
+    ring->diffs = std::move(diffs);
   }
 
  private:
-  BucketAttrs buckets_;
+  BucketAttrs buckets_;  // names: the initialisations'
+  std::vector<std::string> step_names_, exchange_names_;
   std::string key_;
   bool hierarchical_ = false;
 };
 
-// BaguaHvdLpStep: low-precision decentralized, after a communicating step's update. split: bucket
-// by bucket, the previous exchange waited for, the local half here on the variables in place,
-// the new exchange left in flight; else the core runs the whole (hierarchical) step, blocking.
-// The inputs are the weights' resource variables: read, and written with the new weights.
+// BaguaHvdLpStep: low-precision decentralized, after a communicating step's update: the core's
+// ring step (split, its exchange left in flight, or whole, as the core decides for the job) on
+// the variables' buffers in place, held exclusively for the call. The inputs are the weights'
+// resource variables: read, and written with the new weights.
 class BaguaHvdLpStepOp : public OpKernel {
  public:
   explicit BaguaHvdLpStepOp(OpKernelConstruction* c) : OpKernel(c) {
-    OP_REQUIRES_OK(c, buckets_.Read(c));
     OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
-    OP_REQUIRES_OK(c, c->GetAttr("hierarchical", &hierarchical_));
-    OP_REQUIRES_OK(c, c->GetAttr("step_names", &step_names_));
-    OP_REQUIRES(c, step_names_.size() == buckets_.names.size(),
-                absl::InvalidArgumentError("bagua_hvd: one step name per bucket"));
+    OP_REQUIRES_OK(c, c->GetAttr("bucket_sizes", &buckets_.sizes));
   }
 
   void Compute(OpKernelContext* ctx) override {
     auto ring = Store::Get().Find(Store::Get().rings, key_);
     std::lock_guard<std::mutex> lock(ring->mu);
-    const size_t nb = buckets_.sizes.size();
-    if (!ring->initialized) return;  // nothing to average with yet (the engine's replicas: None)
-    // The flat ring splits the step (the engine's LowPrecisionRing.split); the hierarchical one
-    // does too where the job is one host (its compression group is every rank): decided here,
-    // for the job as it is now (an elastic reset may have changed the hosts).
-    bool split = !hierarchical_;
-    if (hierarchical_) {
-      const int group = bhvd_compression_group_size(buckets_.process_set_id, 1);
-      const int size = bhvd_process_set_ranks(buckets_.process_set_id, nullptr, 0);
-      OP_REQUIRES(ctx, group > 0 && size > 0,
-                  absl::InternalError(std::string("bagua_hvd: process set: ") + bhvd_last_error()));
-      split = group == size;
-    }
+    if (ring->id == 0) return;  // nothing to average with yet (the engine's replicas: None)
+    OP_REQUIRES(ctx, ring->replicas.size() == buckets_.sizes.size(),
+                absl::InvalidArgumentError("bagua_hvd: the low-precision layout changed"));
     Variables vars;
     OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
-    OP_REQUIRES(ctx, ring->replicas.size() == nb,
-                absl::InvalidArgumentError("bagua_hvd: the low-precision layout changed"));
-    absl::Status failed = absl::OkStatus();
-    if (split) {
-      // Bucket by bucket, as the engine does: the previous round's exchange of bucket b (which
-      // wrote its replicas and read its difference) is waited for, its local half runs on the
-      // variables' buffers in place (no copy into a bucket and back) and its new exchange
-      // starts, which then overlaps the next buckets' local halves. Each bucket's math is the
-      // same as when every local half ran first on a packed bucket: the same bits.
-      std::vector<std::pair<int64_t, std::string>> old = std::move(ring->pending);
-      ring->pending.clear();
-      // The other rings' exchanges (their failures are theirs to report; this ring's pending
-      // list is empty now, its exchanges are waited for below, bucket by bucket).
-      SweepRings(ring.get()).IgnoreError();
-      if (ring->diffs.size() != nb) ring->diffs.assign(nb, Tensor());
-      size_t waited = 0;
-      for (size_t b = 0; b < nb && failed.ok(); ++b) {
-        if (b < old.size()) {
-          failed = WaitAndRelease(old[b].first, old[b].second);
-          waited = b + 1;
-          if (!failed.ok()) break;
-        }
-        // The variables' own buffers, written in place (x is read, then becomes the new
-        // weights): held exclusively until the bucket's local half is done.
-        InPlace x;
-        failed = x.Take(vars, buckets_.first(b), buckets_.sizes[b]);
-        int32_t dtype = 0;
-        if (failed.ok()) failed = CoreDtype(x.dtype, &dtype);
-        if (failed.ok() && ring->diffs[b].NumElements() == 0) {
-          const int64_t bytes = bhvd_minmax_uint8_size(dtype, x.count, 1);
-          if (bytes < 0) {
-            failed = absl::InvalidArgumentError(std::string("bagua_hvd: ") + bhvd_last_error());
-          } else {
-            ring->diffs[b] = Tensor(::tensorflow::DT_UINT8, ::tensorflow::TensorShape({bytes}));
-          }
-        }
-        auto& reps = ring->replicas[b];
-        if (failed.ok() && reps[0].NumElements() != x.count) {
-          failed = absl::InvalidArgumentError("bagua_hvd: the low-precision layout changed");
-        }
-        if (!failed.ok()) break;
-        const int rc = bhvd_lp_decentralized_local_segments(
-            x.data.data(), x.counts.data(), static_cast<int32_t>(x.data.size()), Data(reps[0]),
-            Data(reps[1]), Data(reps[2]), dtype, reinterpret_cast<uint8_t*>(Data(ring->diffs[b])));
-        if (rc != BHVD_OK) failed = absl::Status(ToCode(rc), bhvd_last_error());
-        x.Release();
-        if (!failed.ok()) break;
-        View diff(ring->diffs[b], BHVD_UINT8), left(reps[1], dtype), right(reps[2], dtype);
-        const bhvd_tensor lr[2] = {left.desc, right.desc};
-        bhvd_lp_exchange_params params;
-        int64_t handle = 0;
-        failed = Enqueue(LpExchangeRequest(buckets_.names[b].c_str(), buckets_.process_set_id,
-                                           &diff.desc, lr, &params),
-                         &handle);
-        if (failed.ok()) ring->pending.emplace_back(handle, buckets_.names[b]);
-      }
-      for (size_t b = waited; b < old.size(); ++b) {  // every one, even after a failure
-        WaitAndRelease(old[b].first, old[b].second).IgnoreError();
-      }
-      // The exchanges write into the ring's replicas after this returns (the store keeps them).
-    } else {
-      std::vector<Tensor>& flats = ring->flats;  // the core reads and writes whole buckets
-      flats.resize(nb);
-      std::vector<std::pair<int64_t, std::string>> handles;
-      for (size_t b = 0; b < nb; ++b) {
-        OP_REQUIRES_OK(ctx, PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &flats[b]));
-      }
-      for (size_t b = 0; b < nb && failed.ok(); ++b) {
-        int32_t dtype = 0;
-        failed = CoreDtype(flats[b].dtype(), &dtype);
-        if (!failed.ok()) break;
-        auto& reps = ring->replicas[b];
-        View x(flats[b], dtype), own(reps[0], dtype), left(reps[1], dtype), right(reps[2], dtype);
-        const bhvd_tensor r3[3] = {own.desc, left.desc, right.desc};
-        bhvd_lp_step_params params;
-        int64_t handle = 0;
-        failed = Enqueue(LpStepRequest(step_names_[b].c_str(), buckets_.process_set_id, &x.desc,
-                                       r3, &params),
-                         &handle);
-        if (failed.ok()) handles.emplace_back(handle, step_names_[b]);
-      }
-      for (auto& [handle, name] : handles) {
-        absl::Status s = WaitAndRelease(handle, name);
-        if (failed.ok()) failed = s;
-      }
-      for (size_t b = 0; b < nb && failed.ok(); ++b) {  // the new weights, in place
-        failed = WriteVariables(vars, buckets_.first(b), buckets_.sizes[b], flats[b]);
-      }
-    }
-    OP_REQUIRES_OK(ctx, failed);
+    LpWeights x;
+    OP_REQUIRES_OK(ctx, x.Take(vars, buckets_));
+    const int32_t nb = static_cast<int32_t>(x.weights.size());
+    OP_REQUIRES_OK(ctx, CoreStatus(bhvd_lp_ring_step(ring->id, x.weights.data(), nb, nullptr)));
   }
 
  private:
-  BucketAttrs buckets_;  // names: the split step's exchanges
-  std::vector<std::string> step_names_;  // the whole (hierarchical) step's
+  BucketAttrs buckets_;  // sizes only
   std::string key_;
-  bool hierarchical_ = false;
 };
 
-// BaguaHvdLpFlush: waits for the exchange of the ring of `key` still in flight (its failure
-// fails the op) and every other ring's. key "" with timeout_s >= 0 (shutdown): every ring's, at
-// most timeout_s in all; output: how many were still in flight then.
+// BaguaHvdLpFlush: waits for the exchanges of the ring of `key` still in flight (their failure
+// fails the op) and every other ring's.
 class BaguaHvdLpFlushOp : public OpKernel {
  public:
   explicit BaguaHvdLpFlushOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
-    OP_REQUIRES_OK(c, c->GetAttr("timeout_s", &timeout_s_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    int64_t late = 0;
-    if (key_.empty() && timeout_s_ >= 0) {
-      late = SweepRingsBounded(timeout_s_);
-    } else if (key_.empty()) {
-      SweepRings(nullptr).IgnoreError();
-    } else {
-      auto ring = Store::Get().Find(Store::Get().rings, key_);
-      std::lock_guard<std::mutex> lock(ring->mu);
-      OP_REQUIRES_OK(ctx, SweepRings(ring.get()));
-    }
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &out));
-    out->scalar<int64_t>()() = late;
+    auto ring = Store::Get().Find(Store::Get().rings, key_);
+    std::lock_guard<std::mutex> lock(ring->mu);
+    OP_REQUIRES_OK(ctx, CoreStatus(bhvd_lp_ring_flush(ring->id)));
   }
 
  private:
   std::string key_;
-  float timeout_s_ = -1.f;
 };
 
 // BaguaHvdLpReplicas: copies of bucket `bucket`'s replicas (self, left, right) of the ring of
@@ -1335,7 +1154,7 @@ class BaguaHvdLpReplicasOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     auto ring = Store::Get().Find(Store::Get().rings, key_);
     std::lock_guard<std::mutex> lock(ring->mu);
-    OP_REQUIRES(ctx, ring->initialized && bucket_ >= 0 && bucket_ < int(ring->replicas.size()),
+    OP_REQUIRES(ctx, ring->id != 0 && bucket_ >= 0 && bucket_ < int(ring->replicas.size()),
                 absl::InvalidArgumentError("bagua_hvd: no such low-precision replica"));
     for (int k = 0; k < 3; ++k) {
       const Tensor& rep = ring->replicas[bucket_][k];
@@ -1613,6 +1432,8 @@ REGISTER_OP("BaguaHvdLpInit")
     .Attr("key: string")
     .Attr("bucket_sizes: list(int)")
     .Attr("names: list(string)")
+    .Attr("step_names: list(string)")
+    .Attr("exchange_names: list(string)")
     .Attr("process_set_id: int = 0")
     .Attr("hierarchical: bool = false")
     .SetIsStateful()
@@ -1623,19 +1444,10 @@ REGISTER_OP("BaguaHvdLpStep")
     .Input("variables: N * resource")
     .Attr("key: string")
     .Attr("bucket_sizes: list(int)")
-    .Attr("names: list(string)")
-    .Attr("step_names: list(string)")
-    .Attr("process_set_id: int = 0")
-    .Attr("hierarchical: bool = false")
     .SetIsStateful()
     .SetShapeFn(NoOutputs);
 
-REGISTER_OP("BaguaHvdLpFlush")
-    .Output("late: int64")
-    .Attr("key: string")
-    .Attr("timeout_s: float = -1.0")
-    .SetIsStateful()
-    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+REGISTER_OP("BaguaHvdLpFlush").Attr("key: string").SetIsStateful().SetShapeFn(NoOutputs);
 
 REGISTER_OP("BaguaHvdLpReplicas")
     .Output("own: T")

@@ -328,6 +328,70 @@ int bhvd_async_release(int64_t id);
 /* Rounds merged so far, -1 for an unknown id. */
 int64_t bhvd_async_rounds(int64_t id);
 
+/* ---- low-precision decentralized ring (docs/algorithms.md) -------------------------------------
+ * One ring per frontend implementation (LowPrecisionDecentralized): the core orchestrates its
+ * primitives (BHVD_OP_LP_DECENTRALIZED_*); the caller owns the weights and the state buffers
+ * and keeps the state buffers alive until bhvd_lp_ring_release returns. The step splits (the
+ * local half on the caller's thread, on the weights in place; the exchange left in flight,
+ * waited for by the next step or bhvd_lp_ring_flush) for a flat ring, or a hierarchical one
+ * whose compression group is the whole set (one host), with host weights; otherwise the core
+ * runs the whole step of each bucket, blocking. A name stays taken until its handle is seen
+ * complete: start, step (split) and flush first wait for every other ring's exchanges in flight,
+ * whose failures stay with their own ring. Rings belong to the job: after bhvd_shutdown their
+ * ids are unknown (BHVD_INVALID_ARGUMENT), and the frontend starts new ones. */
+typedef struct bhvd_lp_weights {
+  void* const* data;     /* num_segments buffers, in order */
+  const int64_t* counts; /* their element counts */
+  int32_t num_segments;  /* host weights: any number; device weights: 1 */
+} bhvd_lp_weights;
+
+typedef struct bhvd_lp_bucket {
+  const char* init_name;     /* BHVD_OP_LP_DECENTRALIZED_INIT's name */
+  const char* step_name;     /* BHVD_OP_LP_DECENTRALIZED_STEP's (the whole step) */
+  const char* exchange_name; /* BHVD_OP_LP_DECENTRALIZED_EXCHANGE's (the split step) */
+  int32_t dtype;             /* float32, float16 or bfloat16 */
+  int64_t count;             /* elements of the weights, and of each replica */
+  void* self;                /* the replicas (count elements each) */
+  void* left;
+  void* right;
+  uint8_t* diff; /* the compressed difference, bhvd_minmax_uint8_size(dtype, count, 1) bytes;
+                    NULL where the step never splits (device weights) */
+} bhvd_lp_bucket;
+
+typedef struct bhvd_lp_ring_params {
+  int32_t process_set_id;
+  int32_t hierarchical; /* 1: BAGUA's hierarchical ring (the hosts' leaders) */
+  int32_t device;       /* -1: every buffer is host memory, else that CUDA device's */
+  int32_t num_buckets;
+  const bhvd_lp_bucket* buckets;
+  const bhvd_lp_weights* weights; /* num_buckets: the weights the replicas start from */
+  void* stream;                   /* device: the caller's cudaStream_t (NULL: the default) */
+  double op_timeout_s;   /* BAGUA_HVD_OP_TIMEOUT_SECONDS: a wait fails (BHVD_TIMED_OUT) after
+                            this long; 0: no limit */
+  double wait_warning_s; /* BAGUA_HVD_WAIT_WARNING_SECONDS: a wait still blocked logs a warning
+                            every this long; 0: never */
+} bhvd_lp_ring_params;
+
+/* Starts a ring: settles every ring's exchanges in flight, then initialises the replicas of
+ * every bucket from p->weights (self = x, left/right = the ring neighbours' x), blocking, each
+ * initialisation waited for even after a failure; returns the first failure (no ring then). */
+int bhvd_lp_ring_start(const bhvd_lp_ring_params* p, int64_t* id_out);
+/* The ring's step after a communicating step's update: weights (num_buckets entries, the
+ * layout of the start) are read and written in place; stream: device weights' cudaStream_t. */
+int bhvd_lp_ring_step(int64_t id, const bhvd_lp_weights* weights, int32_t num_buckets,
+                      void* stream);
+/* Waits for the ring's exchanges in flight (their first failure) and settles every other
+ * ring's; id 0: every ring's, no failure reported. Afterwards the replicas are final. */
+int bhvd_lp_ring_flush(int64_t id);
+/* Exchanges the ring has started and not yet waited for; -1 for an unknown id. */
+int64_t bhvd_lp_ring_pending(int64_t id);
+/* Forgets a ring: blocks until its exchanges in flight complete (a lost peer fails them) and
+ * releases them; the caller may then free its buffers. An unknown id is a no-op. */
+int bhvd_lp_ring_release(int64_t id);
+/* At shutdown: waits up to timeout_s in all for every ring's exchanges in flight; *late: how
+ * many were still in flight then (they stay). */
+int bhvd_lp_rings_settle(double timeout_s, int64_t* late);
+
 /* ---- diagnostics -------------------------------------------------------------------------- */
 /* Counters for tests and benchmarks: key is one of "responses", "fused_tensors", "cycles",
  * "cache_hits", "fusion_buffer_bytes", "exec_ns" (time the background thread spent executing

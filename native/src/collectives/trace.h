@@ -14,6 +14,8 @@ enum class TraceOp : int32_t {
   kAllreduce = 3,                // the plain allreduce
   kLpExchange = 4,               // the exchange half of a low-precision decentralized step
   kLpLocal = 5,                  // its local half (the caller's thread)
+  kLpRingLaunch = 6,             // the core's ring launches a bucket's exchange (mark)
+  kLpRingWaited = 7,             // its wait for a bucket's previous exchange returned (mark)
 };
 enum class TracePhase : int32_t { kBegin = 0, kMark = 1, kEnd = 2 };
 

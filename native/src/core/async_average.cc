@@ -205,37 +205,13 @@ AsyncRegistry& AsyncRegistry::get() {
   return r;
 }
 
-int64_t AsyncRegistry::add(std::unique_ptr<AsyncAverager> a) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const int64_t id = next_++;
-  items_[id] = std::move(a);
-  return id;
-}
-
-std::shared_ptr<AsyncAverager> AsyncRegistry::find(int64_t id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = items_.find(id);
-  return it == items_.end() ? nullptr : it->second;
-}
-
 void AsyncRegistry::release(int64_t id) {
-  std::shared_ptr<AsyncAverager> a;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = items_.find(id);
-    if (it == items_.end()) return;
-    a = std::move(it->second);
-    items_.erase(it);
-  }
+  auto a = remove(id);
   a.reset();  // joins outside the registry lock
 }
 
 std::map<int64_t, std::shared_ptr<AsyncAverager>> AsyncRegistry::stop_all(int64_t timeout_ms) {
-  std::map<int64_t, std::shared_ptr<AsyncAverager>> items;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    items.swap(items_);
-  }
+  auto items = remove_all();
   for (auto& kv : items) {
     Status s = kv.second->abort(timeout_ms);
     if (!s.ok()) BHVD_LOG(WARNING, s.reason);

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "base/common.h"
+#include "core/id_registry.h"
 #include "engines/device_engine.h"
 
 namespace bagua_hvd {
@@ -92,21 +93,14 @@ class AsyncAverager {
 };
 
 // The averagers of this process, by id (the C API's handles).
-class AsyncRegistry {
+class AsyncRegistry : public IdRegistry<AsyncAverager> {
  public:
   static AsyncRegistry& get();
-  int64_t add(std::unique_ptr<AsyncAverager> a);
-  std::shared_ptr<AsyncAverager> find(int64_t id);
   void release(int64_t id);
   // At shutdown: asks every averager to stop (each waits for its peers up to timeout_ms) and
   // hands them over; the caller destroys them once the runtime has stopped, which ends any
   // collective they still wait for.
   std::map<int64_t, std::shared_ptr<AsyncAverager>> stop_all(int64_t timeout_ms);
-
- private:
-  std::mutex mu_;
-  std::map<int64_t, std::shared_ptr<AsyncAverager>> items_;
-  int64_t next_ = 1;
 };
 
 }  // namespace bagua_hvd

@@ -14,6 +14,7 @@
 #include "collectives/trace.h"
 #include "core/async_average.h"
 #include "core/c_api_guard.h"
+#include "core/lp_ring.h"
 #include "core/runtime.h"
 #include "engines/device_engine.h"
 #include "engines/nccl_library.h"
@@ -57,6 +58,43 @@ int report(const Status& s) { return bagua_hvd::c_api_report(s); }
 
 using bagua_hvd::guarded;
 using bagua_hvd::guarded_value;
+
+namespace {
+// The weights of num_buckets buckets as the ring's segments; false for an invalid description.
+bool lp_segments(const bhvd_lp_weights* w, int32_t num_buckets,
+                 std::vector<bagua_hvd::LpRing::Segments>* out) {
+  if (num_buckets < 0 || (num_buckets > 0 && !w)) return false;
+  out->assign(static_cast<size_t>(num_buckets), {});
+  for (int32_t b = 0; b < num_buckets; ++b) {
+    if (w[b].num_segments < 0 || (w[b].num_segments > 0 && (!w[b].data || !w[b].counts)))
+      return false;
+    for (int32_t i = 0; i < w[b].num_segments; ++i) {
+      if (w[b].counts[i] < 0 || (w[b].counts[i] > 0 && !w[b].data[i])) return false;
+      (*out)[b].push_back({w[b].data[i], static_cast<size_t>(w[b].counts[i])});
+    }
+  }
+  return true;
+}
+
+Status unknown_ring(int64_t id) {
+  return Status::InvalidArgument("unknown low-precision ring " + std::to_string(id) +
+                                 " (rings end with their job: hvd.shutdown() or an elastic reset)");
+}
+
+// The ring's access to the runtime: enqueue, wait and release as a frontend does; a device
+// request's stream then waits for the operation, as a frontend's synchronize makes it wait.
+bagua_hvd::LpRing::Ops lp_ring_ops(bagua_hvd::DeviceEngine* engine) {
+  bagua_hvd::LpRing::Ops ops;
+  ops.enqueue = [](const bhvd_request& r, int64_t* h) { return Runtime::get().enqueue(r, h); };
+  ops.wait = [](int64_t h, int64_t timeout_ms) { return Runtime::get().wait(h, timeout_ms); };
+  ops.release = [](int64_t h) { Runtime::get().release(h); };
+  ops.stream_wait = [engine](int64_t h, void* stream) {
+    auto handle = Runtime::get().find(h);
+    if (engine && handle && handle->done_event) engine->stream_wait(stream, handle->done_event);
+  };
+  return ops;
+}
+}  // namespace
 
 extern "C" {
 
@@ -527,6 +565,106 @@ int64_t bhvd_async_rounds(int64_t id) {
   return guarded_value<int64_t>(int64_t{-1}, [&]() -> int64_t {
     auto a = bagua_hvd::AsyncRegistry::get().find(id);
     return a ? a->rounds() : -1;
+  });
+}
+
+int bhvd_lp_ring_start(const bhvd_lp_ring_params* p, int64_t* id_out) {
+  return guarded([&]() -> int {
+    using bagua_hvd::LpRing;
+    auto& rt = Runtime::get();
+    if (!rt.initialized()) return report(Status::NotInitialized());
+    if (!p || !id_out || p->num_buckets < 0 || (p->num_buckets > 0 && !p->buckets))
+      return report(Status::InvalidArgument("low-precision ring: invalid parameters"));
+    std::vector<LpRing::Segments> x;
+    if (!lp_segments(p->weights, p->num_buckets, &x))
+      return report(Status::InvalidArgument("low-precision ring: invalid weights"));
+    const int set_size = bhvd_process_set_ranks(p->process_set_id, nullptr, 0);
+    const int group = rt.group_size(p->process_set_id, true);
+    if (set_size <= 0 || group <= 0)
+      return report(Status::InvalidArgument("low-precision ring: unknown process set " +
+                                            std::to_string(p->process_set_id)));
+    bagua_hvd::DeviceEngine* engine = nullptr;
+    if (p->device >= 0) {
+      std::string why;
+      engine = bagua_hvd::device_engine(p->device, &why);
+      if (!engine) return report(Status::InvalidArgument("low-precision ring: " + why));
+    }
+    std::vector<LpRing::Bucket> buckets;
+    for (int32_t b = 0; b < p->num_buckets; ++b) {
+      const bhvd_lp_bucket& k = p->buckets[b];
+      if (!k.init_name || !k.step_name || !k.exchange_name || !bagua_hvd::dtype_valid(k.dtype) ||
+          k.count < 0 || (k.count > 0 && (!k.self || !k.left || !k.right)))
+        return report(Status::InvalidArgument("low-precision ring: invalid bucket"));
+      LpRing::Bucket bucket;
+      bucket.init_name = k.init_name;
+      bucket.step_name = k.step_name;
+      bucket.exchange_name = k.exchange_name;
+      bucket.dtype = static_cast<bagua_hvd::DataType>(k.dtype);
+      bucket.count = k.count;
+      bucket.self = k.self;
+      bucket.left = k.left;
+      bucket.right = k.right;
+      bucket.diff = k.diff;
+      buckets.push_back(std::move(bucket));
+    }
+    LpRing::Params params;
+    params.set_id = p->process_set_id;
+    params.hierarchical = p->hierarchical != 0;
+    params.split = bagua_hvd::lp_ring_splits(params.hierarchical, group, set_size, p->device);
+    params.device = p->device;
+    params.op_timeout_s = p->op_timeout_s;
+    params.wait_warning_s = p->wait_warning_s;
+    auto ring = std::make_shared<LpRing>(lp_ring_ops(engine), params, std::move(buckets));
+    bagua_hvd::LpRings::get().settle_others(nullptr);  // an earlier ring's last exchanges
+    if (int rc = report(ring->init(x, p->stream)); rc != BHVD_OK) return rc;
+    *id_out = bagua_hvd::LpRings::get().add(std::move(ring));
+    return BHVD_OK;
+  });
+}
+
+int bhvd_lp_ring_step(int64_t id, const bhvd_lp_weights* weights, int32_t num_buckets,
+                      void* stream) {
+  return guarded([&]() -> int {
+    auto ring = bagua_hvd::LpRings::get().find(id);
+    if (!ring) return report(unknown_ring(id));
+    std::vector<bagua_hvd::LpRing::Segments> x;
+    if (!lp_segments(weights, num_buckets, &x))
+      return report(Status::InvalidArgument("low-precision ring: invalid weights"));
+    bagua_hvd::LpRings::get().settle_others(ring.get());  // as flush does
+    return report(ring->step(x, stream));
+  });
+}
+
+int bhvd_lp_ring_flush(int64_t id) {
+  return guarded([&]() -> int {
+    auto ring = id == 0 ? nullptr : bagua_hvd::LpRings::get().find(id);
+    if (id != 0 && !ring) return report(unknown_ring(id));
+    Status s = ring ? ring->flush() : Status::OK();
+    bagua_hvd::LpRings::get().settle_others(ring.get());
+    return report(s);
+  });
+}
+
+int64_t bhvd_lp_ring_pending(int64_t id) {
+  return guarded_value<int64_t>(int64_t{-1}, [&]() -> int64_t {
+    auto ring = bagua_hvd::LpRings::get().find(id);
+    return ring ? ring->pending() : -1;
+  });
+}
+
+int bhvd_lp_ring_release(int64_t id) {
+  return guarded([&]() -> int {
+    auto ring = bagua_hvd::LpRings::get().remove(id);
+    if (ring) ring->drop();
+    return BHVD_OK;
+  });
+}
+
+int bhvd_lp_rings_settle(double timeout_s, int64_t* late) {
+  return guarded([&]() -> int {
+    const int64_t n = bagua_hvd::LpRings::get().settle_all(timeout_s);
+    if (late) *late = n;
+    return BHVD_OK;
   });
 }
 

@@ -10,6 +10,7 @@
 
 #include "core/async_average.h"
 #include "core/config.h"
+#include "core/lp_ring.h"
 #include "core/validate.h"
 #include "engines/device_engine.h"
 #include "engines/nccl_library.h"
@@ -149,6 +150,9 @@ Status Runtime::shutdown() {
   // NCCL communicators belong to this job: the next init (an elastic reset) makes new ones.
   release_device_communicators(cfg_.timeout_s);
   fail_all(Status::Aborted(kShutDown));
+  // The low-precision rings belong to this job: their exchanges have failed now; the frontends
+  // start new ones in the next (bhvd_lp_ring_* on an old id: unknown).
+  LpRings::get().remove_all();
   averagers.clear();  // their threads' last collectives have failed by now: they end
   {
     std::lock_guard<std::mutex> lock(mu_);
