@@ -471,7 +471,7 @@ class LowPrecisionRing(_WeightAveraging):
     def pending(self) -> List[str]:
         """The names of the exchanges started and not yet waited for."""
         n = _prim.lp_ring_pending(self.ring) if self.ring else 0
-        return [self.names.op("lp.x", i) for i in range(n)]
+        return [self.names.op("lp.x", i) for i in range(n or 0)]
 
     def before_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
         # Before the first update: replicas from the weights as they are on every rank. One

@@ -356,6 +356,7 @@ def lp_ring_start(
     splits: CUDA buckets) and its op names (init, whole step, exchange). The replicas start
     from the weights (blocking). The caller keeps the buffers alive until
     :func:`lp_ring_release` returns."""
+    _ops.check_not_forked()
     state = [b for reps in replicas for b in reps] + [d for d in diffs if d is not None]
     _placed(*(s for segs in weights for s in segs), *state)
     first = next((s for segs in weights for s in segs), None)
@@ -395,6 +396,7 @@ def lp_ring_step(
     """The ring's step after a communicating step's update, on ``weights`` (per bucket its
     segments, the start's layout) in place: split (the local half here, the exchange left in
     flight) or whole (blocking), as the core decides for the job."""
+    _ops.check_not_forked()
     first = next((s for segs in weights for s in segs), None)
     n = _ops.native()
     keep: List[Any] = []
@@ -407,12 +409,15 @@ def lp_ring_step(
 def lp_ring_flush(ring: int, *, errors: Errors = PYTHON_ERRORS) -> None:
     """Waits for the ring's exchanges in flight (raising their failure) and every other ring's
     (``ring`` 0: every ring's, no failure raised)."""
+    _ops.check_not_forked()
     _lp_status(_ops.native().lib.bhvd_lp_ring_flush(ring), errors)
 
 
-def lp_ring_pending(ring: int) -> int:
-    """The ring's exchanges started and not yet waited for (0 for an unknown ring)."""
-    return max(0, int(_ops.native().lib.bhvd_lp_ring_pending(ring)))
+def lp_ring_pending(ring: int) -> Optional[int]:
+    """The ring's exchanges started and not yet waited for; None for a ring the core does not
+    know (released, or ended with its job)."""
+    n = int(_ops.native().lib.bhvd_lp_ring_pending(ring))
+    return None if n < 0 else n
 
 
 def lp_ring_release(ring: int) -> None:

@@ -1014,7 +1014,8 @@ absl::Status CoreStatus(int rc) {
 
 // BaguaHvdLpInit: low-precision decentralized, before the first update: starts the core's ring,
 // whose replicas of every bucket (self, left, right) start from the weights as they are on every
-// rank; nothing when the ring of `key` runs already in this job (a new job has new neighbours).
+// rank; nothing when the ring of `key` runs already in this job (a new job has new neighbours;
+// a shutdown ends the rings).
 // The inputs are the weights' resource variables; names: the initialisations', step_names: the
 // whole (hierarchical) steps', exchange_names: the split steps' exchanges.
 class BaguaHvdLpInitOp : public OpKernel {
@@ -1040,8 +1041,9 @@ class BaguaHvdLpInitOp : public OpKernel {
       job = store.job;
     }
     std::lock_guard<std::mutex> lock(ring->mu);
-    if (ring->id != 0 && ring->job == job) return;
-    if (ring->id != 0) bhvd_lp_ring_release(ring->id);  // the old job's (ended with it)
+    // Running in this job (a ring the core no longer knows ended with an earlier job's shutdown).
+    if (ring->id != 0 && ring->job == job && bhvd_lp_ring_pending(ring->id) >= 0) return;
+    if (ring->id != 0) bhvd_lp_ring_release(ring->id);  // an old job's (ended with it)
     ring->id = 0;
     Variables vars;
     OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));

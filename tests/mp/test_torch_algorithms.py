@@ -12,6 +12,8 @@ the full-precision sums, which the core adds in ring order.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import reference_algorithms as ra
 import torch
@@ -19,7 +21,7 @@ from torch import nn
 from unnamed_ops import check_unnamed_ops, train_until_every_rank_averaged
 
 import bagua_hvd.torch as hvd
-from bagua_hvd.common.primitives import Request
+from bagua_hvd.common.primitives import Request, lp_ring_pending
 from bagua_hvd.torch import algorithms as A
 
 STEPS = 5
@@ -582,6 +584,41 @@ def test_new_low_precision_optimizer_after_one_dropped_mid_exchange():
         )
         _train(model, opt, steps=2)
         del opt  # its second step's exchange may still be running
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_low_precision_ring_dropped_mid_exchange_is_released():
+    """The core's ring of an implementation dropped with its exchanges in flight is released
+    by a replan, or once the implementation is collected (the release waits for the
+    exchanges), without a hang; a new ring under the same names then runs."""
+    if hvd.size() == 1:
+        pytest.skip("one rank has no neighbours: nothing is exchanged")
+    model = make_model(hvd.rank())
+
+    def trained():
+        opt = hvd.DistributedOptimizer(
+            sgd(model.parameters()),
+            named_parameters=model.named_parameters(),
+            algorithm=A.LowPrecisionDecentralized(),
+        )
+        _train(model, opt, steps=2)
+        ring = opt._algo_impl.averaging
+        assert lp_ring_pending(ring.ring) == len(ring.replicas)  # left in flight by step()
+        return opt, ring.ring
+
+    rings = []
+    for _ in range(2):
+        opt, ring = trained()
+        rings.append(ring)
+        opt._algo_impl.replan()  # as a reset does
+        assert lp_ring_pending(ring) is None and opt._algo_impl.averaging.pending == []
+        del opt
+    assert rings[0] != rings[1]
+    # Dropped without a replan: the finalizer releases it once the collector frees the ring.
+    opt, ring = trained()
+    del opt
+    gc.collect()
+    assert lp_ring_pending(ring) is None
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
