@@ -1,6 +1,7 @@
 #include "core/lp_ring.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -119,7 +120,7 @@ Status LpRing::wait_bounded(int64_t handle, const std::string& name) {
     if (next_warning > 0 && elapsed >= next_warning) {
       BHVD_LOG(WARNING, "bagua_hvd: still waiting for " + name + " (handle " +
                             std::to_string(handle) + ") after " +
-                            std::to_string(static_cast<int64_t>(elapsed)) +
+                            std::to_string(std::llround(elapsed)) +
                             " s; other ranks may not have submitted the same operation");
       next_warning += params_.wait_warning_s;
     }
