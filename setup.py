@@ -78,7 +78,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["bagua_hvd", "bagua_hvd.*"]),
-    package_data={"bagua_hvd": ["_lib/*.so", "_lib/c_api.h", "tensorflow/kernels.cc"]},
+    package_data={
+        "bagua_hvd": ["_lib/*.so", "_lib/c_api.h", "tensorflow/kernels.h", "tensorflow/*kernels.cc"]
+    },
     ext_modules=[CMakeExtension("bagua_hvd._lib.libbagua_hvd")],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=["cffi>=1.15", "numpy", "cloudpickle", "pyyaml"],  # pyyaml: --config-file

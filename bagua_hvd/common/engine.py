@@ -119,7 +119,7 @@ def bucket_label(first: Any, count: int) -> str:
 def averager_name(prefix: str, generation: int) -> str:
     """A background averager's name: the same on every rank, a worker that joined an elastic
     job included: the job's elastic generation, then ``generation``, the restarts (resume())
-    within it. The TensorFlow kernels name theirs alike (kernels.cc, BaguaHvdAsyncStep)."""
+    within it. The TensorFlow kernels name theirs alike (weight_kernels.cc, BaguaHvdAsyncStep)."""
     return f"{prefix}.{_config.elastic_generation()}.{generation}"
 
 

@@ -1,6 +1,6 @@
-"""BAGUA's algorithms in the TensorFlow frontend through the kernel library (kernels.cc): no
-Python and no numpy on a training step's data path (docs/tensorflow.md, "How tensors reach
-the core").
+"""BAGUA's algorithms in the TensorFlow frontend through the kernel library (bucket_kernels.cc,
+weight_kernels.cc): no Python and no numpy on a training step's data path (docs/tensorflow.md,
+"How tensors reach the core").
 
 The engine (``bagua_hvd.common.engine``) still decides everything, at trace time (eagerly: at
 each call), on descriptors of the tensors: the buckets (:func:`engine.bucket_layout`), their

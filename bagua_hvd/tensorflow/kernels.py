@@ -1,5 +1,6 @@
-"""bagua_hvd's TensorFlow kernels (kernels.cc), compiled on first use against the installed
-TensorFlow (docs/tensorflow.md, "How tensors reach the core"):
+"""bagua_hvd's TensorFlow kernels (kernels.cc: Horovod's collectives; bucket_kernels.cc and
+weight_kernels.cc: BAGUA's algorithms; kernels.h what they share), compiled on first use into
+one library against the installed TensorFlow (docs/tensorflow.md, "How tensors reach the core"):
 
 - ``BaguaHvdCollective`` (allreduce, broadcast), ``BaguaHvdReducescatter``,
   ``BaguaHvdAllgather``, ``BaguaHvdAlltoall``: the collectives inside ``tf.function`` as
@@ -13,10 +14,11 @@ TensorFlow (docs/tensorflow.md, "How tensors reach the core"):
   with the status the callback returns, so that graph mode raises the same
   ``tf.errors.OpError`` classes as eager mode.
 
-The library is built once per TensorFlow build, core library and source, with the compiler in
-``$CXX`` (default ``g++``) and ``tf.sysconfig``'s flags, linked to the package's core library,
-into ``$BAGUA_HVD_CACHE_DIR`` (default ``~/.cache/bagua_hvd``), under a file lock so that the
-ranks of a job build it once (about 5 s). Torch-only users never build it. Where it cannot be
+The library is built once per TensorFlow build, core library and sources (compiled side by
+side, then linked), with the compiler in ``$CXX`` (default ``g++``) and ``tf.sysconfig``'s
+flags, linked to the package's core library, into ``$BAGUA_HVD_CACHE_DIR`` (default
+``~/.cache/bagua_hvd``), under a file lock so that the ranks of a job build it once (about
+20 s on 2 cores). Torch-only users never build it. Where it cannot be
 built (no compiler, no TensorFlow headers) every graph-mode collective takes the numpy_function
 path and errors surface as ``tf.errors.UnknownError`` carrying the class name and Horovod's
 text, with one warning. ``BAGUA_HVD_TF_KERNELS=0`` selects that fallback.
@@ -33,14 +35,18 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import tensorflow as tf
 
 from bagua_hvd.common import _native, config
 from bagua_hvd.common import ops as _ops
 
-_SOURCE = Path(__file__).with_name("kernels.cc")
+# Horovod's collectives; BAGUA's gradient path; its weight averaging; what they share.
+_SOURCES = [
+    Path(__file__).with_name(n) for n in ("kernels.cc", "bucket_kernels.cc", "weight_kernels.cc")
+]
+_HEADER = Path(__file__).with_name("kernels.h")
 _COMPILE_TIMEOUT_S = 300
 _lock = threading.Lock()
 _loaded: list = []  # [module or None] once tried
@@ -57,16 +63,44 @@ def _core() -> Path:
 
 
 def _build(target: Path) -> None:
+    """Compiles the sources side by side (each parses TensorFlow's headers: one process each),
+    then links them with the core library."""
     cxx = shlex.split(config.compiler())
     core = _core()
-    cmd = [
-        *cxx, "-std=c++17", "-shared", "-fPIC", "-O2", "-w", str(_SOURCE), "-o", str(target),
-        f"-I{_native.header_path().parent}", *tf.sysconfig.get_compile_flags(), str(core),
-        f"-Wl,-rpath,{core.parent}", *tf.sysconfig.get_link_flags(),
+    flags = [
+        "-std=c++17", "-fPIC", "-O2", "-w",
+        f"-I{_native.header_path().parent}", *tf.sysconfig.get_compile_flags(),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    objects = [target.with_name(f"{target.stem}-{src.stem}.o") for src in _SOURCES]
+    procs: List[subprocess.Popen] = []
+    try:
+        for src, obj in zip(_SOURCES, objects):
+            procs.append(
+                subprocess.Popen(
+                    [*cxx, *flags, "-c", str(src), "-o", str(obj)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for proc in procs:
+            _, err = proc.communicate(timeout=_COMPILE_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(proc.args)} failed:\n{err[-2000:]}")
+        cmd = [
+            *cxx, "-shared", *map(str, objects), "-o", str(target), str(core),
+            f"-Wl,-rpath,{core.parent}", *tf.sysconfig.get_link_flags(),
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for obj in objects:
+            obj.unlink(missing_ok=True)
 
 
 def _library_path() -> Path:
@@ -76,7 +110,14 @@ def _library_path() -> Path:
     header = _native.header_path().read_text()
     key = hashlib.sha256(
         "\0".join(
-            [_SOURCE.read_text(), header, str(core), tf.__version__, tf.__file__, *flags]
+            [
+                *(p.read_text() for p in [*_SOURCES, _HEADER]),
+                header,
+                str(core),
+                tf.__version__,
+                tf.__file__,
+                *flags,
+            ]
         ).encode()
     ).hexdigest()[:16]
     directory = _cache_dir()
