@@ -173,7 +173,8 @@ def nccl_library() -> str:
 
 
 def tf_kernels_enabled() -> bool:
-    """``BAGUA_HVD_TF_KERNELS`` (default 1; 0 selects the numpy_function fallback)."""
+    """``BAGUA_HVD_TF_KERNELS`` (default 1; 0 switches the TensorFlow kernel library off: the
+    collectives' numpy_function path, and ImportError for BAGUA's algorithms)."""
     return _text("BAGUA_HVD_TF_KERNELS") != "0"
 
 

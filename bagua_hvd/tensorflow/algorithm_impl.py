@@ -1,7 +1,7 @@
 """``AlgorithmImpl``, the base of the TensorFlow implementations of BAGUA's algorithms: the
 engine at the points of a TensorFlow step, with the interface that ``reify`` (in
-``algorithms.py``) returns. Subclasses: ``KernelImpl`` (``algorithm_kernels.py``, the kernel
-library) and ``NumpyImpl`` (``algorithms.py``, the numpy fallback)."""
+``algorithms.py``) returns; ``KernelImpl`` (``algorithm_kernels.py``) runs it through the
+kernel library."""
 
 from __future__ import annotations
 
@@ -41,10 +41,8 @@ def _dense(g: Any) -> Any:
 class AlgorithmImpl(engine.Implementation):
     """An algorithm inside one training loop (a tape's algorithm, a Keras optimizer): the
     engine's gradient path and weight averaging at the points of the step
-    (reduce_gradients before the update, after_apply after it). Two subclasses run them:
-    ``bagua_hvd.tensorflow.algorithm_kernels.KernelImpl`` through the kernel library (the
-    default), ``bagua_hvd.tensorflow.algorithms.NumpyImpl`` on numpy values (where the kernels cannot be built, or
-    ``BAGUA_HVD_TF_KERNELS=0``)."""
+    (reduce_gradients before the update, after_apply after it), run by
+    ``bagua_hvd.tensorflow.algorithm_kernels.KernelImpl`` through the kernel library."""
 
     def __init__(self, alg: _common.Algorithm, optimizer: Any, process_set: ProcessSet) -> None:
         self.optimizer = optimizer

@@ -5,9 +5,9 @@ classes as ``bagua_hvd.torch.algorithms``), implemented once by ``bagua_hvd.comm
 this module adds a Keras ``QAdamOptimizer`` and runs the engine at the points of a TensorFlow
 step. The math runs in the C++ core, as for torch; tensors reach it through the kernel
 library (``bagua_hvd.tensorflow.algorithm_kernels``: the engine plans at trace time, the graph
-holds kernels only), or, where the kernels cannot be built or ``BAGUA_HVD_TF_KERNELS=0``,
-through numpy (:class:`NumpyImpl`: ``tf.numpy_function`` inside ``tf.function``, weights
-written back with ``assign``).
+holds kernels only). Importing this module builds that library where it is not built yet
+(``bagua_hvd.tensorflow.kernels``) and raises ImportError, saying why and what to install,
+where it cannot be built, as Horovod's frameworks do without their compiled ops.
 
 Users pass an algorithm to ``hvd.DistributedGradientTape(tape, algorithm=...)`` (or to the
 Keras ``hvd.DistributedOptimizer(opt, algorithm=...)``). Frontend code (the tape, the Keras
@@ -21,7 +21,7 @@ optimizer) calls::
 Both methods work eagerly and inside ``tf.function``; ``None`` gradients stay ``None``.
 ``reduce_gradients`` counts the steps (``impl.step``): each call is one training step. The
 count is advanced by a stateful op where the step runs and kept outside TensorFlow's
-variables (by the kernel library, or in Python on the numpy path), so an implementation
+variables (by the kernel library), so an implementation
 creates no ``tf.Variable`` and can first be used in any trace of a ``tf.function``
 (TensorFlow allows variables only in a function's first trace). ``after_apply`` is required after every step by ``LowPrecisionDecentralized``
 and ``AsyncModelAverage`` (``impl.needs_after_apply``); for the others it does nothing.
@@ -29,23 +29,22 @@ and ``AsyncModelAverage`` (``impl.needs_after_apply``); for the others it does n
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 import bagua_hvd.tensorflow.kernels as _kernels
-import bagua_hvd.tensorflow.mpi_ops as _mpi
 from bagua_hvd.common import algorithms as _common
-from bagua_hvd.common import config, engine
-from bagua_hvd.common import ops as _ops
+from bagua_hvd.common import config
 from bagua_hvd.common.algorithms import *  # noqa: F403  (the declarations, re-exported)
-from bagua_hvd.common.primitives import Buffer, wait_all
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
-from bagua_hvd.tensorflow.algorithm_impl import AlgorithmImpl, _read, _tf_dtype
+from bagua_hvd.tensorflow.algorithm_impl import AlgorithmImpl, _read
 from bagua_hvd.tensorflow.algorithm_kernels import KernelImpl
 
 __all__ = [*_common.FRONTEND_EXPORTS, "QAdamOptimizer", "reify"]
+
+_kernels.require("BAGUA's algorithms in TensorFlow (bagua_hvd.tensorflow.algorithms)")
 
 
 _F32 = np.float32
@@ -200,272 +199,6 @@ class QAdamOptimizer(tf.keras.optimizers.Optimizer):
 _common.register_qadam_optimizer(QAdamOptimizer)
 
 
-# ---- the numpy fallback's staging (NumpyImpl) ----------------------------------------------------
-class NumpyArrays(engine.TensorAdapter):
-    """numpy arrays (the values of TF tensors inside ``tf.numpy_function``) for the engine."""
-
-    errors = _mpi.TF_ERRORS
-    reuse_outputs = False  # outputs become TF tensors, which may keep them
-
-    def buffer(self, a: np.ndarray) -> Buffer:
-        return Buffer(a.ctypes.data if a.size else 0, _mpi.numpy_dtype_code(a), a.size)
-
-    def numel(self, a: np.ndarray) -> int:
-        return a.size
-
-    def empty_like(self, a: np.ndarray) -> np.ndarray:
-        return np.empty_like(a)
-
-    def zeros_like(self, a: np.ndarray, numel: int) -> np.ndarray:
-        return np.zeros(numel, a.dtype)
-
-    def empty_bytes(self, nbytes: int) -> np.ndarray:
-        return np.empty(nbytes, np.uint8)
-
-    def copy_(self, dst: np.ndarray, src: np.ndarray) -> None:
-        dst[...] = src
-
-
-ARRAYS = NumpyArrays()
-
-
-class _Flats:
-    """Tensors (numpy arrays) flattened into one contiguous buffer per bucket."""
-
-    def __init__(self, arrays: Sequence[np.ndarray], layout: List[List[int]]) -> None:
-        self.layout = layout
-        self.flats = [
-            np.concatenate([np.asarray(arrays[i]).reshape(-1) for i in b]) for b in layout
-        ]
-
-    def split_into(self, out: List[Any], shapes: Sequence[Tuple[int, ...]]) -> None:
-        for b, flat in zip(self.layout, self.flats):
-            off = 0
-            for i in b:
-                n = int(np.prod(shapes[i], dtype=np.int64))
-                out[i] = flat[off : off + n].reshape(shapes[i])
-                off += n
-
-
-def _layout_for(arrays: Sequence[np.ndarray]) -> List[List[int]]:
-    infos = [(a.size, a.dtype, a.dtype.itemsize) for a in arrays]
-    return engine.bucket_layout(infos, config.bucket_bytes())
-
-
-def _signature(arrays: Sequence[np.ndarray]) -> Tuple[Any, ...]:
-    return tuple((a.shape, a.dtype) for a in arrays)
-
-
-def _split(flats: _Flats, arrays: Sequence[np.ndarray], new: List[np.ndarray]) -> List[Any]:
-    """The tensors of ``arrays``' shapes read from the buckets ``new`` (views)."""
-    flats.flats = new
-    out: List[Any] = [None] * len(arrays)
-    flats.split_into(out, [a.shape for a in arrays])
-    return out
-
-
-def _run(
-    fn: Callable[..., List[np.ndarray]],
-    inputs: Sequence[tf.Tensor],
-    out_dtypes: Sequence[tf.DType],
-    out_shapes: Sequence[Any],
-) -> List[tf.Tensor]:
-    """Runs ``fn`` on the inputs' numpy values: eagerly, or as a stateful numpy_function."""
-    return _mpi.execute(fn, list(inputs), list(out_dtypes), list(out_shapes))
-
-
-def _assign_if(flag: tf.Tensor, variables: Sequence[Any], values: Sequence[tf.Tensor]) -> None:
-    """Writes ``values`` into ``variables`` when ``flag`` (a scalar bool) is true."""
-    if tf.executing_eagerly():
-        if bool(np.asarray(flag)):
-            for v, x in zip(variables, values):
-                v.assign(tf.cast(x, _tf_dtype(v)))
-        return
-
-    def write() -> tf.Tensor:
-        with tf.control_dependencies([v.assign(tf.cast(x, _tf_dtype(v))) for v, x in
-                                      zip(variables, values)]):  # fmt: skip
-            return tf.constant(True)
-
-    tf.cond(flag, write, lambda: tf.constant(False))
-
-
-# ---- the fallback: the engine on numpy values ---------------------------------------------------
-class NumpyImpl(AlgorithmImpl):
-    """The engine's parts run on the tensors' numpy values (``tf.numpy_function`` inside
-    ``tf.function``; buckets concatenated with numpy; weights written back with ``assign``):
-    only where the kernel library cannot be built, or ``BAGUA_HVD_TF_KERNELS=0``."""
-
-    def __init__(self, alg: _common.Algorithm, optimizer: Any, process_set: ProcessSet) -> None:
-        super().__init__(alg, optimizer, process_set)
-        self._steps = 0  # reduce_gradients calls that ran (advanced by _tick)
-        self._residuals: Dict[Any, List[Any]] = {}
-        self._applied = 0  # completed after_apply calls (numpy side), for the check below
-
-    def adapter(self) -> engine.TensorAdapter:
-        return ARRAYS
-
-    @property
-    def step(self) -> int:
-        return self._steps
-
-    def _communicate(self, grads: List[Any], variables: List[Any]) -> List[Any]:
-        if self.alg.uses_gradient_path:
-            grads = self._gradient_path(grads, variables)
-        if self.averaging is not None and self.averaging.acts_before_update:
-            self._weights_op(self._before_update, variables)
-        return grads
-
-    def _after_apply(self, variables: List[Any]) -> None:
-        self._weights_op(self._after_update, variables)
-
-    def _tick(self) -> None:
-        """Advances the step count when the step runs (a stateful op inside tf.function:
-        ordered after this step's callbacks and before the next's)."""
-
-        def bump() -> List[np.ndarray]:
-            self._steps += 1
-            return [np.array(self._steps, np.int64)]
-
-        _run(bump, [], [tf.int64], [tf.TensorShape([])])
-
-    def _check_after_apply(self, step: int) -> None:
-        """A step's reduce_gradients finds every earlier step's after_apply done."""
-        if self.needs_after_apply and self._applied < step:
-            raise ValueError(self._after_apply_missing())
-
-    # -- gradients ---------------------------------------------------------------------------------
-    def _gradient_path(self, grads: List[Any], variables: List[Any]) -> List[Any]:
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
-            return grads
-        ins = [tf.convert_to_tensor(grads[i]) for i in present]
-        k = len(ins)
-        path = self.gradients
-        q = self.optimizer if self.optimizer is not None else self.alg.own_optimizer()
-        staged = self.alg.staged_by_optimizer  # QAdam: the optimizer's count, its momentum
-        extra: List[tf.Tensor] = []
-        if staged:
-            pvars = [variables[i] for i in present]
-            self._build_staging(q, variables)
-            extra = [_read(q.iterations)] + [q.momentum(v, g) for v, g in zip(pvars, ins)]
-
-        def fn(*arrays: np.ndarray) -> List[np.ndarray]:
-            t = self._steps
-            self._check_after_apply(t)
-            gs = list(arrays[:k])
-            plan = path.plan(path.stage_step(t, lambda: int(arrays[k])))
-            flag = [np.array(0, np.int32)] if staged else []
-            if not plan.communicates:
-                return flag + [np.array(a) for a in gs]
-            if plan.momentum:
-                for g in gs:
-                    if g.dtype != np.float32:
-                        raise ValueError(f"QAdamOptimizer runs on float32 variables, not {g.dtype}")
-                flag = [np.array(1, np.int32)]
-                return flag + self.allreduce_arrays(list(arrays[k + 1 :]), plan, "momentum")
-            return flag + self.allreduce_arrays(gs, plan, "grad")
-
-        head = [tf.int32] if staged else []
-        head_shapes = [tf.TensorShape([])] if staged else []
-        outs = _run(
-            fn,
-            ins + extra,
-            head + [x.dtype for x in ins],
-            head_shapes + [x.shape for x in ins],
-        )
-        return self._handed_over(grads, present, outs, q if staged else None)
-
-    def allreduce_arrays(
-        self, arrays: List[np.ndarray], plan: engine.StepPlan, kind: str
-    ) -> List[np.ndarray]:
-        """The engine's bucketed allreduce of numpy arrays as ``plan`` says (compressed or
-        not; ``kind`` "grad" or "momentum" names the ops); returns new arrays of the same
-        shapes."""
-        path = self.gradients
-        flats = _Flats(arrays, _layout_for(arrays))
-        slots: List[Any] = [None] * len(flats.flats)
-        if plan.residuals:
-            key = (kind, _signature(arrays))
-            slots = self._residuals.get(key) or slots
-            self._residuals = {key: slots}  # a new layout starts from zero residuals
-            for i, f in enumerate(flats.flats):
-                slots[i] = path.residuals(slots[i], f)
-        reduce_op = self.alg.reduce_op(_ops.Average)
-        requests = [
-            path.launch(plan, f, self._names.op(kind, i), reduce_op=reduce_op, residuals=slots[i])
-            for i, f in enumerate(flats.flats)
-        ]
-        wait_all(requests)
-        return _split(flats, arrays, flats.flats)
-
-    # -- weights -----------------------------------------------------------------------------------
-    def _bind(self, arrays: Sequence[np.ndarray]) -> List[List[int]]:
-        sig = _signature(arrays)
-        bound = getattr(self, "_bound", None)
-        if bound is None:
-            self._bound = (sig, _layout_for(arrays))
-            return self._bound[1]
-        if bound[0] != sig:
-            raise ValueError(self._other_model_error())
-        return bound[1]
-
-    def _weights_op(
-        self,
-        fn: Callable[[int, List[np.ndarray]], Optional[List[np.ndarray]]],
-        variables: List[Any],
-    ) -> None:
-        """Runs ``fn(step, weights) -> new weights or None`` on the variables' values and
-        writes the result back."""
-        if not variables:
-            return
-        ins = [_read(v) for v in variables]
-
-        def call(*arrays: np.ndarray) -> List[np.ndarray]:
-            new = fn(self._steps, list(arrays))
-            if new is None:
-                return [np.array(False)] + [np.array(a) for a in arrays]
-            return [np.array(True)] + [np.asarray(x, a.dtype) for x, a in zip(new, arrays)]
-
-        outs = _run(
-            call,
-            ins,
-            [tf.bool] + [x.dtype for x in ins],
-            [tf.TensorShape([])] + [x.shape for x in ins],
-        )
-        _assign_if(outs[0], variables, outs[1:])
-
-    def _staged(
-        self, arrays: List[np.ndarray]
-    ) -> Tuple[List[_Flats], Callable[[], List[np.ndarray]]]:
-        """The weights as the engine sees them: flat buckets, built when first asked for."""
-        box: List[_Flats] = []
-
-        def weights() -> List[np.ndarray]:
-            if not box:
-                box.append(_Flats(arrays, self._bind(arrays)))
-            return box[0].flats
-
-        return box, weights
-
-    def _before_update(self, step: int, arrays: List[np.ndarray]) -> Optional[List[np.ndarray]]:
-        self._check_after_apply(step)
-        box, weights = self._staged(arrays)
-        new = self.averaging.before_update(step, weights)
-        return None if new is None else _split(box[0], arrays, new)
-
-    def _after_update(self, step: int, arrays: List[np.ndarray]) -> Optional[List[np.ndarray]]:
-        self._applied = step
-        box, weights = self._staged(arrays)
-        new = self.averaging.after_update(step - 1, weights)  # reduce_gradients counted it
-        if new is None:
-            return None
-        out = _split(box[0], arrays, new)
-        if self.averaging.results_stay_shared:
-            out = [np.array(o) for o in out]
-        return out
-
-
 def check_algorithm(
     algorithm: Any, optimizer: Any = None, compression: bool = False, groups: Any = None
 ) -> None:
@@ -498,27 +231,7 @@ def reify(
     if isinstance(algorithm, str):  # a name, e.g. BAGUA_HVD_ALGORITHM's value
         algorithm = _common.from_name(algorithm)
     check_algorithm(algorithm, optimizer)
-    if use_kernels():
-        return KernelImpl(algorithm, optimizer, process_set)
-    if config.elastic() and not isinstance(algorithm, _common.GradientAllReduce):
-        # The kernels re-plan after a reset (kernels.cc: BaguaHvdNewJob); this fallback not.
-        raise NotImplementedError(
-            f"algorithm={type(algorithm).__name__} in an elastic job (HOROVOD_ELASTIC=1) needs "
-            "bagua_hvd's TensorFlow kernel library, which re-plans it after a reset; it is not "
-            "in use here (BAGUA_HVD_TF_KERNELS=0, or it could not be built: see the warning)"
-        )
-    return NumpyImpl(algorithm, optimizer, process_set)
-
-
-# Whether new implementations run through the kernel library when it is built (tests and
-# bench/train.py switch it off to run the numpy fallback beside it).
-_algorithm_kernels = [True]
-
-
-def use_kernels() -> bool:
-    """Whether a new implementation runs through the kernel library (built, not switched off
-    by ``BAGUA_HVD_TF_KERNELS=0``)."""
-    return _algorithm_kernels[0] and _kernels.load() is not None
+    return KernelImpl(algorithm, optimizer, process_set)
 
 
 def tape_impl(algorithm: _common.Algorithm, process_set: ProcessSet) -> AlgorithmImpl:

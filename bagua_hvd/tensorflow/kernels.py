@@ -10,7 +10,7 @@ one library against the installed TensorFlow (docs/tensorflow.md, "How tensors r
   ``BaguaHvdLpStep``, ``BaguaHvdLpFlush``, ``BaguaHvdLpReplicas``, ``BaguaHvdAsyncStep``,
   ``BaguaHvdAsyncControl``), driven by ``algorithm_kernels.py``;
 - ``BaguaHvdRaise``: where a step runs through ``tf.numpy_function`` (every collective with
-  ``mpi_ops._collective_kernel`` off, the algorithms' numpy fallback), this op fails the step
+  ``mpi_ops._collective_kernel`` off, or without the library), this op fails the step
   with the status the callback returns, so that graph mode raises the same
   ``tf.errors.OpError`` classes as eager mode.
 
@@ -19,9 +19,12 @@ side, then linked), with the compiler in ``$CXX`` (default ``g++``) and ``tf.sys
 flags, linked to the package's core library, into ``$BAGUA_HVD_CACHE_DIR`` (default
 ``~/.cache/bagua_hvd``), under a file lock so that the ranks of a job build it once (about
 20 s on 2 cores). Torch-only users never build it. Where it cannot be
-built (no compiler, no TensorFlow headers) every graph-mode collective takes the numpy_function
-path and errors surface as ``tf.errors.UnknownError`` carrying the class name and Horovod's
-text, with one warning. ``BAGUA_HVD_TF_KERNELS=0`` selects that fallback.
+built (no compiler, no TensorFlow headers) every graph-mode collective of Horovod's API takes the
+numpy_function path and errors surface as ``tf.errors.UnknownError`` carrying the class name and
+Horovod's text, with one warning; BAGUA's algorithms have no such path: importing
+``bagua_hvd.tensorflow.algorithms`` raises ImportError with the reason (:func:`require`).
+``BAGUA_HVD_TF_KERNELS=0`` switches the library off (the collectives' fallback; the algorithms'
+ImportError).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ _HEADER = Path(__file__).with_name("kernels.h")
 _COMPILE_TIMEOUT_S = 300
 _lock = threading.Lock()
 _loaded: list = []  # [module or None] once tried
+_why: List[str] = []  # why it is None
 
 
 def _cache_dir() -> Path:
@@ -153,10 +157,13 @@ def load() -> Optional[Any]:
     with _lock:
         if not _loaded:
             module = None
-            if config.tf_kernels_enabled():
+            if not config.tf_kernels_enabled():
+                _why.append("BAGUA_HVD_TF_KERNELS=0 switches it off")
+            else:
                 try:
                     module = tf.load_op_library(str(_library_path()))
                 except Exception as e:  # noqa: BLE001 - any failure means: fall back
+                    _why.append(f"{type(e).__name__}: {e}")
                     warnings.warn(
                         "bagua_hvd.tensorflow: could not build its TensorFlow kernels, so "
                         "collectives inside tf.function run through tf.numpy_function and their "
@@ -167,3 +174,20 @@ def load() -> Optional[Any]:
                     )
             _loaded.append(module)
     return _loaded[0]
+
+
+def require(purpose: str) -> Any:
+    """The op module; ImportError naming ``purpose``, why the library is missing and what to
+    install where it cannot be built (as Horovod's ``check_extension`` for its compiled ops)."""
+    module = load()
+    if module is not None:
+        return module
+    why = _why[0] if _why else "unknown"
+    raise ImportError(
+        f"{purpose} needs bagua_hvd's TensorFlow kernel library, which is not available: "
+        f"{why}\nIt is compiled at first use with $CXX (default g++; C++17) against the "
+        "headers of the installed tensorflow wheel (tf.sysconfig.get_include()): install a C++ "
+        "compiler (e.g. `apt install g++`) or set CXX to one, unset BAGUA_HVD_TF_KERNELS=0, and "
+        "run `python -m bagua_hvd.tensorflow.build_kernels` to see the build's output. "
+        "Horovod's collectives and DistributedOptimizer without algorithm= do not need it."
+    )

@@ -725,12 +725,6 @@ def _op_types(concrete):
     return types
 
 
-def _kernels_built():
-    from bagua_hvd.tensorflow import kernels
-
-    return kernels.load() is not None
-
-
 KERNEL_CASES = [
     ("bytegrad", lambda: A.ByteGrad()),
     ("bytegrad-ef", lambda: A.ByteGrad(error_feedback=True)),
@@ -762,8 +756,6 @@ def _make(name, make_alg):
 def test_no_python_on_the_step_data_path(name, make_alg):
     """Inside tf.function every algorithm's step is kernels and TensorFlow's own ops: no
     numpy_function (PyFunc, EagerPyFunc, NumpyFunction) in the traced graph or its branches."""
-    if not _kernels_built():
-        pytest.skip("the kernel library is off (BAGUA_HVD_TF_KERNELS=0) or cannot be built here")
     alg, opt = _make(name, make_alg)
     variables = [tf.Variable(x) for x in init_values()]
     step = make_step(variables, opt, algorithm=alg)
@@ -779,56 +771,10 @@ def test_no_python_on_the_step_data_path(name, make_alg):
         alg.abort()
 
 
-@pytest.mark.parametrize(
-    "eager",
-    [False, True] if SIZE <= 2 else [False],
-    ids=["graph", "eager"][: 2 if SIZE <= 2 else 1],
-)
-@pytest.mark.parametrize(
-    "name,make_alg",
-    KERNEL_CASES[:-2] + KERNEL_CASES[-1:],
-    ids=[c[0] for c in KERNEL_CASES[:-2] + KERNEL_CASES[-1:]],
-)
-def test_kernel_path_equals_the_numpy_fallback(name, make_alg, eager):
-    """The kernels give the numpy fallback's weights, bit for bit (the same core primitives
-    on the same buckets)."""
-    if not _kernels_built():
-        pytest.skip("the kernel library is off (BAGUA_HVD_TF_KERNELS=0) or cannot be built here")
-    results = []
-    for kernels in (True, False):
-        A._algorithm_kernels[0] = kernels
-        try:
-            alg, opt = _make(name, make_alg)
-            impl = A.reify(alg, opt)
-            assert type(impl).__name__ == ("KernelImpl" if kernels else "NumpyImpl")
-            variables = [tf.Variable(x) for x in init_values()]
-
-            def step(a, c, impl=impl, variables=variables, opt=opt):
-                with tf.GradientTape() as tape:
-                    loss = tf_loss(variables, a, c)
-                grads = impl.reduce_gradients(tape.gradient(loss, variables), variables)
-                opt.apply_gradients(zip(grads, variables))
-                impl.after_apply(variables)
-
-            fn = step if eager else tf.function(step)
-            for t in range(6):
-                fn(*[[tf.constant(x) for x in d] for d in data(hvd.rank(), t)])
-            if isinstance(alg, A.LowPrecisionDecentralized):
-                impl.flush()
-            assert impl.step == 6
-            results.append([v.numpy() for v in variables])
-        finally:
-            A._algorithm_kernels[0] = True
-    for i, (k, n) in enumerate(zip(*results)):
-        np.testing.assert_array_equal(k, n, err_msg=f"{name}: variable {i}")
-
-
 def test_low_precision_in_place_step_leaves_tensors_read_before_it():
     """The kernel's local half writes the variables' buffers in place: a tensor read from a
     variable before tape.step_done() (sharing its buffer) keeps the values it had, and the
     weights are those of the same training without such reads, bit for bit."""
-    if not _kernels_built():
-        pytest.skip("the kernel library is off (BAGUA_HVD_TF_KERNELS=0) or cannot be built here")
     if hvd.size() == 1:
         return  # no neighbours: the step writes nothing
     plain = train(A.LowPrecisionDecentralized(), eager=True)
