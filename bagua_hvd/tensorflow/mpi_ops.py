@@ -579,6 +579,67 @@ def grouped_allreduce_dense(
     return _differentiable(forward, tensors)
 
 
+def allreduce_kernel(
+    tensors: Sequence[tf.Tensor],
+    op: int,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    ignore_name_scope: bool,
+) -> Tuple[Any, Dict[str, Any]] | None:
+    """For a caller in a graph that adds the kernel itself (the tapes' and the distributed
+    optimizers' gradients, so that a gradient reaches the core in as few calls as Horovod's:
+    docs/design-core.md): the op module and the attributes of one ``BaguaHvdCollective``
+    allreduce of ``tensors``, named and checked as :func:`grouped_allreduce_dense` names and
+    checks them; None where that runs another way (eagerly; without the kernel library or its
+    collectives). The op's gradient is the same allreduce (:func:`_collective_gradient`)."""
+    if tf.executing_eagerly() or not _collective_kernel[0]:
+        return None
+    ops = _kernels.load()
+    if ops is None:
+        return None
+    for t in tensors:
+        _check_dtype(t.dtype, _REDUCE_CODES)
+    if op == Adasum:
+        _adasum_checks(process_set)
+    _ops.check_scale_factors(prescale_factor, postscale_factor)
+    label = "HorovodGroupedAllreduce"
+    attrs = dict(
+        op_type=_ops.OP_ALLREDUCE,
+        core_name=_core_name(
+            "grouped_allreduce", None, None, label, ignore_name_scope, process_set
+        ),
+        process_set_id=_ps_id(process_set),
+        reduce_op=op,
+        prescale_factor=float(np.float32(prescale_factor)),
+        postscale_factor=float(np.float32(postscale_factor)),
+    )
+    return ops, attrs
+
+
+@tf.RegisterGradient("BaguaHvdCollective")
+def _collective_gradient(op: Any, *dys: Any) -> List[tf.Tensor]:
+    """The gradient of a kernel added by :func:`allreduce_kernel`'s callers (elsewhere the
+    kernel runs under tf.custom_gradient, which takes precedence): the same allreduce of the
+    upstream gradients (Horovod's _allreduce_grad)."""
+    if op.get_attr("op_type") != _ops.OP_ALLREDUCE:
+        raise LookupError(f"No gradient defined for operation '{op.name}' (a {op.type} that is "
+                          "not an allreduce)")  # fmt: skip
+    label = "HorovodGroupedAllreduce"
+    outs = _kernels.load().bagua_hvd_collective(
+        _zeros_if_none(dys, op.outputs),
+        op_type=_ops.OP_ALLREDUCE,
+        core_name=_core_name("grouped_allreduce", None, None, label, False, global_process_set),
+        process_set_id=op.get_attr("process_set_id"),
+        reduce_op=op.get_attr("reduce_op"),
+        prescale_factor=op.get_attr("prescale_factor"),
+        postscale_factor=op.get_attr("postscale_factor"),
+    )
+    for o, x in zip(outs, op.inputs):
+        o.set_shape(x.shape)
+    return list(outs)
+
+
 def allreduce_dense(
     tensor: tf.Tensor,
     op: int = Sum,

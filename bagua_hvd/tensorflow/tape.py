@@ -24,6 +24,7 @@ from bagua_hvd.tensorflow.compression import Compression
 from bagua_hvd.tensorflow.functions import grouped_allreduce
 from bagua_hvd.tensorflow.mpi_ops import (
     Average,
+    allreduce_kernel,
     process_set_size,
     rocm_built,
     tf_variable,
@@ -127,10 +128,23 @@ def make_allreduce_grads_fn(
         with tf.name_scope(name + "_Allreduce"):
             for chunk in split:
                 idx = [i for i, _ in chunk]
+                gs = [g for _, g in chunk]
+                if not any(isinstance(g, tf.IndexedSlices) for g in gs):
+                    cs, ctxs = zip(*[compression.compress(g) for g in gs])
+                    kernel = allreduce_kernel(
+                        cs, op, prescale_factor, postscale_factor, process_set, use_generic_names
+                    )
+                    if kernel is not None:  # in a graph: the kernel added here, no call between
+                        ops, attrs = kernel
+                        rs = ops.bagua_hvd_collective(list(cs), **attrs)
+                        for i, r, c, g in zip(idx, rs, ctxs, gs):
+                            r.set_shape(g.shape)
+                            out[i] = compression.decompress(r, c)
+                        continue
                 reduced = grouped_allreduce(
-                    [g for _, g in chunk], compression=compression, op=op,
-                    prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                    process_set=process_set, ignore_name_scope=use_generic_names,
+                    gs, compression=compression, op=op, prescale_factor=prescale_factor,
+                    postscale_factor=postscale_factor, process_set=process_set,
+                    ignore_name_scope=use_generic_names,
                 )  # fmt: skip
                 for i, r in zip(idx, reduced):
                     out[i] = r
@@ -193,6 +207,12 @@ class _DistributedGradientTape(tf.GradientTape):
         grads = tf.GradientTape.gradient(
             self, target, sources, output_gradients, unconnected_gradients
         )
+        if self._algo_impl is None and not self._local_sources and self.process_set.included():
+            # Horovod's path, no call in between (docs/design-core.md).
+            flat = self._allreduce_grads(
+                tf.nest.flatten(grads), tf.nest.flatten(sources), use_generic_names
+            )
+            return tf.nest.pack_sequence_as(sources, flat)
         return self._reduce(grads, sources, use_generic_names)
 
     def get_local_and_global_gradients(

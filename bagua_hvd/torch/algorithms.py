@@ -30,6 +30,7 @@ from bagua_hvd.common import algorithms as _common
 from bagua_hvd.common import config, engine
 from bagua_hvd.common.algorithms import *  # noqa: F403  (the declarations, re-exported)
 from bagua_hvd.common.primitives import Buffer, Request
+from bagua_hvd.torch import mpi_ops
 from bagua_hvd.torch.bucketwise import register_partial_step
 from bagua_hvd.torch.mpi_ops import core_dtype
 
@@ -279,13 +280,42 @@ class AlgorithmImpl(engine.Implementation):
         ps = opt.process_set
         self._names = engine.LabelledNames([])  # labelled when the weights are flattened
         super().__init__(alg, TENSORS, self._names, ps, ps.size)
-        self.opt_ref = weakref.ref(opt)
+        self.opt_ref = weakref.ref(opt)  # the buckets' hooks hold this object: not the optimizer
         self.step = 0  # completed DistributedOptimizer steps
+        # In an elastic job the step counts must be rank 0's on every rank (a worker that joins
+        # starts from 0): agreed at the first gradient hook, then after each reset.
+        self._agree_steps = config.elastic()
         self._param_names = names
         self._wb: Optional[WeightBuckets] = None
         self._plan: Optional[engine.StepPlan] = None
 
     # -- gradients ---------------------------------------------------------------------------------
+    def gradient_hook(self, p: torch.Tensor) -> bool:
+        """First in each gradient hook: agrees on the step counts when due; True when this
+        step does not communicate gradients (``p``'s hook ends here)."""
+        if self._agree_steps:
+            self._agree_on_steps()
+        if (self._plan or self._new_plan()).communicates:
+            return False
+        self.on_gradient(p)
+        return True
+
+    def _agree_on_steps(self) -> None:
+        """Every rank takes rank 0's step counts (the algorithm's distributed steps and, for
+        QAdam, its optimizer's updates): the stages and rounds they select must match."""
+        self._agree_steps = False
+        opt = self.opt_ref()
+        qadam = hasattr(opt, "step_id")
+        mine = [self.step, opt.step_id if qadam else 0]
+        ps = opt.process_set
+        counts = torch.tensor(mine if ps.rank() == 0 else [0, 0], dtype=torch.int64)
+        counts = mpi_ops.allreduce(
+            counts, name="DistributedOptimizer.steps", op=mpi_ops.Max, process_set=ps
+        ).tolist()
+        self.step = counts[0]
+        if qadam:
+            opt.step_id = counts[1]
+
     def communicates_gradients(self) -> bool:
         return (self._plan or self._new_plan()).communicates
 
@@ -298,6 +328,7 @@ class AlgorithmImpl(engine.Implementation):
     def replan(self) -> None:
         super().replan()
         self._plan = None
+        self._agree_steps = True
 
     def _optimizer_steps(self) -> int:
         return self.opt_ref().step_id  # QAdam: the DistributedOptimizer's own updates

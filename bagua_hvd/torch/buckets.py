@@ -40,7 +40,7 @@ from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.process_sets import ProcessSet
 from bagua_hvd.common.util import split_list
 from bagua_hvd.torch.compression import BF16Compressor, FP16Compressor, NoneCompressor
-from bagua_hvd.torch.hooks import NOT_STARTED, Pending
+from bagua_hvd.torch.hooks import NOT_STARTED, TOO_MANY_PASSES_MESSAGE, Pending
 
 # Compressors that are element-wise casts: a whole bucket can be compressed at once.
 _CAST_COMPRESSORS = {
@@ -181,14 +181,17 @@ class Buckets:
     reductions, started as gradients become ready (:meth:`ready`) or by synchronize()
     (:meth:`launch_missing`), through one launch path (:meth:`launch`); each pending reduction
     goes to ``handles`` (the optimizer's ``_handles``) under its bucket, or its parameter for a
-    sparse gradient sent on its own. ``impl``: a BAGUA algorithm's implementation, asked first
-    to send each one-tensor bucket."""
+    sparse gradient sent on its own. ``delay``: the optimizer's countdown of backward passes per
+    parameter. ``impl``: a BAGUA algorithm's implementation, asked first to send each bucket.
+    Refers to nothing that refers to the optimizer when ``impl`` is None, so that :meth:`ready`
+    is itself the gradient hook."""
 
     def __init__(
         self,
         params: List[torch.Tensor],
         names: Dict[torch.Tensor, str],
         handles: Dict[Any, Pending],
+        delay: Dict[torch.Tensor, int],
         process_set: ProcessSet,
         reduction: Tuple[int, float, float],
         compression: Any,
@@ -200,6 +203,7 @@ class Buckets:
         self.params = params  # in param_groups order
         self.names = names
         self.handles = handles
+        self.delay = delay
         self.process_set = process_set
         self.op, self.prescale, self.postscale = reduction
         self.compression = compression
@@ -228,8 +232,21 @@ class Buckets:
         return p if entry is None else entry[0]
 
     def ready(self, p: torch.Tensor) -> None:
-        """``p``'s gradient is final for this round: into its bucket, whose reduction starts
-        with its last gradient (a known sparse one goes on its own)."""
+        """``p``'s gradient has been accumulated (a backward pass). After the last of the
+        step's passes it is final: into its bucket, whose reduction starts with its last
+        gradient (a known sparse one goes on its own); before, it accumulates locally and the
+        pending marker makes zero_grad() refuse. With an algorithm, it speaks first."""
+        impl = self.impl
+        if impl is not None and impl.gradient_hook(p):
+            return
+        d = self.delay[p]
+        if d <= 0:
+            raise AssertionError(TOO_MANY_PASSES_MESSAGE)
+        assert not p.grad.requires_grad
+        self.delay[p] = d - 1
+        if d > 1:
+            self.handles.setdefault(self.key(p), NOT_STARTED)
+            return
         if self.observed is not None:
             self.observed.append(p)
         entry = self.by_param.get(p)
@@ -306,15 +323,27 @@ class Buckets:
             ]
             b.compressed = (compression, compressed)
             sent = [tc for _, tc, _ in compressed]
-        handle = mpi_ops.bucket_allreduce_async(
-            sent,
-            b.name,
-            self.op,
-            self.prescale,
-            self.postscale,
-            self.process_set,
-            urgent=self.cap > 0 or self.groups is not None,
-        )
+        urgent = self.cap > 0 or self.groups is not None
+        if all(t.is_cpu for t in sent):
+            # Straight to the core, in place (the path of docs/design-core.md's hop count).
+            descs = mpi_ops.host_allreduce_descs(sent, self.op, self.prescale, self.postscale)
+            name = _ops.op_name("allreduce" if len(sent) == 1 else "grouped_allreduce", b.name)
+            handle, keep = _ops.enqueue(
+                _ops.OP_ALLREDUCE,
+                descs,
+                descs,
+                name=name,
+                process_set_id=_ops.process_set_id(self.process_set),
+                reduce_op=self.op,
+                prescale_factor=self.prescale,
+                postscale_factor=self.postscale,
+                urgent=urgent,
+            )
+            mpi_ops.track(handle, (keep, sent), name)
+        else:
+            handle = mpi_ops.bucket_allreduce_async(
+                sent, b.name, self.op, self.prescale, self.postscale, self.process_set, urgent
+            )
         self.handles[b] = Pending(handle, _finish, b)
 
     def _send_sparse(self, p: torch.Tensor) -> None:

@@ -77,19 +77,27 @@ def find_duplicates(lst: Sequence[Any]) -> set:
     return dups
 
 
-def register_grad_hooks(owner: Any, params: List[torch.Tensor]) -> None:
-    """Calls ``owner._grad_ready(p)`` once ``p``'s gradient has been accumulated (a backward
-    pass), through a weak reference; the hooks go away with ``owner`` (Horovod's
-    grad-accumulator hooks do as well)."""
+def register_grad_hooks(
+    owner: Any, params: List[torch.Tensor], ready: Optional[Callable[[torch.Tensor], None]] = None
+) -> None:
+    """Calls ``ready(p)`` once ``p``'s gradient has been accumulated (a backward pass), or
+    without ``ready``, ``owner._grad_ready(p)`` through a weak reference. The hooks go away with
+    ``owner`` (Horovod's grad-accumulator hooks do as well), so ``ready`` must not refer to
+    ``owner``: the parameters hold their hooks. ``ready`` is registered as it is, so that a
+    gradient reaches the core in as few calls as Horovod's (docs/design-core.md)."""
     ref = weakref.ref(owner)
     handles = []
     for p in params:
         if hasattr(p, "register_post_accumulate_grad_hook"):
-            handles.append(p.register_post_accumulate_grad_hook(lambda t, r=ref: _hook(r, t)))
+            hook = ready if ready is not None else (lambda t, r=ref: _hook(r, t))
+            handles.append(p.register_post_accumulate_grad_hook(hook))
         else:  # torch < 2.1: Horovod's grad accumulator hook
             p_tmp = p.expand_as(p)
             grad_acc = p_tmp.grad_fn.next_functions[0][0]
-            handles.append(grad_acc.register_hook(lambda *_, r=ref, t=p: _hook(r, t)))
+            if ready is not None:
+                handles.append(grad_acc.register_hook(lambda *_, f=ready, t=p: f(t)))
+            else:
+                handles.append(grad_acc.register_hook(lambda *_, r=ref, t=p: _hook(r, t)))
             owner._grad_accs.append(grad_acc)
     weakref.finalize(owner, _remove_hooks, handles)
 

@@ -309,6 +309,31 @@ def _allreduce_async(
     )
 
 
+def host_allreduce_descs(
+    tensors: Sequence[torch.Tensor], op: int, prescale_factor: float, postscale_factor: float
+) -> List[Tuple[int, int, Tuple[int, ...]]]:
+    """The core's descriptions of host tensors for an in-place allreduce, with the checks of
+    :func:`_allreduce_async` (dtype, contiguity, bool's ops): for a DistributedOptimizer's
+    bucket, which calls ``ops.enqueue`` itself and hands the handle to :func:`track`."""
+    descs = []
+    for t in tensors:
+        code = _check(t, _ALLREDUCE_DTYPES)
+        if code == _ops.BOOL:
+            _check_bool_reduce(op, prescale_factor, postscale_factor)
+        descs.append((t.data_ptr(), code, tuple(t.shape)))
+    return descs
+
+
+def _no_output(_handle: int) -> None:
+    return None
+
+
+def track(handle: int, keep: Any, label: str) -> int:
+    """Makes a handle of an in-place request that the caller enqueued waitable with
+    :func:`synchronize` (which returns None), keeping ``keep`` alive until then."""
+    return _register(handle, _no_output, keep, label)
+
+
 def bucket_allreduce_async(
     tensors: List[torch.Tensor],
     name: str | None,

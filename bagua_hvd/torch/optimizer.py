@@ -20,7 +20,6 @@ import torch
 import bagua_hvd.torch.algorithms as _alg
 import bagua_hvd.torch.bucketwise as bucketwise
 import bagua_hvd.torch.hooks as _hooks
-import bagua_hvd.torch.mpi_ops as mpi_ops
 from bagua_hvd.common import algorithms as _alg_common
 from bagua_hvd.common import config
 from bagua_hvd.common import ops as _ops
@@ -30,7 +29,6 @@ from bagua_hvd.common.util import check_predivide_and_groups
 from bagua_hvd.torch.adasum import _DistributedAdasumOptimizer
 from bagua_hvd.torch.buckets import Bucket, Buckets
 from bagua_hvd.torch.compression import Compression
-from bagua_hvd.torch.hooks import NOT_STARTED, TOO_MANY_PASSES_MESSAGE
 from bagua_hvd.torch.mpi_ops import Adasum, Average, rocm_built, size
 
 __all__ = ["DistributedOptimizer"]
@@ -83,9 +81,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         # The buckets, with the hooks (none at one rank outside an elastic job).
         self._bucketing: Optional[Buckets] = None
-        # In an elastic job an algorithm's step counts must be rank 0's on every rank (a worker
-        # that joins starts from 0): agreed at the first gradient hook, then after each reset.
-        self._agree_steps = config.elastic()
         self._bucket_cap = config.bucket_bytes()
         # Steps whose update ran bucket by bucket, and the update calls they made (tests).
         self._bucketwise_steps = self._bucketwise_updates = 0
@@ -108,6 +103,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p_list,
             self._parameter_names,
             self._handles,
+            self._allreduce_delay,
             self.process_set,
             (self.op, self._prescale, self._postscale),
             self._compression,
@@ -117,7 +113,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._algo_impl,
         )
         self._requires_update.update(p_list)
-        _hooks.register_grad_hooks(self, p_list)
+        # The hook is the buckets' own method, no call in between (docs/design-core.md).
+        _hooks.register_grad_hooks(self, p_list, self._bucketing.ready)
 
     def _plan_again(self) -> None:
         """A new job was formed (an elastic reset): agree on the bucket layout (and an
@@ -128,24 +125,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._bucketing.plan_again()
             if self._algo_impl is not None:
                 self._algo_impl.replan()
-                self._agree_steps = True
-
-    def _agree_on_steps(self) -> None:
-        """Every rank takes rank 0's step counts (the algorithm's distributed steps and, for
-        QAdam, its optimizer's updates): the stages and rounds they select must match."""
-        self._agree_steps = False
-        impl = self._algo_impl
-        if impl is None:
-            return
-        qadam = hasattr(self, "step_id")
-        mine = [impl.step, self.step_id if qadam else 0]
-        counts = torch.tensor(mine if self.process_set.rank() == 0 else [0, 0], dtype=torch.int64)
-        counts = mpi_ops.allreduce(
-            counts, name="DistributedOptimizer.steps", op=mpi_ops.Max, process_set=self.process_set
-        ).tolist()
-        impl.step = counts[0]
-        if qadam:
-            self.step_id = counts[1]
 
     # ---- Horovod's public surface --------------------------------------------------------------
     def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
@@ -249,26 +228,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             update.rest()
         self._bucketwise_steps += 1
         self._synchronized = False
-
-    # ---- hooks -----------------------------------------------------------------------------------
-    def _grad_ready(self, p: torch.Tensor) -> None:
-        """The gradient of ``p`` has been accumulated (one backward pass)."""
-        if self._agree_steps:
-            self._agree_on_steps()
-        impl = self._algo_impl
-        if impl is not None and not impl.communicates_gradients():
-            impl.on_gradient(p)
-            return
-        delay = self._allreduce_delay
-        d = delay[p]
-        if d <= 0:
-            raise AssertionError(TOO_MANY_PASSES_MESSAGE)
-        assert not p.grad.requires_grad
-        delay[p] = d - 1
-        if d > 1:  # accumulate locally; the pending marker makes zero_grad() refuse
-            self._handles.setdefault(self._bucketing.key(p), NOT_STARTED)
-        else:
-            self._bucketing.ready(p)
 
 
 # torch.optim.Optimizer wraps ``step`` of each class once with its profiling and step hooks; the

@@ -20,6 +20,8 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
+from tape_requests import spy_grouped_requests  # noqa: E402
+
 import bagua_hvd.keras as hvd_keras  # noqa: E402
 import bagua_hvd.tensorflow as hvd_tf  # noqa: E402
 import bagua_hvd.tensorflow.keras as hvd  # noqa: E402
@@ -361,13 +363,7 @@ def test_predivide_and_groups(monkeypatch):
     make_opt = lambda: keras.optimizers.SGD(learning_rate=0.1)  # noqa: E731
     ref = reference_fit(mlp, make_opt(), x, y, size() * B)
     seen = []
-    real = hvd_tf.grouped_allreduce
-
-    def spy(tensors, **kw):
-        seen.append((len(tensors), kw["prescale_factor"], kw["postscale_factor"]))
-        return real(tensors, **kw)
-
-    monkeypatch.setattr(hvd_tf.tape, "grouped_allreduce", spy)  # the optimizer calls it
+    spy_grouped_requests(monkeypatch, hvd_tf, lambda ts, _, *f: seen.append((len(ts), *f)))
     probe = mlp()
     k1, b1, k2, b2 = probe.trainable_variables
     cases = [
@@ -412,13 +408,7 @@ def test_compression_fp16(monkeypatch):
     make_opt = lambda: keras.optimizers.SGD(learning_rate=0.1)  # noqa: E731
     ref = reference_fit(mlp, make_opt(), x, y, size() * B)
     wire = []
-    real = hvd_tf.grouped_allreduce_dense
-
-    def spy(tensors, *a, **kw):
-        wire.extend(t.dtype for t in tensors)
-        return real(tensors, *a, **kw)
-
-    monkeypatch.setattr(hvd_tf.functions, "grouped_allreduce_dense", spy)
+    spy_grouped_requests(monkeypatch, hvd_tf, lambda ts, *_: wire.extend(t.dtype for t in ts))
     opt = hvd.DistributedOptimizer(make_opt(), compression=hvd.Compression.fp16)
     model, _ = dist_fit(mlp, opt, x, y)
     # fp16 keeps ~3 decimal digits of each averaged gradient.

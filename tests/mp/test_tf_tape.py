@@ -16,6 +16,8 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
+from tape_requests import spy_grouped_requests  # noqa: E402
+
 import bagua_hvd.tensorflow as hvd  # noqa: E402
 
 MODES = ["eager", "graph"]
@@ -140,13 +142,7 @@ def test_op_sum_and_predivide(mode, monkeypatch):
     got = dist_grads(mode, v, x, y, op=hvd.Sum)
     assert_close(got, [g * size() for g in mean], what="op=Sum")
     calls = []
-    real = hvd.grouped_allreduce
-
-    def spy(tensors, **kw):
-        calls.append((kw["prescale_factor"], kw["postscale_factor"], kw["op"]))
-        return real(tensors, **kw)
-
-    monkeypatch.setattr(hvd.tape, "grouped_allreduce", spy)  # what the tapes call
+    spy_grouped_requests(monkeypatch, hvd, lambda ts, op, pre, post: calls.append((pre, post, op)))
     got = dist_grads(mode, v, x, y, gradient_predivide_factor=4.0)
     assert_close(got, mean, what="gradient_predivide_factor=4")
     # Horovod splits the averaging: prescale 1/f, postscale f (then / size by Average).
@@ -159,13 +155,9 @@ def test_groups(mode, monkeypatch):
     x, y = batch(rank(), 1)
     mean = reference_grads(v, *all_batches(1))
     seen = []
-    real = hvd.grouped_allreduce
-
-    def spy(tensors, **kw):
-        seen.append(tuple(tuple(t.shape) for t in tensors))
-        return real(tensors, **kw)
-
-    monkeypatch.setattr(hvd.tape, "grouped_allreduce", spy)  # what the tapes call
+    spy_grouped_requests(
+        monkeypatch, hvd, lambda ts, *_: seen.append(tuple(tuple(t.shape) for t in ts))
+    )
     s = {k: tuple(t.shape) for k, t in v.items()}
     cases = [
         ({}, [(s["w1"], s["b1"], s["w2"], s["b2"])]),  # default: one fused request
@@ -181,13 +173,7 @@ def test_groups(mode, monkeypatch):
 
 def test_num_groups_deprecated(monkeypatch):
     seen = []
-    real = hvd.grouped_allreduce
-
-    def spy(tensors, **kw):
-        seen.append(len(tensors))
-        return real(tensors, **kw)
-
-    monkeypatch.setattr(hvd.tape, "grouped_allreduce", spy)  # what the tapes call
+    spy_grouped_requests(monkeypatch, hvd, lambda ts, *_: seen.append(len(ts)))
     v = make_vars()
     x, y = batch(rank(), 2)
     with pytest.warns(DeprecationWarning, match="replaced by `groups`"):
@@ -332,6 +318,34 @@ def test_persistent_and_nested_sources():
         got = tape.gradient(loss, {"a": [v["w1"], v["b1"]], "b": (v["w2"], v["b2"])})
         assert set(got) == {"a", "b"} and isinstance(got["b"], tuple)
         assert_close([*got["a"], *got["b"]], mean, what="nested sources")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_of_the_reduced_gradients(mode):
+    """A gradient penalty: an outer tape differentiates the squared norm of the reduced
+    gradients. The allreduce's gradient is the same allreduce of the upstream gradients
+    (Horovod's), so rank r gets 2 H_r g: its own loss's Hessian times the mean gradient g. In a
+    graph the tape adds the kernel itself (its gradient registered on the op type)."""
+    v = make_vars()
+    x, y = batch(rank(), 7)
+
+    def penalty_grads(x, y):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = loss_fn(v, x, y)
+            grads = hvd.DistributedGradientTape(inner).gradient(loss, order(v))
+            penalty = tf.add_n([tf.reduce_sum(g * g) for g in grads])
+        return outer.gradient(penalty, order(v))
+
+    fn = penalty_grads if mode == "eager" else tf.function(penalty_grads)
+    got = fn(tf.constant(x), tf.constant(y))
+    mean = reference_grads(v, *all_batches(7))
+    with tf.GradientTape() as outer:
+        with tf.GradientTape() as inner:
+            loss = loss_fn(v, tf.constant(x), tf.constant(y))
+        own = inner.gradient(loss, order(v))
+        hvp = tf.add_n([tf.reduce_sum(g * tf.stop_gradient(2 * m)) for g, m in zip(own, mean)])
+    assert_close(got, outer.gradient(hvp, order(v)), what=f"gradient penalty ({mode})")
 
 
 def test_validation_messages():

@@ -13,7 +13,9 @@ communicate as it does with more ranks (Horovod's rule), so every path runs at e
 from __future__ import annotations
 
 import copy
+import gc
 import re
+import weakref
 import warnings
 
 import pytest
@@ -416,6 +418,36 @@ def test_too_many_backward_passes_raise():
         opt.synchronize()
         with opt.skip_synchronize():
             opt.step()
+
+
+@pytest.mark.parametrize("algorithm", [None, "bytegrad"])
+def test_hooks_go_away_with_the_optimizer(algorithm):
+    """The gradient hooks must not keep their optimizer alive (on Horovod's path the hook is the
+    buckets' own method), and once it is collected, backward no longer reduces anything."""
+    seed = ref.seed_for("hooks_go_away")
+    f32 = torch.float32  # ByteGrad compresses float32
+    model = ref.make_model(seed, f32)
+    kwargs = {}
+    if algorithm is not None:
+        from bagua_hvd.torch.algorithms import ByteGrad
+
+        kwargs["algorithm"] = ByteGrad()
+    opt = hvd.DistributedOptimizer(
+        _plain_sgd(model.parameters()), named_parameters=model.named_parameters(), **kwargs
+    )
+    opt.zero_grad()
+    ref.loss_of(model, ref.batch(seed, 0, hvd.rank(), dtype=f32)).backward()
+    opt.step()
+    alive = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert alive() is None, "the optimizer outlived its last reference"
+    local = copy.deepcopy(model)
+    for m in (model, local):
+        m.zero_grad()
+        ref.loss_of(m, ref.batch(seed, 1, hvd.rank(), dtype=f32)).backward()
+    for (name, a), (_, b) in zip(model.named_parameters(), local.named_parameters()):
+        assert torch.equal(a.grad, b.grad), f"{name}: reduced after its optimizer went away"
 
 
 def test_load_state_dict_resets_handles():
