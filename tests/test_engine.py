@@ -43,8 +43,8 @@ def test_bucket_labels_and_op_names() -> None:
     assert torch_names.op("lp.init", 1) == "lpdec.init.conv.weight"
     assert torch_names.op("lp.step", 0) == "lpdec.fc.bias+1"
     assert torch_names.op("lp.x", 1) == "lpdec.x.conv.weight"
-    # Averagers: the elastic generation (0 outside elastic jobs), then the restarts within it.
-    assert torch_names.averager(2) == "async.fc.bias+1.0.2"
+    # Averagers: the core adds the elastic generation and the restarts (async_impl_test.cc).
+    assert torch_names.averager_prefix() == "async.fc.bias+1"
     tf_names = engine.NumberedNames(7)
     assert tf_names.op("grad", 0) == "allreduce.bagua_tf7.grad.0"
     assert tf_names.op("momentum", 2) == "allreduce.bagua_tf7.momentum.2"
@@ -53,7 +53,7 @@ def test_bucket_labels_and_op_names() -> None:
     assert tf_names.op("lp.step", 0) == "lp_decentralized.bagua_tf7.step.0"
     assert tf_names.op("lp.x", 3) == "lp_decentralized.bagua_tf7.x.3"
     assert tf_names.op("steps", 0) == "counter.bagua_tf7.steps.0"
-    assert tf_names.averager(0) == "async.bagua_tf7.0.0"
+    assert tf_names.averager_prefix() == "async.bagua_tf7"
 
 
 class _Q:
@@ -64,14 +64,6 @@ class _Q:
 
 class _OtherOptimizer:
     pass
-
-
-def test_averager_names_follow_the_elastic_generation(monkeypatch) -> None:
-    # A worker that joins an elastic job names its averager as the survivors do: after the
-    # driver's generation, whatever each process's own history of resets.
-    monkeypatch.setenv("BAGUA_HVD_ELASTIC_GENERATION", "3")
-    assert engine.NumberedNames(7).averager(0) == "async.bagua_tf7.3.0"
-    assert engine.LabelledNames(["fc.weight"]).averager(1) == "async.fc.weight.3.1"
 
 
 def test_declarations_say_what_they_need() -> None:
@@ -162,7 +154,6 @@ def test_weight_decisions_take_ints_and_step_tensors() -> None:
     t = torch.tensor(6)
     assert bool(dec.communicating(t)) and int(dec.round(t)) == 2 and bool(avg.averages(t))
     assert names.averager_prefix() == "async.bagua_tf0"
-    assert names.averager(3) == "async.bagua_tf0.0.3"
 
 
 def test_declarations_check_their_optimizer_and_options() -> None:

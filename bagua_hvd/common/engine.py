@@ -12,11 +12,13 @@ What lives here, once:
 * bucketing (:func:`bucket_layout`) and the bucket names on the wire (:class:`LabelledNames`,
   :class:`NumberedNames`);
 * the gradient path (:class:`GradientPath`): the QAdam stage, the choice between Horovod's
-  allreduce and BAGUA's (compressed / hierarchical) one, error feedback's residual sizing;
+  allreduce and BAGUA's (compressed / hierarchical) one, error feedback's residuals (sized by
+  the core);
 * the weight averaging of :class:`PeerAverage` (Decentralized), :class:`LowPrecisionRing`
   (LowPrecisionDecentralized: the buffers of the core's ring, which decides the split and
-  keeps the exchanges left running in the background) and :class:`AsyncAveraging` (AsyncModelAverage: start, steps, abort, resume,
-  rounds, generations), chosen by the declaration's ``weight_averaging``.
+  keeps the exchanges left running in the background) and :class:`AsyncAveraging`
+  (AsyncModelAverage: the buffers of the core's averagers, whose steps, names, abort and resume
+  the core keeps), chosen by the declaration's ``weight_averaging``.
 
 This module imports no framework and no numpy.
 """
@@ -116,13 +118,6 @@ def bucket_label(first: Any, count: int) -> str:
     return f"{first}" if count == 1 else f"{first}+{count - 1}"
 
 
-def averager_name(prefix: str, generation: int) -> str:
-    """A background averager's name: the same on every rank, a worker that joined an elastic
-    job included: the job's elastic generation, then ``generation``, the restarts (resume())
-    within it. The TensorFlow kernels name theirs alike (weight_kernels.cc, BaguaHvdAsyncStep)."""
-    return f"{prefix}.{_config.elastic_generation()}.{generation}"
-
-
 class LabelledNames:
     """Op names after the buckets' labels (the torch frontend: ``"decentralized.<label>"``,
     ``"lpdec.x.<label>"``, ``"async.<first label>.<elastic generation>.<restarts>"``)."""
@@ -142,11 +137,9 @@ class LabelledNames:
     def op(self, kind: str, i: int) -> str:
         return f"{self._PREFIX[kind]}.{self.labels[i]}"
 
-    def averager(self, generation: int) -> str:
-        return averager_name(self.averager_prefix(), generation)
-
     def averager_prefix(self) -> str:
-        """The averagers' names without their generation."""
+        """The averagers' names without their generations (the core adds them: c_api.h
+        ``bhvd_async_impl_step_args``)."""
         return f"async.{self.labels[0]}"
 
 
@@ -171,11 +164,8 @@ class NumberedNames:
         op, what = self._PREFIX[kind]
         return f"{op}.bagua_tf{self.uid}.{what}.{i}"
 
-    def averager(self, generation: int) -> str:
-        return averager_name(self.averager_prefix(), generation)
-
     def averager_prefix(self) -> str:
-        """The averagers' names without their generation."""
+        """The averagers' names without their generations (the core adds them)."""
         return f"async.bagua_tf{self.uid}"
 
 
@@ -242,13 +232,16 @@ class GradientPath:
         """Error feedback's residuals for bucket ``buf`` (the worker's: the bucket padded to a
         multiple of the compression group; the server's: one chunk), ``current`` when it has
         the right size, else new zeros (a new layout starts from zero residuals)."""
-        n = _prim.compression_group_size(
-            _ops.process_set_id(self.process_set), self.alg.hierarchical
+        a = self.adapter
+        worker, server = _prim.residual_sizes(
+            _ops.process_set_id(self.process_set),
+            self.alg.hierarchical,
+            a.numel(buf),
+            errors=a.errors,
         )
-        chunk = -(-self.adapter.numel(buf) // n)
-        if current is not None and self.adapter.numel(current[1]) == chunk:
+        if current is not None and a.numel(current[1]) == server:
             return current
-        return (self.adapter.zeros_like(buf, chunk * n), self.adapter.zeros_like(buf, chunk))
+        return (a.zeros_like(buf, worker), a.zeros_like(buf, server))
 
     def launch(
         self,
@@ -527,15 +520,17 @@ class LowPrecisionRing(_WeightAveraging):
         _prim.lp_ring_flush(self.ring, errors=self.adapter.errors)
 
 
-# Running averagers: the core writes into their buffers until abort().
+# Implementations whose buffers an averager of the core may be writing into (until abort(), or
+# the end of the job): kept alive.
 _live_averagers: Dict[int, AsyncAveraging] = {}
 
 
 class AsyncAveraging(_WeightAveraging):
     """AsyncModelAverage: gradient allreduce during ``warmup_steps``, then the core averages
     the weights in the background; each step boundary (after the update) merges a finished
-    round or snapshots the weights. ``abort()``/``resume()`` stop and restart the rounds (a
-    restart is a new generation, under a new name)."""
+    round or snapshots the weights. The state machine is the core's (c_api.h
+    ``bhvd_async_impl_*``: the averager, its names, ``abort()``/``resume()``, the end of a job);
+    this object owns the flat weight buffers an averager runs over."""
 
     acts_before_update = False
     acts_after_update = True
@@ -543,10 +538,16 @@ class AsyncAveraging(_WeightAveraging):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.averager: Optional[_prim.AsyncAverager] = None
-        self.buffers: List[Any] = []
-        self.generation = 0
-        self.aborted = False
+        self.buffers: List[Any] = []  # the running averager's (the weights of its first step)
+        self._impl = 0  # the core's implementation (0: not made yet)
+
+    @property
+    def impl(self) -> int:
+        """The core's implementation, made at first use."""
+        if not self._impl:
+            self._impl = _prim.async_impl_create()
+            weakref.finalize(self, _prim.async_impl_release, self._impl).atexit = False
+        return self._impl
 
     def averages(self, step: Any) -> Any:
         """Whether the update of ``step`` is past the warm-up (an int, or a graph's step
@@ -555,60 +556,47 @@ class AsyncAveraging(_WeightAveraging):
 
     def after_update(self, step: int, weights: Callable[[], List[Any]]) -> Optional[List[Any]]:
         """Returns the buffers holding the weights when a round was merged into them."""
-        if not self.averages(step) or self.aborted:
+        if not self.averages(step):
             return None
-        a = self.adapter
+        state = _prim.async_impl_state(self.impl)
+        if state.aborted:
+            return None
         flats = weights()
-        if self.averager is None:
+        if not state.averager:  # the core starts one over this step's weights
             self.buffers = list(flats)
-            self.averager = _prim.AsyncAverager(
-                self.names.averager(self.generation),
-                self._bufs(self.buffers),
-                self.process_set_id,
-                int(self.alg.sync_interval_ms),
-                a.errors,
-            )
             _live_averagers[id(self)] = self
-        else:
-            for buf, f in zip(self.buffers, flats):
-                if a.buffer(buf).ptr != a.buffer(f).ptr:  # staged weights: copy them in
-                    a.copy_(buf, f)
-        before = self.averager.rounds()
-        self.averager.step(a.buffer(self.buffers[0]).stream if self.buffers else 0)
-        if self.averager.rounds() == before:
-            return None  # a snapshot (or nothing): the weights are unchanged
-        return self.buffers
+        merged = _prim.async_impl_step(
+            self.impl,
+            self.names.averager_prefix(),
+            self._bufs(self.buffers),
+            self._bufs(flats),  # staged weights: copied in
+            self.process_set_id,
+            int(self.alg.sync_interval_ms),
+            self.adapter.errors,
+        )
+        return self.buffers if merged else None  # else a snapshot (or nothing)
 
     def rounds(self) -> int:
-        return self.averager.rounds() if self.averager is not None else 0
+        return _prim.async_impl_state(self._impl).rounds if self._impl else 0
 
     def replan(self) -> None:
-        # The core stopped the averager with the old job: a new one starts at the next step
-        # past the warm-up, under the new job's names (averager_name), as the workers that
-        # just joined start theirs.
-        if self.averager is not None:
-            _live_averagers.pop(id(self), None)
-            self.averager = None
-        self.generation = 0
+        # The core's shutdown stopped the averager with the old job: a new one starts at the
+        # next step past the warm-up, under the new job's names.
+        _live_averagers.pop(id(self), None)
 
     @property
     def id(self) -> Optional[int]:
         """The core's id of the running averager (None: none runs)."""
-        return self.averager.id if self.averager is not None else None
+        return (_prim.async_impl_state(self._impl).averager or None) if self._impl else None
 
     def abort(self) -> None:
-        self.aborted = True
-        averager, self.averager = self.averager, None
-        if averager is None:
-            return
-        _live_averagers.pop(id(self), None)
-        averager.close()
+        try:
+            _prim.async_impl_abort(self.impl, self.adapter.errors)
+        finally:
+            _live_averagers.pop(id(self), None)  # the core no longer writes into the buffers
 
     def resume(self) -> None:
-        if not self.aborted:
-            return
-        self.aborted = False
-        self.generation += 1
+        _prim.async_impl_resume(self.impl)
 
 
 _WEIGHT_AVERAGING = {

@@ -44,9 +44,16 @@ __all__ = [
     "lp_ring_pending",
     "lp_ring_release",
     "lp_rings_settle",
-    "compression_group_size",
+    "residual_sizes",
     "compressed_size",
     "AsyncAverager",
+    "AsyncState",
+    "async_impl_create",
+    "async_impl_step",
+    "async_impl_abort",
+    "async_impl_resume",
+    "async_impl_state",
+    "async_impl_release",
 ]
 
 _GPU_MESSAGE = (
@@ -264,7 +271,7 @@ def allreduce(
 ) -> Request:
     """The allreduce of one bucket, in place: MinMaxUInt8-compressed (ByteGrad) when
     ``compressed``, with ``residuals`` = (residual of the first quantization, of the second;
-    see :func:`compression_group_size`) for error feedback; within each host first when
+    see :func:`residual_sizes`) for error feedback; within each host first when
     ``hierarchical``. Uncompressed: Horovod's allreduce, or the hierarchical allreduce op."""
     _placed(buf, *residuals)
     keep: List[Any] = []
@@ -435,14 +442,44 @@ def lp_rings_settle(timeout_s: float) -> int:
     return int(late[0])
 
 
-def compression_group_size(process_set_id: int, hierarchical: bool) -> int:
-    """How many ranks share a compressed allreduce's chunks (the residuals are sized by it)."""
-    return int(_ops.native().lib.bhvd_compression_group_size(process_set_id, int(hierarchical)))
+def residual_sizes(
+    process_set_id: int, hierarchical: bool, numel: int, *, errors: Errors = PYTHON_ERRORS
+) -> Tuple[int, int]:
+    """Error feedback's residuals for a compressed allreduce of ``numel`` elements: the
+    worker's and the server's element counts (c_api.h ``bhvd_compression_residuals``)."""
+    n = _ops.native()
+    worker, server = n.ffi.new("int64_t *"), n.ffi.new("int64_t *")
+    status = n.lib.bhvd_compression_residuals(
+        process_set_id, int(hierarchical), numel, worker, server
+    )
+    if status != _ops.OK:
+        raise errors.status(status, _native.last_error() or "error feedback failed")
+    return int(worker[0]), int(server[0])
 
 
 def compressed_size(dtype: int, numel: int) -> int:
     """Bytes of ``numel`` elements compressed by MinMaxUInt8 as one chunk."""
     return int(_ops.native().lib.bhvd_minmax_uint8_size(dtype, numel, 1))
+
+
+def _async_status(status: int, errors: Errors) -> None:
+    if status != _ops.OK:
+        raise errors.status(status, _native.last_error() or "async averaging failed")
+
+
+def _tensors(buffers: Sequence[Buffer], keep: List[Any]) -> Any:
+    """1-D ``bhvd_tensor``s of ``buffers`` (``keep`` holds their memory)."""
+    n = _ops.native()
+    tensors = n.ffi.new("bhvd_tensor[]", len(buffers))
+    keep.append(tensors)
+    for i, b in enumerate(buffers):
+        shape = n.ffi.new("int64_t[]", [b.numel])
+        keep.append(shape)
+        tensors[i].data = n.cast(n.voidp, b.ptr) if b.numel else n.empty
+        tensors[i].dtype = b.dtype
+        tensors[i].ndim = 1
+        tensors[i].shape = shape
+    return tensors
 
 
 class AsyncAverager:
@@ -463,25 +500,15 @@ class AsyncAverager:
         _placed(*weights)
         self.device = weights[0].device if weights else -1
         n = _ops.native()
-        ffi = n.ffi
         self.errors = errors
-        tensors = ffi.new("bhvd_tensor[]", len(weights))
-        shapes = []
-        for i, w in enumerate(weights):
-            shape = ffi.new("int64_t[]", [w.numel])
-            shapes.append(shape)
-            tensors[i].data = n.cast(n.voidp, w.ptr) if w.numel else n.empty
-            tensors[i].dtype = w.dtype
-            tensors[i].ndim = 1
-            tensors[i].shape = shape
-        out = ffi.new("int64_t *")
+        self._keep: List[Any] = []
+        tensors = _tensors(weights, self._keep)
+        out = n.ffi.new("int64_t *")
         status = n.lib.bhvd_async_start(
             name.encode(), tensors, len(weights), self.device, process_set_id, int(interval_ms), out
         )
-        if status != _ops.OK:
-            raise errors.status(status, _native.last_error() or "async averaging failed")
+        _async_status(status, errors)
         self.id: Optional[int] = int(out[0])
-        self._keep = (tensors, shapes)
 
     def step(self, stream: int = 0) -> None:
         """A step boundary: merges a finished round into the weights or snapshots them (CUDA
@@ -489,8 +516,7 @@ class AsyncAverager:
         stream)."""
         n = _ops.native()
         status = n.lib.bhvd_async_step(self.id, n.cast(n.voidp, stream) if stream else n.null)
-        if status != _ops.OK:
-            raise self.errors.status(status, _native.last_error() or "async averaging failed")
+        _async_status(status, self.errors)
 
     def rounds(self) -> int:
         """Rounds merged so far."""
@@ -512,3 +538,74 @@ class AsyncAverager:
         self.id = None
         if status not in (_ops.OK, _ops.ABORTED):
             raise self.errors.status(status, _native.last_error() or "async averaging failed")
+
+
+class AsyncState(NamedTuple):
+    """An implementation's asynchronous averaging (c_api.h ``bhvd_async_impl_info``)."""
+
+    aborted: bool  #: between abort and resume: steps do nothing
+    restarts: int  #: resumes in this job
+    averager: int  #: the running averager's id (0: none runs)
+    rounds: int  #: the rounds it merged so far
+
+
+def async_impl_create() -> int:
+    """A new implementation of asynchronous model averaging in the core (needs no init)."""
+    n = _ops.native()
+    out = n.ffi.new("int64_t *")
+    _async_status(n.lib.bhvd_async_impl_create(out), PYTHON_ERRORS)
+    return int(out[0])
+
+
+def async_impl_step(
+    impl: int,
+    name_prefix: str,
+    weights: Sequence[Buffer],
+    staged: Sequence[Buffer],
+    process_set_id: int,
+    interval_ms: int,
+    errors: Errors = PYTHON_ERRORS,
+) -> bool:
+    """A step boundary past the warm-up (c_api.h ``bhvd_async_impl_step``): the core starts an
+    averager over ``weights`` where none runs, else copies ``staged`` into them; True when a
+    round was merged into ``weights``. The caller keeps ``weights`` alive while it runs."""
+    _placed(*weights, *staged)
+    n = _ops.native()
+    ffi = n.ffi
+    keep: List[Any] = []
+    args = ffi.new("bhvd_async_impl_step_args *")
+    prefix = ffi.new("char[]", name_prefix.encode())
+    args.name_prefix = prefix
+    args.process_set_id = process_set_id
+    args.interval_ms = int(interval_ms)
+    args.device = weights[0].device if weights else -1
+    stream = weights[0].stream if weights else 0
+    args.stream = n.cast(n.voidp, stream) if stream else n.null
+    args.num_tensors = len(weights)
+    args.weights = _tensors(weights, keep)
+    args.staged = _tensors(staged, keep)
+    merged = ffi.new("int32_t *")
+    _async_status(n.lib.bhvd_async_impl_step(impl, args, merged), errors)
+    return bool(merged[0])
+
+
+def async_impl_abort(impl: int, errors: Errors = PYTHON_ERRORS) -> None:
+    """Stops the rounds on every rank, waits for this rank's, releases the averager."""
+    _async_status(_ops.native().lib.bhvd_async_impl_abort(impl), errors)
+
+
+def async_impl_resume(impl: int) -> None:
+    """The next step starts a new averager (the next restart's name)."""
+    _async_status(_ops.native().lib.bhvd_async_impl_resume(impl), PYTHON_ERRORS)
+
+
+def async_impl_state(impl: int) -> AsyncState:
+    n = _ops.native()
+    info = n.ffi.new("bhvd_async_impl_info *")
+    _async_status(n.lib.bhvd_async_impl_state(impl, info), PYTHON_ERRORS)
+    return AsyncState(bool(info.aborted), info.restarts, info.averager, info.rounds)
+
+
+def async_impl_release(impl: int) -> None:
+    """Forgets an implementation (a running averager is stopped first)."""
+    _ops.native().lib.bhvd_async_impl_release(impl)

@@ -282,24 +282,24 @@ class BaguaHvdBucketsOp : public AsyncOpKernel {
       }
       if (error_feedback_) {
         auto r = store.Find(store.residuals, buckets_.names[b]);
-        // The worker's: the bucket padded to a multiple of the compression group; the server's:
-        // one chunk (the engine's GradientPath.residuals). A new layout or job starts from zero.
-        const int64_t n = bhvd_compression_group_size(buckets_.process_set_id, hierarchical_);
-        OP_REQUIRES_ASYNC(ctx, n > 0,
-                          absl::InternalError(std::string("bagua_hvd: compression group: ") +
-                                              bhvd_last_error()),
-                          done);
-        const int64_t chunk = (g->flats[b].NumElements() + n - 1) / n;
+        // Sized by the core for the job's compression group. A new layout or job: zeros.
+        int64_t worker = 0, server = 0;
+        const int rc = bhvd_compression_residuals(buckets_.process_set_id, hierarchical_,
+                                                  g->flats[b].NumElements(), &worker, &server);
+        OP_REQUIRES_ASYNC(
+            ctx, rc == BHVD_OK,
+            absl::InternalError(std::string("bagua_hvd: compression group: ") + bhvd_last_error()),
+            done);
         const auto dtype = g->flats[b].dtype();
         int64_t job = 0;
         {
           std::lock_guard<std::mutex> lock(store.mu);
           job = store.job;
         }
-        if (r->job != job || r->worker.NumElements() != chunk * n || r->worker.dtype() != dtype ||
-            r->server.NumElements() != chunk) {
-          r->worker = Zeros(dtype, chunk * n);
-          r->server = Zeros(dtype, chunk);
+        if (r->job != job || r->worker.NumElements() != worker || r->worker.dtype() != dtype ||
+            r->server.NumElements() != server) {
+          r->worker = Zeros(dtype, worker);
+          r->server = Zeros(dtype, server);
           r->job = job;
         }
         g->residuals[b] = r;

@@ -196,8 +196,9 @@ struct BucketAttrs {
 // ---- the state that outlives a step ----
 // State that belongs to one job carries the job it was made for (Store::job): an elastic reset
 // forms a new job (BaguaHvdNewJob), after which residuals start from zero, the low-precision
-// ring makes its replicas anew for its new neighbours, a new background averager starts, and
-// the step counts are agreed with the other ranks (a worker that just joined starts from 0).
+// ring makes its replicas anew for its new neighbours, and the step counts are agreed with the
+// other ranks (a worker that just joined starts from 0). The core's shutdown ends the background
+// averager with the job: the next step starts the new job's.
 struct Counters {
   int64_t steps = 0;    // steps whose gradients were handed over (reduce_gradients calls)
   int64_t applied = 0;  // the step of the last after_apply
@@ -224,13 +225,12 @@ struct Ring {
   std::vector<Tensor> diffs;
 };
 
-struct Averager {  // asynchronous model averaging, one implementation
+// Asynchronous model averaging, one implementation: the core's (bhvd_async_impl_*: the averager,
+// its names, abort and resume, the end of a job) and the flat buckets its averager runs over.
+struct Averager {
   std::mutex mu;
-  int64_t id = 0;  // the core's averager, 0: none runs
-  int64_t job = -1;         // the job it runs in
-  int64_t generation = 0;   // restarts (resume) within the job
-  bool aborted = false;
-  std::vector<Tensor> buffers;  // the core writes into them until it is released
+  int64_t impl = 0;             // the core's implementation (0: not made yet)
+  std::vector<Tensor> buffers;  // the core writes into them while its averager runs
 };
 
 class Store {

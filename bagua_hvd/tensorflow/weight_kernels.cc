@@ -1,10 +1,9 @@
 // BAGUA's algorithms that act on the weights, through the core: the low-precision decentralized
 // ring (BaguaHvdLpInit/LpStep/LpFlush/LpReplicas over bhvd_lp_ring_*) and asynchronous model
-// averaging (BaguaHvdAsyncStep/AsyncControl over bhvd_async_*). The inputs are the weights'
+// averaging (BaguaHvdAsyncStep/AsyncControl over bhvd_async_impl_*). The inputs are the weights'
 // resource variables. Compiled with kernels.cc (kernels.h); bagua_hvd/tensorflow/
 // algorithm_kernels.py drives them.
 #include <array>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -302,10 +301,15 @@ class BaguaHvdLpReplicasOp : public OpKernel {
   int bucket_ = 0;
 };
 
-// BaguaHvdAsyncStep: asynchronous model averaging after an update (past the warm-up): starts the
-// core's averager over copies of the weight buckets (name: name_prefix + "." + generation), or
-// copies the weights into its buffers; then a step boundary (bhvd_async_step); a merged round
-// is written into the weights' resource variables (the inputs). Nothing runs while aborted.
+// The core's implementation of `av` (made at first use); av->mu held.
+absl::Status AsyncImpl(Averager* av) {
+  return av->impl != 0 ? absl::OkStatus() : CoreStatus(bhvd_async_impl_create(&av->impl));
+}
+
+// BaguaHvdAsyncStep: asynchronous model averaging after an update (past the warm-up): the weight
+// buckets are packed into the buffers the core's averager runs over (new ones where none runs:
+// the core starts one over them, named after name_prefix), then the core's step boundary; a
+// merged round is written into the weights' resource variables (the inputs).
 class BaguaHvdAsyncStepOp : public OpKernel {
  public:
   explicit BaguaHvdAsyncStepOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -317,67 +321,39 @@ class BaguaHvdAsyncStepOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    Store& store = Store::Get();
-    auto av = store.Find(store.averagers, key_);
-    int64_t job = 0;
-    {
-      std::lock_guard<std::mutex> lock(store.mu);
-      job = store.job;
-    }
+    auto av = Store::Get().Find(Store::Get().averagers, key_);
     std::lock_guard<std::mutex> lock(av->mu);
-    if (av->job != job) {  // the old job's averager ended with it (the core's shutdown)
-      av->id = 0;
-      av->buffers.clear();
-      av->generation = 0;
-      av->job = job;
-    }
     Variables vars;
     OP_REQUIRES_OK(ctx, LookupVariables(ctx, ctx->num_inputs(), &vars));
+    bhvd_async_impl_info info{};
+    OP_REQUIRES_OK(ctx, AsyncImpl(av.get()));
+    OP_REQUIRES_OK(ctx, CoreStatus(bhvd_async_impl_state(av->impl, &info)));
+    if (info.aborted) return;
     const size_t nb = buckets_.sizes.size();
-    bool merged = false;
-    if (!av->aborted) {
-      if (av->id == 0) {
-        std::vector<Tensor> flats(nb);
-        for (size_t b = 0; b < nb; ++b) {
-          OP_REQUIRES_OK(ctx,
-                         PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &flats[b]));
-        }
-        std::vector<std::unique_ptr<View>> views;
-        std::vector<bhvd_tensor> descs;
-        for (size_t b = 0; b < nb; ++b) {
-          int32_t dtype = 0;
-          OP_REQUIRES_OK(ctx, CoreDtype(flats[b].dtype(), &dtype));
-          views.push_back(std::make_unique<View>(flats[b], dtype));
-          descs.push_back(views.back()->desc);
-        }
-        // The same name on every rank, a worker that just joined included: the elastic
-        // generation (BAGUA_HVD_ELASTIC_GENERATION, 0 outside elastic jobs) and the restarts
-        // within it (the engine's AsyncAveraging names its averagers alike).
-        const char* elastic = std::getenv("BAGUA_HVD_ELASTIC_GENERATION");
-        const std::string name = prefix_ + "." + (elastic && *elastic ? elastic : "0") + "." +
-                                 std::to_string(av->generation);
-        int64_t id = 0;
-        const int rc = bhvd_async_start(name.c_str(), descs.data(), static_cast<int32_t>(nb),
-                                        /*device=*/-1, buckets_.process_set_id, interval_ms_, &id);
-        OP_REQUIRES(ctx, rc == BHVD_OK, absl::Status(ToCode(rc), bhvd_last_error()));
-        av->id = id;
-        av->buffers = std::move(flats);
-      } else {
-        OP_REQUIRES(ctx, av->buffers.size() == nb,
-                    absl::InternalError("bagua_hvd: asynchronous averaging layout changed"));
-        for (size_t b = 0; b < nb; ++b) {  // staged weights: copied in (the same buffers)
-          const int64_t n = av->buffers[b].NumElements();
-          OP_REQUIRES_OK(
-              ctx, PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &av->buffers[b]));
-          OP_REQUIRES(ctx, av->buffers[b].NumElements() == n,
-                      absl::InternalError("bagua_hvd: asynchronous averaging layout changed"));
-        }
-      }
-      const int64_t before = bhvd_async_rounds(av->id);
-      const int rc = bhvd_async_step(av->id, /*stream=*/nullptr);
-      OP_REQUIRES(ctx, rc == BHVD_OK, absl::Status(ToCode(rc), bhvd_last_error()));
-      merged = bhvd_async_rounds(av->id) != before;
+    if (info.averager == 0) av->buffers.assign(nb, Tensor());
+    const auto changed = absl::InternalError("bagua_hvd: asynchronous averaging layout changed");
+    OP_REQUIRES(ctx, av->buffers.size() == nb, changed);
+    std::vector<std::unique_ptr<View>> views;
+    std::vector<bhvd_tensor> descs;
+    for (size_t b = 0; b < nb; ++b) {
+      const int64_t n = av->buffers[b].NumElements();
+      OP_REQUIRES_OK(ctx,
+                     PackVariables(vars, buckets_.first(b), buckets_.sizes[b], &av->buffers[b]));
+      OP_REQUIRES(ctx, info.averager == 0 || av->buffers[b].NumElements() == n, changed);
+      int32_t dtype = 0;
+      OP_REQUIRES_OK(ctx, CoreDtype(av->buffers[b].dtype(), &dtype));
+      views.push_back(std::make_unique<View>(av->buffers[b], dtype));
+      descs.push_back(views.back()->desc);
     }
+    bhvd_async_impl_step_args a{};
+    a.name_prefix = prefix_.c_str();
+    a.process_set_id = buckets_.process_set_id;
+    a.interval_ms = interval_ms_;
+    a.device = -1;
+    a.num_tensors = static_cast<int32_t>(nb);
+    a.weights = descs.data();
+    int32_t merged = 0;
+    OP_REQUIRES_OK(ctx, CoreStatus(bhvd_async_impl_step(av->impl, &a, &merged)));
     for (size_t b = 0; b < nb && merged; ++b) {  // the merged round, into the variables
       OP_REQUIRES_OK(ctx,
                      WriteVariables(vars, buckets_.first(b), buckets_.sizes[b], av->buffers[b]));
@@ -391,8 +367,8 @@ class BaguaHvdAsyncStepOp : public OpKernel {
 };
 
 // BaguaHvdAsyncControl: mode 0: abort (stops the rounds on every rank, waits for this rank's,
-// releases the averager); 1: resume (the next step starts a new generation); 2: rounds merged;
-// 3: the core's averager id (0: none runs).
+// releases the averager); 1: resume (the next step starts a new averager, under the next
+// restart's name); 2: rounds merged; 3: the core's averager id (0: none runs).
 class BaguaHvdAsyncControlOp : public OpKernel {
  public:
   explicit BaguaHvdAsyncControlOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -403,31 +379,19 @@ class BaguaHvdAsyncControlOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     auto av = Store::Get().Find(Store::Get().averagers, key_);
     std::lock_guard<std::mutex> lock(av->mu);
-    int64_t result = 0;
+    OP_REQUIRES_OK(ctx, AsyncImpl(av.get()));
+    bhvd_async_impl_info info{};
     if (mode_ == 0) {
-      av->aborted = true;
-      if (av->id != 0) {
-        const int status = bhvd_async_abort(av->id, -1);
-        const std::string message = bhvd_last_error();
-        bhvd_async_release(av->id);
-        av->id = 0;
-        av->buffers.clear();
-        OP_REQUIRES(ctx, status == BHVD_OK || status == BHVD_ABORTED,
-                    absl::Status(ToCode(status), message));
-      }
+      OP_REQUIRES_OK(ctx, CoreStatus(bhvd_async_impl_abort(av->impl)));
+      av->buffers.clear();  // the core no longer writes into them
     } else if (mode_ == 1) {
-      if (av->aborted) {
-        av->aborted = false;
-        ++av->generation;
-      }
-    } else if (mode_ == 2) {
-      result = av->id != 0 ? bhvd_async_rounds(av->id) : 0;
+      OP_REQUIRES_OK(ctx, CoreStatus(bhvd_async_impl_resume(av->impl)));
     } else {
-      result = av->id;
+      OP_REQUIRES_OK(ctx, CoreStatus(bhvd_async_impl_state(av->impl, &info)));
     }
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &out));
-    out->scalar<int64_t>()() = result;
+    out->scalar<int64_t>()() = mode_ == 2 ? info.rounds : info.averager;
   }
 
  private:

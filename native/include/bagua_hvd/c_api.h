@@ -328,6 +328,49 @@ int bhvd_async_release(int64_t id);
 /* Rounds merged so far, -1 for an unknown id. */
 int64_t bhvd_async_rounds(int64_t id);
 
+/* Asynchronous model averaging inside one frontend implementation (AsyncModelAverage in one
+ * optimizer): the core keeps its state (its averager, aborted or not, its restarts) and names its
+ * averagers "<name_prefix>.<elastic generation>.<restarts>" (BAGUA_HVD_ELASTIC_GENERATION, 0
+ * outside elastic jobs), alike on every rank, a worker that just joined an elastic job included.
+ * The caller owns the weight buffers and keeps them alive while an averager runs over them (from
+ * the step that starts it until bhvd_async_impl_abort, bhvd_shutdown or the release). An
+ * averager belongs to its job: bhvd_shutdown stops it and the next job's first step starts a new
+ * one, restarts from 0; aborted or not outlives the job. */
+typedef struct bhvd_async_impl_step_args {
+  const char* name_prefix; /* the averagers' names (above) */
+  int32_t process_set_id;
+  int64_t interval_ms; /* rounds at least this far apart */
+  int32_t device;      /* -1: every buffer is host memory, else that CUDA device's */
+  void* stream;        /* device: the caller's cudaStream_t (NULL: the default) */
+  int32_t num_tensors;
+  const bhvd_tensor* weights; /* the buffers the averager runs over: the step that starts one
+                                 starts it over them; while it runs, the same buffers */
+  const bhvd_tensor* staged;  /* NULL, or num_tensors: the weights now, copied into `weights`
+                                 first where they are other buffers (same dtype and size) */
+} bhvd_async_impl_step_args;
+
+typedef struct bhvd_async_impl_info {
+  int32_t aborted;  /* 1 between bhvd_async_impl_abort and bhvd_async_impl_resume */
+  int64_t restarts; /* resumes in this job (the last part of the averagers' names) */
+  int64_t averager; /* the running averager's id (bhvd_async_rounds' id), 0: none runs */
+  int64_t rounds;   /* the rounds it merged so far, 0: none runs */
+} bhvd_async_impl_info;
+
+/* A new implementation: not aborted, no averager. Needs no bhvd_init. */
+int bhvd_async_impl_create(int64_t* id_out);
+/* A step boundary after the update of a step past the warm-up: starts an averager over
+ * a->weights where none runs (bhvd_async_start's checks), else copies a->staged in; then
+ * bhvd_async_step. *merged: 1 when a round was merged into a->weights. Nothing while aborted. */
+int bhvd_async_impl_step(int64_t id, const bhvd_async_impl_step_args* a, int32_t* merged);
+/* Stops the rounds on every rank (after the current one), waits for this rank's, releases the
+ * averager; steps do nothing until bhvd_async_impl_resume, whose next step starts a new averager
+ * under the next restart's name. A round ended by bhvd_shutdown is no failure. */
+int bhvd_async_impl_abort(int64_t id);
+int bhvd_async_impl_resume(int64_t id);
+int bhvd_async_impl_state(int64_t id, bhvd_async_impl_info* out);
+/* Forgets an implementation (a running averager is stopped first); an unknown id is a no-op. */
+int bhvd_async_impl_release(int64_t id);
+
 /* ---- low-precision decentralized ring (docs/algorithms.md) -------------------------------------
  * One ring per frontend implementation (LowPrecisionDecentralized): the core orchestrates its
  * primitives (BHVD_OP_LP_DECENTRALIZED_*); the caller owns the weights and the state buffers
@@ -412,6 +455,11 @@ int bhvd_trace_read(int64_t* out, int max_events);
  * the error-feedback residuals hold n * ceil(count / n) (worker) and ceil(count / n) (server)
  * elements for this n. -1 for an unknown set or before hvd.init(). */
 int bhvd_compression_group_size(int32_t process_set_id, int32_t hierarchical);
+/* Error feedback's residuals for a BHVD_OP_COMPRESSED_ALLREDUCE of `count` elements in the set:
+ * *worker = n * ceil(count / n) and *server = ceil(count / n) elements for that n.
+ * BHVD_NOT_INITIALIZED before hvd.init(), BHVD_INVALID_ARGUMENT for an unknown set. */
+int bhvd_compression_residuals(int32_t process_set_id, int32_t hierarchical, int64_t count,
+                               int64_t* worker, int64_t* server);
 
 /* The local half of a low-precision decentralized step, on the caller's thread (no
  * communication): d = x + left/3 + right/3 - 5/3 self, c_out = MinMaxUInt8(d) (1 chunk,

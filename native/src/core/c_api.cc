@@ -13,9 +13,11 @@
 #include "collectives/collectives.h"
 #include "collectives/trace.h"
 #include "core/async_average.h"
+#include "core/async_impl.h"
 #include "core/c_api_guard.h"
 #include "core/lp_ring.h"
 #include "core/runtime.h"
+#include "core/validate.h"
 #include "engines/device_engine.h"
 #include "engines/nccl_library.h"
 
@@ -93,6 +95,89 @@ bagua_hvd::LpRing::Ops lp_ring_ops(bagua_hvd::DeviceEngine* engine) {
     if (engine && handle && handle->done_event) engine->stream_wait(stream, handle->done_event);
   };
   return ops;
+}
+
+// bhvd_async_start's checks and its averager (not yet registered).
+Status new_averager(const char* name, const bhvd_tensor* weights, int32_t num_tensors,
+                    int32_t device, int32_t process_set_id, int64_t interval_ms,
+                    std::shared_ptr<bagua_hvd::AsyncAverager>* out) {
+  using bagua_hvd::AsyncAverager;
+  auto& rt = Runtime::get();
+  if (!rt.initialized()) return Status::NotInitialized();
+  if (!name || !*name) return Status::InvalidArgument("async model averaging: a name is required");
+  if (num_tensors < 1 || !weights)
+    return Status::InvalidArgument("async model averaging: no weight buffers");
+  if (interval_ms < 0)
+    return Status::InvalidArgument("async model averaging: sync_interval_ms must be >= 0");
+  auto sets = rt.process_sets();
+  auto it = sets.find(process_set_id);
+  if (it == sets.end() ||
+      !std::binary_search(it->second.begin(), it->second.end(), rt.config().rank))
+    return Status::InvalidArgument(
+        "async model averaging: this rank is not a member of process set " +
+        std::to_string(process_set_id));
+  bagua_hvd::DeviceEngine* engine = nullptr;
+  if (device >= 0) {
+    std::string why;
+    engine = bagua_hvd::device_engine(device, &why);
+    if (!engine) return Status::InvalidArgument("async model averaging: " + why);
+  }
+  std::vector<AsyncAverager::Weights> ws;
+  for (int32_t i = 0; i < num_tensors; ++i) {
+    const bhvd_tensor& t = weights[i];
+    if (t.dtype != BHVD_FLOAT32 && t.dtype != BHVD_FLOAT16 && t.dtype != BHVD_BFLOAT16 &&
+        t.dtype != BHVD_FLOAT64)
+      return Status::InvalidArgument(
+          "async model averaging: weights must be float32, float16, bfloat16 or float64");
+    if (t.ndim < 0 || (t.ndim > 0 && !t.shape))
+      return Status::InvalidArgument("async model averaging: invalid tensor shape");
+    std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
+    int64_t n = 1;
+    for (auto d : shape) n *= d;
+    if (n > 0 && !t.data)
+      return Status::InvalidArgument("async model averaging: null weight buffer");
+    ws.push_back({t.data, static_cast<bagua_hvd::DataType>(t.dtype), std::move(shape)});
+  }
+  // Through negotiation like a frontend's request: enqueue, wait, release; a device request's
+  // stream then waits for the operation, as a frontend's synchronize makes its stream wait.
+  auto run = [engine](const bhvd_request& req) {
+    int64_t h = 0;
+    Status s = Runtime::get().enqueue(req, &h);
+    if (!s.ok()) return s;
+    s = Runtime::get().wait(h, -1);
+    if (s.ok() && req.device >= 0 && engine) {
+      auto handle = Runtime::get().find(h);
+      if (handle && handle->done_event) engine->stream_wait(req.stream, handle->done_event);
+    }
+    Runtime::get().release(h);
+    return s;
+  };
+  *out = std::make_shared<AsyncAverager>(run, name, std::move(ws), process_set_id,
+                                         static_cast<int>(it->second.size()), interval_ms, device,
+                                         engine);
+  return Status::OK();
+}
+
+// An implementation's access to the runtime: bhvd_async_start's averagers, device copies on the
+// caller's stream.
+bagua_hvd::AsyncImpl::Ops async_impl_ops() {
+  bagua_hvd::AsyncImpl::Ops ops;
+  ops.start = [](const std::string& name, const bagua_hvd::AsyncImpl::Step& s,
+                 std::shared_ptr<bagua_hvd::AsyncAverager>* out) {
+    return new_averager(name.c_str(), s.weights, s.num_tensors, s.device, s.set_id, s.interval_ms,
+                        out);
+  };
+  ops.device_copy = [](int device, void* dst, const void* src, size_t bytes, void* stream) {
+    std::string why;
+    auto* engine = bagua_hvd::device_engine(device, &why);
+    if (engine) engine->copy_on(dst, src, bytes, stream);
+  };
+  return ops;
+}
+
+Status unknown_impl(int64_t id) {
+  return Status::InvalidArgument("unknown async model averaging implementation " +
+                                 std::to_string(id));
 }
 }  // namespace
 
@@ -473,66 +558,29 @@ int bhvd_compression_group_size(int32_t process_set_id, int32_t hierarchical) {
   });
 }
 
+int bhvd_compression_residuals(int32_t process_set_id, int32_t hierarchical, int64_t count,
+                               int64_t* worker, int64_t* server) {
+  return guarded([&]() -> int {
+    if (!Runtime::get().initialized()) return report(Status::NotInitialized());
+    const int n = Runtime::get().group_size(process_set_id, hierarchical != 0);
+    if (n < 1 || count < 0 || !worker || !server)
+      return report(Status::InvalidArgument("error feedback's residuals: unknown process set " +
+                                            std::to_string(process_set_id) + " or invalid count"));
+    const auto sizes = bagua_hvd::residual_sizes(count, n);
+    *worker = sizes.worker;
+    *server = sizes.server;
+    return BHVD_OK;
+  });
+}
+
 int bhvd_async_start(const char* name, const bhvd_tensor* weights, int32_t num_tensors,
                      int32_t device, int32_t process_set_id, int64_t interval_ms,
                      int64_t* id_out) {
   return guarded([&]() -> int {
-    using bagua_hvd::AsyncAverager;
-    auto& rt = Runtime::get();
-    if (!rt.initialized()) return report(Status::NotInitialized());
-    if (!name || !*name)
-      return report(Status::InvalidArgument("async model averaging: a name is required"));
-    if (num_tensors < 1 || !weights)
-      return report(Status::InvalidArgument("async model averaging: no weight buffers"));
-    if (interval_ms < 0)
-      return report(
-          Status::InvalidArgument("async model averaging: sync_interval_ms must be >= 0"));
-    auto sets = rt.process_sets();
-    auto it = sets.find(process_set_id);
-    if (it == sets.end() ||
-        !std::binary_search(it->second.begin(), it->second.end(), rt.config().rank))
-      return report(Status::InvalidArgument(
-          "async model averaging: this rank is not a member of process set " +
-          std::to_string(process_set_id)));
-    bagua_hvd::DeviceEngine* engine = nullptr;
-    if (device >= 0) {
-      std::string why;
-      engine = bagua_hvd::device_engine(device, &why);
-      if (!engine) return report(Status::InvalidArgument("async model averaging: " + why));
-    }
-    std::vector<AsyncAverager::Weights> ws;
-    for (int32_t i = 0; i < num_tensors; ++i) {
-      const bhvd_tensor& t = weights[i];
-      if (t.dtype != BHVD_FLOAT32 && t.dtype != BHVD_FLOAT16 && t.dtype != BHVD_BFLOAT16 &&
-          t.dtype != BHVD_FLOAT64)
-        return report(Status::InvalidArgument(
-            "async model averaging: weights must be float32, float16, bfloat16 or float64"));
-      if (t.ndim < 0 || (t.ndim > 0 && !t.shape))
-        return report(Status::InvalidArgument("async model averaging: invalid tensor shape"));
-      std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
-      int64_t n = 1;
-      for (auto d : shape) n *= d;
-      if (n > 0 && !t.data)
-        return report(Status::InvalidArgument("async model averaging: null weight buffer"));
-      ws.push_back({t.data, static_cast<bagua_hvd::DataType>(t.dtype), std::move(shape)});
-    }
-    // Through negotiation like a frontend's request: enqueue, wait, release; a device request's
-    // stream then waits for the operation, as a frontend's synchronize makes its stream wait.
-    auto run = [engine](const bhvd_request& req) {
-      int64_t h = 0;
-      Status s = Runtime::get().enqueue(req, &h);
-      if (!s.ok()) return s;
-      s = Runtime::get().wait(h, -1);
-      if (s.ok() && req.device >= 0 && engine) {
-        auto handle = Runtime::get().find(h);
-        if (handle && handle->done_event) engine->stream_wait(req.stream, handle->done_event);
-      }
-      Runtime::get().release(h);
-      return s;
-    };
-    *id_out = bagua_hvd::AsyncRegistry::get().add(std::make_unique<AsyncAverager>(
-        run, name, std::move(ws), process_set_id, static_cast<int>(it->second.size()),
-        interval_ms, device, engine));
+    std::shared_ptr<bagua_hvd::AsyncAverager> a;
+    Status s = new_averager(name, weights, num_tensors, device, process_set_id, interval_ms, &a);
+    if (!s.ok()) return report(s);
+    *id_out = bagua_hvd::AsyncRegistry::get().add(std::move(a));
     return BHVD_OK;
   });
 }
@@ -565,6 +613,74 @@ int64_t bhvd_async_rounds(int64_t id) {
   return guarded_value<int64_t>(int64_t{-1}, [&]() -> int64_t {
     auto a = bagua_hvd::AsyncRegistry::get().find(id);
     return a ? a->rounds() : -1;
+  });
+}
+
+int bhvd_async_impl_create(int64_t* id_out) {
+  return guarded([&]() -> int {
+    if (!id_out) return report(Status::InvalidArgument("async model averaging: no id"));
+    *id_out =
+        bagua_hvd::AsyncImpls::get().add(std::make_shared<bagua_hvd::AsyncImpl>(async_impl_ops()));
+    return BHVD_OK;
+  });
+}
+
+int bhvd_async_impl_step(int64_t id, const bhvd_async_impl_step_args* a, int32_t* merged) {
+  return guarded([&]() -> int {
+    auto impl = bagua_hvd::AsyncImpls::get().find(id);
+    if (!impl) return report(unknown_impl(id));
+    if (!a || !merged || !a->name_prefix)
+      return report(Status::InvalidArgument("async model averaging: invalid step arguments"));
+    bagua_hvd::AsyncImpl::Step s;
+    s.prefix = a->name_prefix;
+    s.set_id = a->process_set_id;
+    s.interval_ms = a->interval_ms;
+    s.device = a->device;
+    s.stream = a->stream;
+    s.weights = a->weights;
+    s.staged = a->staged;
+    s.num_tensors = a->num_tensors;
+    bool m = false;
+    Status st = impl->step(s, &m);
+    *merged = m ? 1 : 0;
+    return report(st);
+  });
+}
+
+int bhvd_async_impl_abort(int64_t id) {
+  return guarded([&]() -> int {
+    auto impl = bagua_hvd::AsyncImpls::get().find(id);
+    return report(impl ? impl->abort() : unknown_impl(id));
+  });
+}
+
+int bhvd_async_impl_resume(int64_t id) {
+  return guarded([&]() -> int {
+    auto impl = bagua_hvd::AsyncImpls::get().find(id);
+    if (!impl) return report(unknown_impl(id));
+    impl->resume();
+    return BHVD_OK;
+  });
+}
+
+int bhvd_async_impl_state(int64_t id, bhvd_async_impl_info* out) {
+  return guarded([&]() -> int {
+    auto impl = bagua_hvd::AsyncImpls::get().find(id);
+    if (!impl || !out) return report(unknown_impl(id));
+    const auto st = impl->state();
+    out->aborted = st.aborted ? 1 : 0;
+    out->restarts = st.restarts;
+    out->averager = st.averager;
+    out->rounds = st.rounds;
+    return BHVD_OK;
+  });
+}
+
+int bhvd_async_impl_release(int64_t id) {
+  return guarded([&]() -> int {
+    auto impl = bagua_hvd::AsyncImpls::get().remove(id);
+    impl.reset();  // stops a running averager outside the registry's lock
+    return BHVD_OK;
   });
 }
 

@@ -35,6 +35,17 @@ std::string hex_decode(const std::string& hex) {
 
 }  // namespace
 
+int64_t elastic_generation() {
+  const char* v = env_raw("BAGUA_HVD_ELASTIC_GENERATION");
+  const std::string space = " \t\n\r\f\v";
+  std::string text = v ? v : "";
+  const auto first = text.find_first_not_of(space);
+  if (first == std::string::npos) return 0;
+  text = text.substr(first, text.find_last_not_of(space) - first + 1);
+  if (text.find_first_not_of("0123456789") != std::string::npos) return 0;
+  return std::strtoll(text.c_str(), nullptr, 10);
+}
+
 Status load_config(int epoch, Config* out) {
   Config c;
   BootstrapConfig& b = c.bootstrap;

@@ -38,6 +38,10 @@ struct Config {
 // into bootstrap.epoch. On error *out is unspecified.
 Status load_config(int epoch, Config* out);
 
+// The elastic driver's generation of the job (BAGUA_HVD_ELASTIC_GENERATION, 0 outside elastic
+// jobs), read at each call as Python's config.elastic_generation reads it: digits, else 0.
+int64_t elastic_generation();
+
 // The log settings, which hold before hvd.init(), are base/env.cc's: log_level() and
 // log_hide_time() (read on first use), log_rank() (HOROVOD_RANK, read at each call: log lines
 // name the rank even before hvd.init()).

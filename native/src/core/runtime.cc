@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "core/async_average.h"
+#include "core/async_impl.h"
 #include "core/config.h"
 #include "core/lp_ring.h"
 #include "core/validate.h"
@@ -139,6 +140,8 @@ Status Runtime::shutdown() {
   if (!initialized_) return Status::OK();
   // Background averaging rounds need the runtime: stop them first, on every rank together.
   auto averagers = AsyncRegistry::get().stop_all(static_cast<int64_t>(cfg_.timeout_s * 1000));
+  // The frontends' implementations start the next job's averagers anew (restarts from 0).
+  AsyncImpls::get().end_job();
   {
     std::lock_guard<std::mutex> lock(mu_);
     shutdown_requested_ = true;

@@ -58,6 +58,12 @@ int64_t tensor_elements(const bhvd_tensor& t) {
   return n;
 }
 
+ResidualSizes residual_sizes(int64_t count, int group) {
+  const int64_t size = std::max(1, group);  // sized by the ranks sharing the chunks
+  const int64_t chunk = (count + size - 1) / size;
+  return {chunk * size, chunk};
+}
+
 namespace {
 
 bool compressible(int32_t dtype) {
@@ -135,15 +141,12 @@ Status validate_compressed_allreduce(const bhvd_request& req, const std::string&
     return Status::InvalidArgument(title + ": error feedback takes 2 residual buffers (worker, "
                                            "server), got 1");
   if (p->residual_worker) {
-    // Sized by the ranks sharing the chunks (c_api.h's bhvd_compression_group_size).
-    const int64_t n = tensor_elements(in);
-    const int64_t size = std::max(1, group_size(p->hierarchical != 0));
-    const int64_t chunk = (n + size - 1) / size;
-    if (Status s = state_buffer(p->residual_worker, "residual_worker", in.dtype, chunk * size,
-                                title, &residuals.worker);
+    const ResidualSizes n = residual_sizes(tensor_elements(in), group_size(p->hierarchical != 0));
+    if (Status s = state_buffer(p->residual_worker, "residual_worker", in.dtype, n.worker, title,
+                                &residuals.worker);
         !s.ok())
       return s;
-    if (Status s = state_buffer(p->residual_server, "residual_server", in.dtype, chunk, title,
+    if (Status s = state_buffer(p->residual_server, "residual_server", in.dtype, n.server, title,
                                 &residuals.server);
         !s.ok())
       return s;

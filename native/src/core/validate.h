@@ -23,6 +23,14 @@ std::string op_prefix(int32_t type, bool grouped);
 
 int64_t tensor_elements(const bhvd_tensor& t);
 
+// Error feedback's residuals of a compressed allreduce of `count` elements among `group` ranks
+// (c_api.h's bhvd_compression_residuals): the worker's, count padded to a multiple of group; the
+// server's, one chunk.
+struct ResidualSizes {
+  int64_t worker = 0, server = 0;
+};
+ResidualSizes residual_sizes(int64_t count, int group);
+
 // The checks that need nothing but the request (known op type, tensors present, reduce op,
 // host tensors).
 Status validate_request(const bhvd_request& req, const std::string& title);
