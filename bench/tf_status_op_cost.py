@@ -3,9 +3,9 @@
     python bench/tf_status_op_cost.py
 
 Times a tf.function holding one identity tf.numpy_function, with and without the two status
-outputs and BaguaHvdRaise after it (what the algorithms' numpy_function steps carry, and every
-collective without the kernels; with them collectives are asynchronous kernels),
-side by side in alternating rounds; no collective runs, so only TensorFlow's part is measured.
+outputs and BaguaHvdRaise after it (what every collective carries on the numpy_function path,
+without the kernels; with them collectives are asynchronous kernels), side by side in
+alternating rounds; no collective runs, so only TensorFlow's part is measured.
 """
 
 from __future__ import annotations

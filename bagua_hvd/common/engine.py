@@ -55,9 +55,6 @@ class TensorAdapter:
 
     #: how failures are raised (the frontend's exception classes)
     errors: Errors = _prim.PYTHON_ERRORS
-    #: whether a buffer the engine returns may be reused by the next round (False: the
-    #: frontend hands results to its framework, which may keep them)
-    reuse_outputs: bool = True
 
     def buffer(self, t: Any) -> Buffer:
         """The descriptor of a contiguous tensor (raises the frontend's dtype error)."""
@@ -286,9 +283,6 @@ class _WeightAveraging:
     acts_before_update = True
     #: after_update does something (the frontend must call it after every update)
     acts_after_update = False
-    #: the buffers after_update returns stay the engine's (it writes into them later): copy
-    #: them before handing them to a framework that keeps them
-    results_stay_shared = False
 
     def __init__(
         self,
@@ -347,7 +341,7 @@ class PeerAverage(_WeightAveraging):
         """Starts the averages of a communicating step (the weights must not change until
         :meth:`finish`)."""
         a = self.adapter
-        if not self.peers or not a.reuse_outputs:
+        if not self.peers:
             self.peers = [a.empty_like(f) for f in flats]
         k = self.round(step)
         self.requests = [
@@ -534,7 +528,6 @@ class AsyncAveraging(_WeightAveraging):
 
     acts_before_update = False
     acts_after_update = True
-    results_stay_shared = True
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)

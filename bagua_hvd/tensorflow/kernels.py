@@ -22,9 +22,10 @@ flags, linked to the package's core library, into ``$BAGUA_HVD_CACHE_DIR`` (defa
 built (no compiler, no TensorFlow headers) every graph-mode collective of Horovod's API takes the
 numpy_function path and errors surface as ``tf.errors.UnknownError`` carrying the class name and
 Horovod's text, with one warning; BAGUA's algorithms have no such path: importing
-``bagua_hvd.tensorflow.algorithms`` raises ImportError with the reason (:func:`require`).
-``BAGUA_HVD_TF_KERNELS=0`` switches the library off (the collectives' fallback; the algorithms'
-ImportError).
+``bagua_hvd.tensorflow.algorithms`` raises ImportError with the reason and what to do
+(:func:`require`): the compiler not found, TensorFlow's C++ headers missing, the compiler's
+command and output, or the switch. ``BAGUA_HVD_TF_KERNELS=0`` switches the library off (the
+collectives' fallback; the algorithms' ImportError).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ import fcntl
 import hashlib
 import os
 import shlex
+import shutil
 import subprocess
 import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -53,7 +55,25 @@ _HEADER = Path(__file__).with_name("kernels.h")
 _COMPILE_TIMEOUT_S = 300
 _lock = threading.Lock()
 _loaded: list = []  # [module or None] once tried
-_why: List[str] = []  # why it is None
+_why: List[Tuple[str, str]] = []  # why it is None, and what to do about it
+
+_SWITCHED_OFF = "BAGUA_HVD_TF_KERNELS=0 switches it off"
+_SWITCH_HELP = "Unset BAGUA_HVD_TF_KERNELS (or set it to 1) to build and use it."
+# What to do where the compiler ran and failed, or the library failed to load.
+_BUILD_HELP = (
+    "It is compiled at first use with $CXX (default g++; C++17) against the headers of the "
+    "installed tensorflow wheel (tf.sysconfig.get_include()): install a C++ compiler (e.g. "
+    "`apt install g++`) or set CXX to one, and run `python -m bagua_hvd.tensorflow.build_kernels` "
+    "to see the build's output."
+)
+
+
+class BuildError(RuntimeError):
+    """Why the library cannot be built (the message), and what to do about it (``remedy``)."""
+
+    def __init__(self, why: str, remedy: str = _BUILD_HELP) -> None:
+        super().__init__(why)
+        self.remedy = remedy
 
 
 def _cache_dir() -> Path:
@@ -66,10 +86,34 @@ def _core() -> Path:
     return Path(_native._library_path()).resolve()
 
 
+def _check_prerequisites(cxx: List[str]) -> None:
+    """The two causes a user can fix, named before the compiler's own words about them
+    (BuildError): no compiler ``cxx[0]``, no TensorFlow C++ headers."""
+    if not cxx or shutil.which(cxx[0]) is None:
+        name = cxx[0] if cxx else ""
+        raise BuildError(
+            f"the C++ compiler {name!r} ($CXX, default g++) was not found or is not executable",
+            "Install a C++17 compiler (g++ 7 or newer, e.g. `apt install g++`, or clang) or set "
+            "CXX to one, then run `python -m bagua_hvd.tensorflow.build_kernels` to build the "
+            "library and see the build's output.",
+        )
+    include = Path(tf.sysconfig.get_include())
+    if not (include / "tensorflow" / "core" / "framework" / "op.h").exists():
+        raise BuildError(
+            "TensorFlow's C++ headers are missing (no tensorflow/core/framework/op.h under "
+            f"{include}, tf.sysconfig.get_include())",
+            "Install a TensorFlow that ships them (the tensorflow wheel from PyPI does: `pip "
+            "install tensorflow`; builds without headers cannot compile ops), then run "
+            "`python -m bagua_hvd.tensorflow.build_kernels` to build the library and see the "
+            "build's output.",
+        )
+
+
 def _build(target: Path) -> None:
     """Compiles the sources side by side (each parses TensorFlow's headers: one process each),
-    then links them with the core library."""
+    then links them with the core library. BuildError says why it cannot."""
     cxx = shlex.split(config.compiler())
+    _check_prerequisites(cxx)
     core = _core()
     flags = [
         "-std=c++17", "-fPIC", "-O2", "-w",
@@ -90,14 +134,14 @@ def _build(target: Path) -> None:
         for proc in procs:
             _, err = proc.communicate(timeout=_COMPILE_TIMEOUT_S)
             if proc.returncode != 0:
-                raise RuntimeError(f"{' '.join(proc.args)} failed:\n{err[-2000:]}")
+                raise _failed(proc.args, proc.returncode, err)
         cmd = [
             *cxx, "-shared", *map(str, objects), "-o", str(target), str(core),
             f"-Wl,-rpath,{core.parent}", *tf.sysconfig.get_link_flags(),
         ]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+            raise _failed(cmd, proc.returncode, proc.stderr)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -105,6 +149,13 @@ def _build(target: Path) -> None:
                 p.wait()
         for obj in objects:
             obj.unlink(missing_ok=True)
+
+
+def _failed(cmd: List[str], status: int, stderr: str) -> BuildError:
+    """A compiler command's failure: the command, its exit status, the end of its output."""
+    out = stderr[-2000:].rstrip()
+    text = f"{' '.join(cmd)} failed (exit status {status})"
+    return BuildError(f"{text}:\n{out}" if out else text)
 
 
 def _library_path() -> Path:
@@ -158,12 +209,15 @@ def load() -> Optional[Any]:
         if not _loaded:
             module = None
             if not config.tf_kernels_enabled():
-                _why.append("BAGUA_HVD_TF_KERNELS=0 switches it off")
+                _why.append((_SWITCHED_OFF, _SWITCH_HELP))
             else:
                 try:
                     module = tf.load_op_library(str(_library_path()))
                 except Exception as e:  # noqa: BLE001 - any failure means: fall back
-                    _why.append(f"{type(e).__name__}: {e}")
+                    if isinstance(e, BuildError):
+                        _why.append((str(e), e.remedy))
+                    else:  # the library built but did not load, or the build broke down
+                        _why.append((f"{type(e).__name__}: {e}", _BUILD_HELP))
                     warnings.warn(
                         "bagua_hvd.tensorflow: could not build its TensorFlow kernels, so "
                         "collectives inside tf.function run through tf.numpy_function and their "
@@ -177,17 +231,16 @@ def load() -> Optional[Any]:
 
 
 def require(purpose: str) -> Any:
-    """The op module; ImportError naming ``purpose``, why the library is missing and what to
-    install where it cannot be built (as Horovod's ``check_extension`` for its compiled ops)."""
+    """The op module; where it cannot be loaded, ImportError (as Horovod's ``check_extension``
+    for its compiled ops): ``purpose`` and why the library is missing (the switch; the compiler
+    not found; TensorFlow's headers missing; or the compiler's command, exit status and output,
+    on the lines that follow), then, on the last line, what to do about that cause."""
     module = load()
     if module is not None:
         return module
-    why = _why[0] if _why else "unknown"
+    why, remedy = _why[0] if _why else ("unknown", _BUILD_HELP)
     raise ImportError(
         f"{purpose} needs bagua_hvd's TensorFlow kernel library, which is not available: "
-        f"{why}\nIt is compiled at first use with $CXX (default g++; C++17) against the "
-        "headers of the installed tensorflow wheel (tf.sysconfig.get_include()): install a C++ "
-        "compiler (e.g. `apt install g++`) or set CXX to one, unset BAGUA_HVD_TF_KERNELS=0, and "
-        "run `python -m bagua_hvd.tensorflow.build_kernels` to see the build's output. "
-        "Horovod's collectives and DistributedOptimizer without algorithm= do not need it."
+        f"{why}\n{remedy} Horovod's collectives and DistributedOptimizer without algorithm= do "
+        "not need it."
     )
