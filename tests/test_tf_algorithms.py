@@ -28,7 +28,8 @@ def test_tf_algorithms_multiprocess(np: int) -> None:
 # A 2-rank job whose kernel library cannot be loaded. Horovod's collectives in tf.function still
 # run (the numpy_function path); every entry to BAGUA's algorithms raises ImportError on every
 # rank, one JSON line each: the import, a tape and a Keras optimizer with algorithm=, and both
-# without it under BAGUA_HVD_ALGORITHM (the job runs with bagua-run --algorithm bytegrad). Then,
+# without it under BAGUA_HVD_ALGORITHM (the job runs with bagua-run --algorithm bytegrad);
+# algorithm=GradientAllReduce() (Horovod's allreduce) works, a tape and Keras. Then,
 # after a barrier, the Keras optimizer again, uncaught, as a training script would meet it: the
 # ranks exit and the job ends with a failure (not a hang).
 WITHOUT_KERNELS = r"""
@@ -61,6 +62,22 @@ for what, entry in entries.items():
     except Exception as e:
         error = {"type": type(e).__name__, "text": str(e)}
     print(json.dumps({"rank": r, "what": what, "error": error}), flush=True)
+# Horovod's allreduce as an algorithm needs no kernels: the tape's gradient in a graph.
+v = tf.Variable([1.0, 2.0])
+try:
+    tape_of = lambda t: hvd.DistributedGradientTape(t, algorithm=declarations.GradientAllReduce())
+    hvd_keras.DistributedOptimizer(sgd(), algorithm=declarations.GradientAllReduce())
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(v * float(r + 1))
+        return tape_of(t).gradient(loss, [v])[0]
+
+    result = step().numpy().tolist()
+except Exception as e:
+    result = f"{type(e).__name__}: {e}"
+print(json.dumps({"rank": r, "gradient_allreduce": result}), flush=True)
 hvd.allreduce(tf.ones(1), name="printed")  # every rank has printed its lines
 hvd_keras.DistributedOptimizer(sgd())
 """
@@ -85,6 +102,8 @@ def _without_kernels(what: str, **env: str) -> dict:
     lines = [json.loads(m) for m in re.findall(r"^(?:\[\d+\]<stdout>:)?(\{.*\})$", text, re.M)]
     assert sorted(x["rank"] for x in lines if "allreduce" in x) == [0, 1], text
     assert all(x["allreduce"] == [3.0] * 3 for x in lines if "allreduce" in x), text
+    ga = [x["gradient_allreduce"] for x in lines if "gradient_allreduce" in x]
+    assert ga == [[1.5, 1.5]] * 2, text  # the mean of 1 and 2, through Horovod's path
     errors = {(x["rank"], x["what"]): x["error"] for x in lines if "what" in x}
     assert sorted(errors) == [(r, w) for r in (0, 1) for w in sorted(_ENTRIES)], text
     for key, error in errors.items():

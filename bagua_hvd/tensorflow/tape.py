@@ -12,6 +12,7 @@ allreduce by the algorithm's ``reduce_gradients``; see :func:`DistributedGradien
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, List, Sequence, Tuple
 
 import tensorflow as tf
@@ -278,21 +279,32 @@ def check_tape_args(op: int, gradient_predivide_factor: float, num_groups: int, 
     return groups
 
 
-def _qadam_optimizer_class() -> type:
-    import bagua_hvd.tensorflow.algorithms as _alg  # when there is an algorithm: it loads Keras
+class _NoQAdamOptimizer:
+    """Stands for QAdamOptimizer before its module is imported: nothing is one then."""
 
-    return _alg.QAdamOptimizer
+
+def _qadam_optimizer_class() -> type:
+    """TensorFlow's QAdamOptimizer, if ``bagua_hvd.tensorflow.algorithms`` (which defines it)
+    was imported; not imported here, as it loads Keras and needs the kernel library, which
+    Horovod's allreduce (``GradientAllReduce()``) does not."""
+    module = sys.modules.get("bagua_hvd.tensorflow.algorithms")
+    return _NoQAdamOptimizer if module is None else module.QAdamOptimizer
 
 
 def resolve_algorithm(
     algorithm: Any, op: int, compression: Any, groups: Any, optimizer: Any = None
 ) -> Tuple[Any, int]:
     """``(algorithm or None, op)`` for the tapes and the Keras optimizer (``optimizer``: the
-    wrapped one): :func:`bagua_hvd.common.algorithms.resolve` with this frontend's names."""
-    return _common_algorithms.resolve(
+    wrapped one): :func:`bagua_hvd.common.algorithms.resolve` with this frontend's names.
+    With an algorithm, its module is imported here: without the kernel library that is the
+    ImportError naming what to install, as the tape or optimizer is built."""
+    resolved = _common_algorithms.resolve(
         algorithm, frontend="tensorflow", op=op, compression=compression, groups=groups,
         optimizer=optimizer, qadam_optimizer_class=_qadam_optimizer_class,
     )  # fmt: skip
+    if resolved[0] is not None:
+        import bagua_hvd.tensorflow.algorithms  # noqa: F401
+    return resolved
 
 
 def DistributedGradientTape(
