@@ -29,6 +29,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from bagua_hvd.common import _native
 from bagua_hvd.common import basics as _basics
 from bagua_hvd.common import config as _config
 from bagua_hvd.common import ops as _ops
@@ -89,25 +90,30 @@ def bucket_layout(
     their dtype key; a bucket is closed when the next tensor would take it past ``cap`` bytes
     (a bigger tensor gets a bucket of its own); ``cap == 0``: one bucket per tensor. Buckets are
     listed in the order they were opened (BAGUA's and the torch DistributedOptimizer's
-    first-guess layout)."""
-    out: List[List[int]] = []
-    open_: Dict[Any, List[Any]] = {}  # dtype key -> [bucket, bytes]
-    for i in reversed(range(len(infos))) if order is None else order:
-        numel, key, itemsize = infos[i]
-        nbytes = numel * itemsize
-        if cap == 0:
-            out.append([i])
-            continue
-        cur = open_.get(key)
-        if cur is not None and cur[1] + nbytes > cap:
-            cur = None
-        if cur is None:
-            cur = [[], 0]
-            open_[key] = cur
-            out.append(cur[0])
-        cur[0].append(i)
-        cur[1] += nbytes
-    return out
+    first-guess layout). The plan is the core's (c_api.h ``bhvd_bucket_layout``)."""
+    n = len(infos)
+    order = list(reversed(range(n))) if order is None else list(order)
+    keys: Dict[Any, int] = {}
+    native = _ops.native()
+    new = native.ffi.new
+    out = new("int64_t[]", max(len(order), 1))
+    count = new("int64_t *")
+    status = native.lib.bhvd_bucket_layout(
+        new("int64_t[]", [numel * itemsize for numel, _, itemsize in infos] or [0]),
+        new("int32_t[]", [keys.setdefault(key, len(keys)) for _, key, _ in infos] or [0]),
+        n,
+        new("int64_t[]", order or [0]),
+        len(order),
+        int(cap),
+        out,
+        count,
+    )
+    if status != _ops.OK:
+        raise ValueError(_native.last_error() or "bucket layout failed")
+    buckets: List[List[int]] = [[] for _ in range(count[0])]
+    for k, i in enumerate(order):
+        buckets[out[k]].append(i)
+    return buckets
 
 
 def bucket_label(first: Any, count: int) -> str:

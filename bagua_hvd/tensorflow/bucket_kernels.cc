@@ -286,10 +286,7 @@ class BaguaHvdBucketsOp : public AsyncOpKernel {
         int64_t worker = 0, server = 0;
         const int rc = bhvd_compression_residuals(buckets_.process_set_id, hierarchical_,
                                                   g->flats[b].NumElements(), &worker, &server);
-        OP_REQUIRES_ASYNC(
-            ctx, rc == BHVD_OK,
-            absl::InternalError(std::string("bagua_hvd: compression group: ") + bhvd_last_error()),
-            done);
+        OP_REQUIRES_OK_ASYNC(ctx, CoreStatus(rc), done);  // the core's code and message
         const auto dtype = g->flats[b].dtype();
         int64_t job = 0;
         {

@@ -461,6 +461,17 @@ int bhvd_compression_group_size(int32_t process_set_id, int32_t hierarchical);
 int bhvd_compression_residuals(int32_t process_set_id, int32_t hierarchical, int64_t count,
                                int64_t* worker, int64_t* server);
 
+/* BAGUA's bucket plan, the first-guess layout of the frontends' gradient and weight buckets:
+ * tensors order[0..m) (indices into bytes and group, n of each) are appended to the open bucket
+ * of their group (one dtype and device); a bucket closes when the next tensor would take it
+ * past cap bytes (a bigger tensor gets a bucket of its own); cap 0: one bucket per tensor.
+ * Writes bucket_of[k], the bucket of tensor order[k] (buckets numbered in the order they open),
+ * and *num_buckets. BHVD_INVALID_ARGUMENT for an index outside [0, n), negative bytes or cap.
+ * Needs no hvd.init(). */
+int bhvd_bucket_layout(const int64_t* bytes, const int32_t* group, int64_t n,
+                       const int64_t* order, int64_t m, int64_t cap, int64_t* bucket_of,
+                       int64_t* num_buckets);
+
 /* The local half of a low-precision decentralized step, on the caller's thread (no
  * communication): d = x + left/3 + right/3 - 5/3 self, c_out = MinMaxUInt8(d) (1 chunk,
  * bhvd_minmax_uint8_size(dtype, count, 1) bytes), self += decompress(c_out), x = self. Its

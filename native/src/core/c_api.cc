@@ -14,6 +14,7 @@
 #include "collectives/trace.h"
 #include "core/async_average.h"
 #include "core/async_impl.h"
+#include "core/bucket_plan.h"
 #include "core/c_api_guard.h"
 #include "core/lp_ring.h"
 #include "core/runtime.h"
@@ -569,6 +570,31 @@ int bhvd_compression_residuals(int32_t process_set_id, int32_t hierarchical, int
     const auto sizes = bagua_hvd::residual_sizes(count, n);
     *worker = sizes.worker;
     *server = sizes.server;
+    return BHVD_OK;
+  });
+}
+
+int bhvd_bucket_layout(const int64_t* bytes, const int32_t* group, int64_t n,
+                       const int64_t* order, int64_t m, int64_t cap, int64_t* bucket_of,
+                       int64_t* num_buckets) {
+  return guarded([&]() -> int {
+    auto invalid = [](const std::string& why) {
+      return report(Status::InvalidArgument("bucket layout: " + why));
+    };
+    if (n < 0 || m < 0 || cap < 0 || (n > 0 && (!bytes || !group)) ||
+        (m > 0 && (!order || !bucket_of)) || !num_buckets)
+      return invalid("negative count or cap, or a missing array");
+    for (int64_t i = 0; i < n; ++i)
+      if (bytes[i] < 0) return invalid("tensor " + std::to_string(i) + " has negative bytes");
+    for (int64_t k = 0; k < m; ++k)
+      if (order[k] < 0 || order[k] >= n)
+        return invalid("order[" + std::to_string(k) + "] = " + std::to_string(order[k]) +
+                       " is not a tensor index below " + std::to_string(n));
+    const auto out = bagua_hvd::bucket_layout(std::vector<int64_t>(bytes, bytes + n),
+                                              std::vector<int32_t>(group, group + n),
+                                              std::vector<int64_t>(order, order + m), cap);
+    std::copy(out.begin(), out.end(), bucket_of);
+    *num_buckets = out.empty() ? 0 : *std::max_element(out.begin(), out.end()) + 1;
     return BHVD_OK;
   });
 }
