@@ -3,7 +3,9 @@
 Two sources, on one clock (CLOCK_MONOTONIC: Python's ``time.monotonic_ns`` and the core's):
 
 * Python, around the primitives (installed by :func:`install`): a bucket's launch (the engine's
-  ``primitives.allreduce`` or Horovod's ``bucket_allreduce_async``), the
+  ``primitives.allreduce``; Horovod's allreduce of a host bucket, from its descriptions
+  (``mpi_ops.host_allreduce_descs``) to its handle (``mpi_ops.track``), or
+  ``bucket_allreduce_async`` for CUDA tensors), the
   return of its wait (``Request.wait``, ``mpi_ops.synchronize``), the optimizer's updates
   (the wrapped ``torch.optim`` class's ``step``), and the step's own phases (forward, backward,
   ``step()``), which the benchmark marks.
@@ -215,6 +217,23 @@ def install(tracer: Tracer) -> None:
         tracer.launched(handle, sum(x.numel() for x in tensors), t)
         return handle
 
+    # A host bucket: described just before its enqueue, tracked just after.
+    orig_descs, orig_track = mpi_ops.host_allreduce_descs, mpi_ops.track
+    described: List[Tuple[int, int]] = []
+
+    @functools.wraps(orig_descs)
+    def host_allreduce_descs(tensors: Any, *a: Any, **k: Any) -> Any:
+        described.append((time.monotonic_ns(), sum(x.numel() for x in tensors)))
+        return orig_descs(tensors, *a, **k)
+
+    @functools.wraps(orig_track)
+    def track(handle: Any, *a: Any, **k: Any) -> Any:
+        out = orig_track(handle, *a, **k)
+        if described:
+            t, n = described.pop()
+            tracer.launched(handle, n, t)
+        return out
+
     orig_sync = mpi_ops.synchronize
 
     @functools.wraps(orig_sync)
@@ -226,6 +245,8 @@ def install(tracer: Tracer) -> None:
     primitives.allreduce = allreduce
     primitives.Request.wait = wait
     mpi_ops.bucket_allreduce_async = bucket_allreduce_async
+    mpi_ops.host_allreduce_descs = host_allreduce_descs
+    mpi_ops.track = track
     mpi_ops.synchronize = synchronize
 
     for cls in (torch.optim.SGD,):
