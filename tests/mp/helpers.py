@@ -20,15 +20,7 @@ TORCH_DTYPES = {
     "bool": torch.bool,
 }
 REDUCE_DTYPES = [
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
+    "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
 ]
 MOVE_DTYPES = REDUCE_DTYPES + ["bool", "uint16"]
 
@@ -48,9 +40,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy().copy()
 
 
-def check(
-    got: torch.Tensor, expected: np.ndarray, dtype: str, tol: float = 0.0, what: str = ""
-) -> None:
+def check(got: torch.Tensor, expected: np.ndarray, dtype: str, tol: float = 0.0,
+          what: str = "") -> None:
     """Asserts dtype, shape and values of ``got`` against the numpy reference."""
     assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {type(got)}"
     assert got.dtype == TORCH_DTYPES[dtype], f"{what}: dtype {got.dtype} != {dtype}"
@@ -59,14 +50,14 @@ def check(
     )
     g = to_numpy(got)
     if dtype in ref.FLOAT_TYPES:
-        np.testing.assert_allclose(
-            g.astype(np.float64), expected.astype(np.float64), rtol=0, atol=tol, err_msg=what
-        )
+        np.testing.assert_allclose(g.astype(np.float64), expected.astype(np.float64), rtol=0,
+                                   atol=tol, err_msg=what)
     else:
         np.testing.assert_array_equal(g, expected.astype(g.dtype), err_msg=what)
 
 
-def inputs_for(case: tuple, size: int, shape_of, dtype: str, low: int = -4, high: int = 4) -> list:
+def inputs_for(case: tuple, size: int, shape_of, dtype: str, low: int = -4,
+               high: int = 4) -> list:
     """Every rank's input for one test case; ``shape_of(rank)`` gives each rank's shape."""
     seed = ref.seed_for(*case, dtype)
     return [ref.make_input(seed, r, shape_of(r), dtype, low, high) for r in range(size)]

@@ -23,10 +23,8 @@ def stat(key: str) -> int:
 def inputs(size: int, n: int, numel: int) -> list[list[np.ndarray]]:
     """inputs[rank][i]: deterministic per rank, so each rank can compute the reference."""
     return [
-        [
-            np.random.default_rng(1000 * r + i).integers(-50, 50, numel).astype(np.float32)
-            for i in range(n)
-        ]
+        [np.random.default_rng(1000 * r + i).integers(-50, 50, numel).astype(np.float32)
+         for i in range(n)]
         for r in range(size)
     ]
 
@@ -45,10 +43,8 @@ def test_async_ops_within_a_cycle_are_fused():
     hvd.barrier()
     responses, fused = stat("responses"), stat("fused_tensors")
     t0 = time.monotonic()
-    handles = [
-        hvd.allreduce_async(torch.from_numpy(data[rank][i]), name=f"fuse.{i}", op=hvd.Sum)
-        for i in range(10)
-    ]
+    handles = [hvd.allreduce_async(torch.from_numpy(data[rank][i]), name=f"fuse.{i}", op=hvd.Sum)
+               for i in range(10)]
     wait_by_polling(handles)
     held = time.monotonic() - t0
     outs = [hvd.synchronize(h) for h in handles]
@@ -65,15 +61,12 @@ def test_fusion_respects_the_threshold():
     data = inputs(size, 10, 256)  # 10 x 1024 bytes under a 4096-byte threshold: 4 + 4 + 2
     hvd.barrier()
     responses, fused = stat("responses"), stat("fused_tensors")
-    handles = [
-        hvd.allreduce_async(torch.from_numpy(data[rank][i]), name=f"thr.{i}", op=hvd.Sum)
-        for i in range(10)
-    ]
+    handles = [hvd.allreduce_async(torch.from_numpy(data[rank][i]), name=f"thr.{i}", op=hvd.Sum)
+               for i in range(10)]
     wait_by_polling(handles)
     for i, h in enumerate(handles):
-        np.testing.assert_array_equal(
-            hvd.synchronize(h).numpy(), sum(data[r][i] for r in range(size))
-        )
+        np.testing.assert_array_equal(hvd.synchronize(h).numpy(),
+                                      sum(data[r][i] for r in range(size)))
     # At most 4 tensors fit in one fused buffer, so at least 3 responses; a full buffer is sent
     # at once, so how the rest group depends on arrival (4+4+2 or 4+1+4+1 ...), but fusion
     # must have happened.
@@ -97,14 +90,11 @@ def test_ranks_submitting_in_different_orders_run_the_same_ops():
     names = [f"order.{i}" for i in range(6)]
     data = inputs(size, 6, 1000)
     order = list(range(6)) if rank % 2 == 0 else list(reversed(range(6)))
-    handles = {
-        i: hvd.allreduce_async(torch.from_numpy(data[rank][i]), name=names[i], op=hvd.Sum)
-        for i in order
-    }
+    handles = {i: hvd.allreduce_async(torch.from_numpy(data[rank][i]), name=names[i],
+                                      op=hvd.Sum) for i in order}
     for i in range(6):
-        np.testing.assert_array_equal(
-            hvd.synchronize(handles[i]).numpy(), sum(data[r][i] for r in range(size))
-        )
+        np.testing.assert_array_equal(hvd.synchronize(handles[i]).numpy(),
+                                      sum(data[r][i] for r in range(size)))
 
 
 def test_cached_requests_hit_and_evict_correctly():

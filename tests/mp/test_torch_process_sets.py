@@ -209,10 +209,7 @@ def test_init_rejects_duplicate_sets(restore_default):
     # the duplicate entry is invalidated, and an init() with a valid list maps onto what is
     # registered.
     assert hvd.is_initialized() and a.process_set_id == 1 and b.process_set_id is None
-    assert hvd.mpi_ops._basics._get_process_set_ids_and_ranks() == {
-        0: list(range(hvd.size())),
-        1: [0],
-    }
+    assert hvd.mpi_ops._basics._get_process_set_ids_and_ranks() == {0: list(range(hvd.size())), 1: [0]}
     c = hvd.ProcessSet([0])
     hvd.init(process_sets=[c])
     assert c.process_set_id == 1
