@@ -51,7 +51,7 @@ Status load_config(int epoch, Config* out) {
   BootstrapConfig& b = c.bootstrap;
   // An elastic job's workers meet under the driver's generation, however many jobs each process
   // formed before (bagua_hvd/common/elastic.py).
-  if (const char* g = env_raw("BAGUA_HVD_ELASTIC_GENERATION")) epoch = std::atoi(g);
+  if (env_raw("BAGUA_HVD_ELASTIC_GENERATION")) epoch = static_cast<int>(elastic_generation());
   b.epoch = epoch;
   b.timeout_s = env_double("GLOO_TIMEOUT_SECONDS", 30);
   if (const char* t = env_raw("BAGUA_HVD_TIMEOUT_SECONDS")) b.timeout_s = std::atof(t);
