@@ -312,16 +312,27 @@ def _allreduce_async(
 def host_allreduce_descs(
     tensors: Sequence[torch.Tensor], op: int, prescale_factor: float, postscale_factor: float
 ) -> List[Tuple[int, int, Tuple[int, ...]]]:
-    """The core's descriptions of host tensors for an in-place allreduce, with the checks of
-    :func:`_allreduce_async` (dtype, contiguity, bool's ops): for a DistributedOptimizer's
-    bucket, which calls ``ops.enqueue`` itself and hands the handle to :func:`track`."""
-    descs = []
+    """The core's descriptions of host tensors for an in-place allreduce, checked as
+    :func:`_grouped_allreduce_async` checks them: for a DistributedOptimizer's bucket, which
+    calls ``ops.enqueue`` itself and hands the handle to :func:`track`."""
+    codes = _allreduce_codes(tensors, op, prescale_factor, postscale_factor)
+    return [_desc(t, c) for t, c in zip(tensors, codes)]
+
+
+def _allreduce_codes(
+    tensors: Sequence[torch.Tensor], op: int, prescale_factor: float, postscale_factor: float
+) -> List[int]:
+    """The core's dtype codes of an allreduce's tensors, after Horovod's checks (dtype,
+    contiguity, Adasum's GPU warning, bool's ops)."""
+    codes = []
     for t in tensors:
+        if op == Adasum:
+            _adasum_checks(t)
         code = _check(t, _ALLREDUCE_DTYPES)
         if code == _ops.BOOL:
             _check_bool_reduce(op, prescale_factor, postscale_factor)
-        descs.append((t.data_ptr(), code, tuple(t.shape)))
-    return descs
+        codes.append(code)
+    return codes
 
 
 def _no_output(_handle: int) -> None:
@@ -529,14 +540,7 @@ def _grouped_allreduce_async(
     prefix: str = "grouped_allreduce",
     single: bool = False,
 ) -> int:
-    codes = []
-    for t in tensors:
-        if op == Adasum:
-            _adasum_checks(t)
-        code = _check(t, _ALLREDUCE_DTYPES)
-        if code == _ops.BOOL:
-            _check_bool_reduce(op, prescale_factor, postscale_factor)
-        codes.append(code)
+    codes = _allreduce_codes(tensors, op, prescale_factor, postscale_factor)
     device = _device_of_all(tensors)
     ins = [_host(t) for t in tensors]
     outs = [
