@@ -225,7 +225,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--no-hierarchical-allreduce",
         "hierarchical_allreduce",
         "allreduce within each host, among one rank per host, then within the host "
-        "again (HOROVOD_HIERARCHICAL_ALLREDUCE=1; no effect on one host)",
+        "again, on CPU and CUDA tensors (HOROVOD_HIERARCHICAL_ALLREDUCE=1; no effect on one host)",
         "a flat allreduce over all ranks (HOROVOD_HIERARCHICAL_ALLREDUCE=0, the default)",
     )
     _switch(

@@ -1,6 +1,7 @@
 // The execution of one negotiated response on this rank (core/runtime.h): errors and control
 // ops (join, barrier, process-set changes) here, tensor ops through their executor (ops/) with
-// the set's Comm, its host hierarchy, the data engine and the fusion buffer.
+// the set's Comm, its host hierarchy (host and device tensors alike), the data engine and the
+// fusion buffer.
 #include <algorithm>
 #include <stdexcept>
 
@@ -84,17 +85,24 @@ void Runtime::execute(const Response& r, uint64_t tl_group) {
     return;
   }
   const auto started = Clock::now();
+  // The host hierarchy (BAGUA's hierarchical algorithms, Horovod's hierarchical allreduce) is the
+  // op executors' on every engine: within the host over shared memory or NVLink, among the hosts
+  // over the network.
+  const bool hierarchical = runs_hierarchical(r.type, r.params) ||
+                            (r.type == BHVD_OP_ALLREDUCE && hierarchical_allreduce_);
+  Hierarchy* hierarchy =
+      hierarchical ? hierarchies_.get(r.process_set_id, *transport_, *comm, cfg_.rank) : nullptr;
   DeviceEngine* device = r.device >= 0 ? device_for(entries) : nullptr;
   if (device) {
-    // Device tensors: NCCL finds its own topology (no host hierarchy); the engine's stream
-    // waits for the callers' streams, and the handles get the event after the op.
+    // Device tensors: the engine's stream waits for the callers' streams, and the handles get
+    // the event after the op.
     std::vector<DeviceEvent> inputs;
     for (Entry* e : entries)
       if (e && e->ready) {
         device->wait(e->ready);
         inputs.push_back(e->ready);
       }
-    ExecContext ctx{r, *comm, entries, *device, device->fusion(), nullptr, mu_, &timeline_,
+    ExecContext ctx{r, *comm, entries, *device, device->fusion(), hierarchy, mu_, &timeline_,
                     tl_group};
     // Horovod's GPU Adasum with NCCL (its CPU Adasum, on a staged copy, without).
     if (r.type == BHVD_OP_ALLREDUCE && r.reduce_op == ReduceOp::ADASUM && loaded_nccl()) {
@@ -108,10 +116,6 @@ void Runtime::execute(const Response& r, uint64_t tl_group) {
     for (Entry* e : entries)
       if (e) e->handle->done_event = done;
   } else {
-    const bool hierarchical = runs_hierarchical(r.type, r.params) ||
-                              (r.type == BHVD_OP_ALLREDUCE && hierarchical_allreduce_);
-    Hierarchy* hierarchy =
-        hierarchical ? hierarchies_.get(r.process_set_id, *transport_, *comm, cfg_.rank) : nullptr;
     DataEngine& engine = mpi_engine_ ? *mpi_engine_ : cpu_engine();
     ExecContext ctx{r, *comm, entries, engine, fusion_, hierarchy, mu_, &timeline_, tl_group};
     exec(ctx);

@@ -141,7 +141,8 @@ Status validate_compressed_allreduce(const bhvd_request& req, const std::string&
     return Status::InvalidArgument(title + ": error feedback takes 2 residual buffers (worker, "
                                            "server), got 1");
   if (p->residual_worker) {
-    const ResidualSizes n = residual_sizes(tensor_elements(in), group_size(p->hierarchical != 0));
+    residuals.group = group_size(p->hierarchical != 0);
+    const ResidualSizes n = residual_sizes(tensor_elements(in), residuals.group);
     if (Status s = state_buffer(p->residual_worker, "residual_worker", in.dtype, n.worker, title,
                                 &residuals.worker);
         !s.ok())

@@ -6,11 +6,6 @@
 
 namespace bagua_hvd {
 
-Output DataEngine::allocate_output(size_t bytes) {
-  auto host = std::make_shared<std::vector<unsigned char>>(bytes);
-  return Output{std::shared_ptr<void>(host, host->data()), bytes, -1};
-}
-
 namespace {
 
 class CpuEngine final : public DataEngine {

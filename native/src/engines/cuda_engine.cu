@@ -390,99 +390,15 @@ class CudaEngine final : public DeviceEngine {
     bagua_hvd::allreduce_adasum(comm, s.host(0), counts, dtype, dots_also);
     s.to_device();
   }
-  void allreduce_hierarchical(Comm& comm, Comm& host, Comm& cross, void* buf, size_t count,
-                              DataType dtype, ReduceOp op) override {
-    // NCCL finds the topology itself (NVLink within a host, the network
-    // across).
-    allreduce(comm, buf, count, dtype, op);
-  }
-
   // ---- BAGUA's primitives ----
-  // With NCCL, ByteGrad (and QAdam's compressed allreduce), the full-precision peer averages and
-  // the low-precision ring run on the device in phases (collectives/stream_backend.h: the CUDA
-  // MinMaxUInt8 kernels and element-wise kernels between NCCL exchanges); otherwise through the
-  // host (the CPU engine's results, bit for bit).
-  void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype, bool average,
-                              void* ef_worker, void* ef_server) override {
+  // ByteGrad (and QAdam's compressed allreduce), the full-precision peer averages and the
+  // low-precision ring run on the device in phases (engines/stream_engine.h): the CUDA kernels
+  // compress, decompress and average on this stream whatever moves the bytes; NCCL exchanges
+  // them, or, where NCCL cannot serve, the host transports with only the exchanged (compressed)
+  // bytes staged. The same bits as the CPU engine's (native/tests/phased_test.cc).
+  std::unique_ptr<StreamBackend> backend(Comm& comm) override {
     DeviceGuard g(device_);
-    SetComm& sc = set_comm(comm);
-    if (sc.comm) {
-      Backend be(*this, comm, sc.comm);
-      allreduce_minmax_uint8_phased(be, buf, count, dtype, average, ef_worker, ef_server);
-      return;
-    }
-    const size_t es = dtype_size(dtype), n = static_cast<size_t>(comm.size());
-    const size_t chunk = (count + n - 1) / n;
-    Staging s(*this, {{buf, count * es, true},
-                      {ef_worker, chunk * n * es, true},
-                      {ef_server, chunk * es, true}});
-    cpu_engine().allreduce_minmax_uint8(comm, s.host(0), count, dtype, average, s.host(1),
-                                        s.host(2));
-    s.to_device();
-  }
-  void decentralized_average(Comm& comm, const void* in, void* out, size_t count, DataType dtype,
-                             PeerMode mode, int64_t step) override {
-    DeviceGuard g(device_);
-    SetComm& sc = set_comm(comm);
-    if (sc.comm) {
-      Backend be(*this, comm, sc.comm);
-      decentralized_average_phased(be, in, out, count, dtype, mode, step);
-      return;
-    }
-    const size_t bytes = count * dtype_size(dtype);
-    const bool same = in == out;
-    Staging s(*this, {{in, bytes, same}, {same ? nullptr : out, bytes, true}});
-    cpu_engine().decentralized_average(comm, s.host(0), same ? s.host(0) : s.host(1), count, dtype,
-                                       mode, step);
-    s.to_device();
-  }
-  void lp_decentralized(Comm& comm, void* x, void* self, void* left, void* right, size_t count,
-                        DataType dtype) override {
-    DeviceGuard g(device_);
-    SetComm& sc = set_comm(comm);
-    if (sc.comm) {
-      Backend be(*this, comm, sc.comm);
-      lp_decentralized_phased(be, x, self, left, right, count, dtype);
-      return;
-    }
-    const size_t bytes = count * dtype_size(dtype);
-    Staging s(*this,
-              {{x, bytes, true}, {self, bytes, true}, {left, bytes, true}, {right, bytes, true}});
-    cpu_engine().lp_decentralized(comm, s.host(0), s.host(1), s.host(2), s.host(3), count, dtype);
-    s.to_device();
-  }
-  void lp_decentralized_init(Comm& comm, const void* x, void* self, void* left, void* right,
-                             size_t count, DataType dtype) override {
-    DeviceGuard g(device_);
-    SetComm& sc = set_comm(comm);
-    if (sc.comm) {
-      Backend be(*this, comm, sc.comm);
-      lp_decentralized_init_phased(be, x, self, left, right, count, dtype);
-      return;
-    }
-    const size_t bytes = count * dtype_size(dtype);
-    Staging s(*this,
-              {{x, bytes, false}, {self, bytes, true}, {left, bytes, true}, {right, bytes, true}});
-    cpu_engine().lp_decentralized_init(comm, s.host(0), s.host(1), s.host(2), s.host(3), count,
-                                       dtype);
-    s.to_device();
-  }
-  void lp_decentralized_exchange(Comm& comm, const uint8_t* c, void* left, void* right,
-                                 size_t count, DataType dtype) override {
-    DeviceGuard g(device_);
-    SetComm& sc = set_comm(comm);
-    if (sc.comm) {
-      Backend be(*this, comm, sc.comm);
-      lp_decentralized_exchange_phased(be, c, left, right, count, dtype);
-      return;
-    }
-    const size_t bytes = count * dtype_size(dtype);
-    Staging s(*this, {{c, minmax_uint8_bytes(dtype, count, 1), false},
-                      {left, bytes, true},
-                      {right, bytes, true}});
-    cpu_engine().lp_decentralized_exchange(comm, static_cast<const uint8_t*>(s.host(0)), s.host(1),
-                                           s.host(2), count, dtype);
-    s.to_device();
+    return std::make_unique<Backend>(*this, comm, set_comm(comm).comm);
   }
 
  private:
@@ -498,7 +414,9 @@ class CudaEngine final : public DeviceEngine {
   };
   class Staging {
    public:
-    Staging(CudaEngine& e, std::initializer_list<Part> parts) : e_(e), parts_(parts) {
+    Staging(CudaEngine& e, std::initializer_list<Part> parts)
+        : Staging(e, std::vector<Part>(parts)) {}
+    Staging(CudaEngine& e, std::vector<Part> parts) : e_(e), parts_(std::move(parts)) {
       device_stats().staged_calls++;
       std::vector<size_t> offsets;
       size_t size = 0;
@@ -535,7 +453,8 @@ class CudaEngine final : public DeviceEngine {
     std::vector<void*> host_;
   };
 
-  // BAGUA's phased primitives on this engine: its kernels on its stream, NCCL for the exchanges.
+  // BAGUA's phased primitives on this engine: its kernels on its stream; the exchanges through
+  // NCCL (nc_), or staged through the host transports where the set has no communicator.
   class Backend final : public StreamBackend {
    public:
     Backend(CudaEngine& e, Comm& comm, nccl::Comm nc) : e_(e), comm_(comm), nc_(nc) {}
@@ -575,8 +494,17 @@ class CudaEngine final : public DeviceEngine {
                         float* acc) override {
       minmax_uint8_decompress_add_f32_cuda(in, dtype, n, chunks, acc, e_.stream_);
     }
+    // The exchanges: NCCL on the stream, or (nc_ null) the host transports, with the exchanged
+    // bytes staged through pinned memory.
     void alltoall(const void* in, void* out, size_t bytes) override {
       const int n = size(), me = rank();
+      const std::vector<size_t> each(n, bytes);
+      if (!nc_) {
+        Staging s(e_, {{in, bytes * n, false}, {out, bytes * n, true, false}});
+        cpu_engine().alltoallv(comm_, s.host(0), each, s.host(1), each);
+        s.to_device();
+        return;
+      }
       std::vector<const void*> to(n);
       std::vector<void*> from(n);
       for (int j = 0; j < n; ++j) {
@@ -584,10 +512,16 @@ class CudaEngine final : public DeviceEngine {
         from[j] = static_cast<unsigned char*>(out) + j * bytes;
       }
       e_.copy(from[me], to[me], bytes);
-      const std::vector<size_t> each(n, bytes);
       e_.grouped_sendrecv(nc_, me, to, each, from, each);
     }
     void allgather(const void* in, void* out, size_t bytes) override {
+      if (!nc_) {
+        const std::vector<size_t> each(size(), bytes);
+        Staging s(e_, {{in, bytes, false}, {out, bytes * size(), true, false}});
+        cpu_engine().allgatherv(comm_, s.host(0), s.host(1), each);
+        s.to_device();
+        return;
+      }
       // In place when `in` is out's block rank(), as NCCL allows.
       if (bytes)
         e_.nccl_call(e_.nccl_->all_gather(in, out, bytes, nccl::kUint8, nc_, e_.stream_), nc_);
@@ -595,6 +529,18 @@ class CudaEngine final : public DeviceEngine {
     void sendrecv(const std::vector<int>& to, const void* out, const std::vector<int>& from,
                   const std::vector<void*>& in, size_t bytes) override {
       if (!bytes) return;
+      if (!nc_) {
+        std::vector<Part> parts{{out, bytes, false}};
+        for (void* p : in) parts.push_back({p, bytes, true, false});
+        Staging s(e_, std::move(parts));
+        std::vector<Comm::Xfer> xs;
+        for (int p : to) xs.push_back({Comm::Xfer::SEND, p, s.host(0), bytes});
+        for (size_t k = 0; k < from.size(); ++k)
+          xs.push_back({Comm::Xfer::RECV, from[k], s.host(k + 1), bytes});
+        comm_.run(xs, "peer exchange");
+        s.to_device();
+        return;
+      }
       e_.nccl_group(nc_, [&] {
         for (int p : to)
           e_.nccl_call(e_.nccl_->send(out, bytes, nccl::kUint8, p, nc_, e_.stream_), nc_);
@@ -604,8 +550,12 @@ class CudaEngine final : public DeviceEngine {
     }
     void allreduce_sum(void* buf, size_t n, DataType dtype) override {
       nccl::DataType t;
-      if (!nccl::data_type(dtype, &t))
-        throw std::invalid_argument(std::string("NCCL has no type for ") + dtype_name(dtype));
+      if (!nc_ || !nccl::data_type(dtype, &t)) {
+        Staging s(e_, {{buf, n * dtype_size(dtype), true}});
+        cpu_engine().allreduce(comm_, s.host(0), n, dtype, ReduceOp::SUM);
+        s.to_device();
+        return;
+      }
       if (n) e_.nccl_call(e_.nccl_->all_reduce(buf, buf, n, t, nccl::kSum, nc_, e_.stream_), nc_);
     }
 

@@ -54,9 +54,11 @@ class DataEngine {
     bagua_hvd::allreduce_adasum(comm, buf, counts, dtype, dots_also);
   }
   // Allreduce over hosts with the same number of comm's ranks each (collectives/hierarchy.h):
-  // host is this rank's host's members, cross the members with its index on every host.
+  // host is this rank's host's members, cross the members with its index on every host. Here
+  // Horovod's NCCL hierarchical allreduce over the collectives above (engines/data_engine.cc);
+  // the CPU engine pipelines the two levels instead.
   virtual void allreduce_hierarchical(Comm& comm, Comm& host, Comm& cross, void* buf, size_t count,
-                                      DataType dtype, ReduceOp op) = 0;
+                                      DataType dtype, ReduceOp op);
 
   // BAGUA's primitives (docs/algorithms.md).
   virtual void allreduce_minmax_uint8(Comm& comm, void* buf, size_t count, DataType dtype,

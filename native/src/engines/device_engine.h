@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "engines/data_engine.h"
 #include "engines/fusion_buffer.h"
+#include "engines/stream_engine.h"
 
 namespace bagua_hvd {
 
@@ -25,7 +25,7 @@ namespace bagua_hvd {
 // request and the handle that waits for it.
 using DeviceEvent = std::shared_ptr<void>;
 
-class DeviceEngine : public DataEngine {
+class DeviceEngine : public StreamEngine {
  public:
   virtual int device() const = 0;
   // "NCCL 2.27.3" or "host staging (<why NCCL is not used>)", for the log and

@@ -1,6 +1,9 @@
 // ByteGrad's MinMaxUInt8-compressed allreduce (BHVD_OP_COMPRESSED_ALLREDUCE), flat or
 // hierarchical (full precision within the host, compressed among the hosts' leaders), with
 // optional error-feedback residuals. Never fused (coordinator): one tensor, this rank's entry.
+#include <stdexcept>
+#include <string>
+
 #include "ops/op.h"
 
 namespace bagua_hvd {
@@ -16,10 +19,18 @@ void execute_compressed_allreduce(ExecContext& ctx) {
   if (e->input != e->output && count) eng.copy(e->output, e->input, count * esize);
   if (r.prescale != 1.0) eng.scale(e->output, count, r.dtype, r.prescale);
   const bool average = r.reduce_op == ReduceOp::AVERAGE;
+  // The residuals were sized at enqueue for the layout that runs (core/validate.cc); a rank
+  // that would run another would read and write past them: refuse before anything is sent.
+  Hierarchy* h = ctx.hierarchy;
+  Comm& exchange = h ? *h->leaders : ctx.comm;
+  if (ef.worker && ef.group != exchange.size())
+    throw std::logic_error("compressed allreduce: error-feedback residuals sized for " +
+                           std::to_string(ef.group) + " ranks, but the exchange runs over " +
+                           std::to_string(exchange.size()));
   // Compression, exchange and decompression are pipelined block by block in one collective
   // (collectives/allreduce_minmax_uint8.cc): one activity.
   TimelineActivity activity(ctx, kTlCompressedAllreduce);
-  if (Hierarchy* h = ctx.hierarchy) {
+  if (h) {
     // BAGUA's hierarchy: full precision within the host, compressed among the hosts.
     eng.allreduce(*h->intra, e->output, count, r.dtype, ReduceOp::SUM);
     if (average) eng.scale(e->output, count, r.dtype, 1.0 / h->intra->size());
@@ -28,7 +39,7 @@ void execute_compressed_allreduce(ExecContext& ctx) {
                                  ef.server);
     eng.broadcast(*h->intra, e->output, count * esize, 0);
   } else {
-    eng.allreduce_minmax_uint8(ctx.comm, e->output, count, r.dtype, average, ef.worker, ef.server);
+    eng.allreduce_minmax_uint8(exchange, e->output, count, r.dtype, average, ef.worker, ef.server);
   }
   if (r.postscale != 1.0) eng.scale(e->output, count, r.dtype, r.postscale);
 }

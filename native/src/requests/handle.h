@@ -51,6 +51,7 @@ struct Handle {
 struct Residuals {  // BHVD_OP_COMPRESSED_ALLREDUCE's error feedback; null without it
   void* worker = nullptr;
   void* server = nullptr;
+  int group = 0;  // the ranks of the compressed exchange they are sized for (residual_sizes)
 };
 struct Replicas {  // the low-precision ring's replicas (INIT and STEP: self too; EXCHANGE: not)
   void* self = nullptr;
