@@ -4,7 +4,7 @@
 # build/gpu-check). Runs tests/gpu/gpu_check.py at 1 rank (NCCL) and at 2 ranks sharing the GPU
 # (NCCL refuses that: host staging), and the CUDA kernels' checks (MinMaxUInt8; BAGUA's phased
 # primitives, whose N-rank NCCL form one GPU cannot run, with their exchanges between threads).
-# Every step is bounded (7.5 min in all; a few when all passes); each step's output is appended
+# Every step is bounded (11 min in all; a few when all passes); each step's output is appended
 # to one file beside the report ($OUT/gpu-logs.txt), so two files come back.
 #
 # Python packages the machine lacks (cffi, pycparser) may come as wheels in .whl/; a core library
@@ -95,6 +95,12 @@ step adasum-1rank 45 "$py" tests/gpu/gpu_check.py adasum
 step adasum-2ranks 60 "${launch[@]}" "$py" tests/gpu/gpu_check.py adasum
 step adasum-2hosts 60 bash tests/gpu/two_nodes.sh 2 "$py" tests/gpu/gpu_check.py adasum
 step adasum-2x2 75 bash tests/gpu/two_nodes.sh 4 "$py" tests/gpu/gpu_check.py adasum
+# The host hierarchy on CUDA tensors (issue 39): two hosts of one rank (flat), then of two ranks
+# sharing the GPU (the hierarchy, staged, with the kernels on the device).
+export HOROVOD_HIERARCHICAL_ALLREDUCE=1
+step hierarchy-2hosts 90 bash tests/gpu/two_nodes.sh 2 "$py" tests/gpu/gpu_check.py hierarchy
+step hierarchy-2x2 120 bash tests/gpu/two_nodes.sh 4 "$py" tests/gpu/gpu_check.py hierarchy
+unset HOROVOD_HIERARCHICAL_ALLREDUCE
 step timing-1rank 45 "$py" tests/gpu/gpu_check.py timing
 step timing-2ranks 60 "${launch[@]}" "$py" tests/gpu/gpu_check.py timing
 say "# $fails failed step(s)"

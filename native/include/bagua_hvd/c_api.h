@@ -439,8 +439,10 @@ int bhvd_lp_rings_settle(double timeout_s, int64_t* late);
 /* Counters for tests and benchmarks: key is one of "responses", "fused_tensors", "cycles",
  * "cache_hits", "fusion_buffer_bytes", "exec_ns" (time the background thread spent executing
  * operations), "bytes_sent" (payload bytes sent to other ranks), "bytes_sent_remote" (of those,
- * to ranks on other hosts), "mpi_calls" (MPI functions the MPI engine called). Returns -1 for an
- * unknown key. */
+ * to ranks on other hosts), "mpi_calls" (MPI functions the MPI engine called), "nccl_calls"
+ * (NCCL calls of the device engines), "device_staged_calls" and "device_staged_bytes" (their calls
+ * staged through host memory, and the bytes those copied between device and host, both ways).
+ * Returns -1 for an unknown key. */
 int64_t bhvd_stat(const char* key);
 /* Timestamps of the core's collectives for bench/timeline.py: a ring buffer of the last 4096
  * begin/mark/end events, recorded only while enabled (off by default). bhvd_trace_enable turns

@@ -498,6 +498,7 @@ int64_t bhvd_stat(const char* key) {
     if (k == "mpi_calls") return bagua_hvd::mpi_engine_calls();
     if (k == "nccl_calls") return bagua_hvd::device_stats().nccl_calls;
     if (k == "device_staged_calls") return bagua_hvd::device_stats().staged_calls;
+    if (k == "device_staged_bytes") return bagua_hvd::device_stats().staged_bytes;
     return -1;
   });
 }

@@ -428,6 +428,7 @@ class CudaEngine final : public DeviceEngine {
       for (size_t i = 0; i < parts_.size(); ++i) {
         const Part& p = parts_[i];
         host_.push_back(p.dev ? area + offsets[i] : nullptr);
+        if (p.dev) device_stats().staged_bytes += (p.fetch ? p.bytes : 0) + (p.back ? p.bytes : 0);
         if (p.dev && p.bytes && p.fetch)
           check(cudaMemcpyAsync(host_[i], p.dev, p.bytes, cudaMemcpyDefault, e_.stream_),
                 "cudaMemcpyAsync (to the host)");
@@ -619,6 +620,7 @@ class CudaEngine final : public DeviceEngine {
                                   ReduceOp op) {
     device_stats().staged_calls++;
     const size_t es = dtype_size(dtype), per = kStagePieceBytes / es;
+    device_stats().staged_bytes += 2 * count * es;
     unsigned char* host = pinned(count * es);  // after the previous staged call's copies back
     auto* dev = static_cast<unsigned char*>(buf);
     std::vector<DeviceEvent> arrived;

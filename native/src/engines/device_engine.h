@@ -91,10 +91,12 @@ bool device_engines_stalled(double timeout_s);
 bool device_engines_built();
 
 // Calls of the device engines so far (bhvd_stat "nccl_calls",
-// "device_staged_calls").
+// "device_staged_calls"), and the bytes staged calls copied between the device and host memory,
+// both ways ("device_staged_bytes").
 struct DeviceStats {
   std::atomic<int64_t> nccl_calls{0};
   std::atomic<int64_t> staged_calls{0};
+  std::atomic<int64_t> staged_bytes{0};
 };
 DeviceStats& device_stats();
 
