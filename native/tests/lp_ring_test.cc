@@ -23,6 +23,7 @@ struct FakeRuntime {
   std::map<int64_t, std::string> names;
   std::map<int64_t, bool> done;
   std::map<int64_t, int32_t> op_types;
+  std::map<int64_t, bool> hierarchical;  // the step's and init's parameter
   bool hold = false;  // new handles stay in flight until completed by the test
   int64_t next = 1;
 
@@ -33,6 +34,10 @@ struct FakeRuntime {
       names[*h] = r.name;
       done[*h] = !hold;
       op_types[*h] = r.op_type;
+      if (r.op_type == BHVD_OP_LP_DECENTRALIZED_STEP)
+        hierarchical[*h] = static_cast<const bhvd_lp_step_params*>(r.params)->hierarchical != 0;
+      if (r.op_type == BHVD_OP_LP_DECENTRALIZED_INIT)
+        hierarchical[*h] = static_cast<const bhvd_lp_init_params*>(r.params)->hierarchical != 0;
       if (r.op_type == BHVD_OP_LP_DECENTRALIZED_STEP) {  // a "step" that adds 1 to x
         auto* x = static_cast<float*>(r.inputs[0].data);
         for (int64_t i = 0; i < r.inputs[0].shape[0]; ++i) x[i] += 1.0f;
@@ -77,12 +82,13 @@ struct Bucket {
 };
 
 struct Ring {
-  explicit Ring(bool split, double op_timeout_s = 0) {
+  explicit Ring(bool split, double op_timeout_s = 0, bool hierarchical = false) {
     buckets.emplace_back(5, "a");
     buckets.emplace_back(3, "b");
     LpRing::Params p;
     p.split = split;
     p.op_timeout_s = op_timeout_s;
+    p.hierarchical = hierarchical;
     ring = std::make_unique<LpRing>(rt.ops(), p,
                                     std::vector<LpRing::Bucket>{buckets[0].spec, buckets[1].spec});
   }
@@ -145,6 +151,19 @@ TEST(LpRing, WholeStepBlocksAndPacksSegments) {
   EXPECT_EQ(r.ring->pending(), 0);
   EXPECT_EQ(r.buckets[0].x, std::vector<float>(5, 2.0f));
   EXPECT_EQ(r.buckets[1].x, std::vector<float>(3, 2.0f));
+}
+
+TEST(LpRing, WholeStepIsHierarchicalAsTheAlgorithmSays) {
+  // Device buckets always take the whole step: with hierarchical=False it must be the flat ring,
+  // whatever the hosts (the core's hierarchy would otherwise run it among the hosts' leaders).
+  for (bool hierarchical : {false, true}) {
+    Ring r(false, 0, hierarchical);
+    ASSERT_TRUE(r.ring->init(r.x(), nullptr).ok());
+    ASSERT_TRUE(r.ring->step(r.x(), nullptr).ok());
+    ASSERT_EQ(r.rt.hierarchical.size(), 4u);
+    for (const auto& kv : r.rt.hierarchical)
+      EXPECT_EQ(kv.second, hierarchical) << r.rt.names[kv.first];
+  }
 }
 
 TEST(LpRing, LayoutChangeIsRefused) {

@@ -157,10 +157,12 @@ Status LpRing::run_buckets(const std::vector<Segments>& x, bool init, void* stre
     const bhvd_tensor reps[3] = {{or_empty(k.self), dtype, 1, &n},
                                  {or_empty(k.left), dtype, 1, &n},
                                  {or_empty(k.right), dtype, 1, &n}};
-    // The whole step is always "hierarchical": the core's hierarchy is flat on one host.
+    // The whole step runs host buckets only with the hierarchy in play, device buckets always:
+    // hierarchical as the algorithm says (device buckets with hierarchical=False: the flat ring).
     const auto ip = replica_params<bhvd_lp_init_params>(BHVD_OP_LP_DECENTRALIZED_INIT,
                                                         params_.hierarchical, reps);
-    const auto sp = replica_params<bhvd_lp_step_params>(BHVD_OP_LP_DECENTRALIZED_STEP, true, reps);
+    const auto sp = replica_params<bhvd_lp_step_params>(BHVD_OP_LP_DECENTRALIZED_STEP,
+                                                        params_.hierarchical, reps);
     const std::string& name = init ? k.init_name : k.step_name;
     int64_t h = 0;
     failed = init ? ops_.enqueue(request(ip.op_type, name, &t, &ip, stream), &h)
