@@ -72,8 +72,9 @@ class TensorAdapter:
         """A 1-D tensor of ``numel`` zeros of ``t``'s dtype (and device)."""
         raise NotImplementedError
 
-    def empty_bytes(self, nbytes: int) -> Any:
-        """A 1-D uint8 tensor of ``nbytes`` elements."""
+    def empty_bytes(self, nbytes: int, like: Any = None) -> Any:
+        """A 1-D uint8 tensor of ``nbytes`` elements, on ``like``'s device (host memory when
+        ``like`` is None)."""
         raise NotImplementedError
 
     def copy_(self, dst: Any, src: Any) -> None:
@@ -430,10 +431,10 @@ def _release_ring(ring: int, buffers: Any) -> None:
 class LowPrecisionRing(_WeightAveraging):
     """LowPrecisionDecentralized: the core's ring (c_api.h ``bhvd_lp_ring_*``), started before
     the first update with replicas (self, left, right) from the weights; after each update of
-    a communicating step, its step. On a flat ring the local half runs on this thread and the
-    exchange in the background, overlapping the next step (waited for by the next step or
-    :meth:`flush`); with the host hierarchy in play (or CUDA buckets) the core runs the whole
-    step, blocking. This object allocates the replicas and differences and keeps them alive
+    a communicating step, its step. On a flat ring the local half runs on this thread (on a
+    CUDA bucket: queued on the device, the current stream waiting for it) and the exchange in
+    the background, overlapping the next step (waited for by the next step or :meth:`flush`);
+    with the host hierarchy in play the core runs the whole step, blocking. This object allocates the replicas and differences and keeps them alive
     until the core's ring is released (:meth:`replan`, or when this object is collected)."""
 
     acts_after_update = True
@@ -479,12 +480,10 @@ class LowPrecisionRing(_WeightAveraging):
         a = self.adapter
         bufs = self._bufs(flats)
         replicas = [[a.empty_like(f) for _ in range(3)] for f in flats]
-        # The split step's compressed differences (host buckets; CUDA buckets take the whole
-        # step, on the device).
-        diffs = [
-            a.empty_bytes(_prim.compressed_size(b.dtype, b.numel)) if b.device < 0 else None
-            for b in bufs
-        ]
+        # The split step's compressed differences, where the bucket is (a CUDA bucket's local
+        # half runs on its device).
+        diffs = [a.empty_bytes(_prim.compressed_size(b.dtype, b.numel), like=f) for b, f in
+                 zip(bufs, flats)]  # fmt: skip
         self.ring = _prim.lp_ring_start(
             [[b] for b in bufs],
             [self._bufs(reps) for reps in replicas],

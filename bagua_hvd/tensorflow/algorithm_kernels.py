@@ -66,7 +66,7 @@ class Specs(engine.TensorAdapter):
     def zeros_like(self, t: Spec, numel: int) -> Spec:
         return Spec(numel, t.dtype)
 
-    def empty_bytes(self, nbytes: int) -> Spec:
+    def empty_bytes(self, nbytes: int, like: Any = None) -> Spec:
         return Spec(nbytes, _ops.UINT8)
 
     def copy_(self, dst: Spec, src: Spec) -> None:

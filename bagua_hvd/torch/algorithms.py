@@ -229,8 +229,8 @@ class TorchTensors(engine.TensorAdapter):
     def zeros_like(self, t: torch.Tensor, numel: int) -> torch.Tensor:
         return t.new_zeros(numel)
 
-    def empty_bytes(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def empty_bytes(self, nbytes: int, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=None if like is None else like.device)
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.no_grad():

@@ -18,13 +18,18 @@ namespace {
 
 // Handles complete at once, unless held; every call is logged ("enqueue <name>", "wait <name>",
 // "release <name>").
+// A caller's stream, as the device ring passes it on (never dereferenced here).
+void* const kCallerStream = reinterpret_cast<void*>(0x5157);
+
 struct FakeRuntime {
   std::vector<std::string> log;
   std::map<int64_t, std::string> names;
   std::map<int64_t, bool> done;
   std::map<int64_t, int32_t> op_types;
   std::map<int64_t, bool> hierarchical;  // the step's and init's parameter
-  bool hold = false;  // new handles stay in flight until completed by the test
+  std::map<int64_t, int32_t> devices;    // the request's device
+  std::map<int64_t, void*> streams;      // and stream
+  bool hold = false;                     // new handles stay in flight until completed by the test
   int64_t next = 1;
 
   LpRing::Ops ops() {
@@ -34,6 +39,8 @@ struct FakeRuntime {
       names[*h] = r.name;
       done[*h] = !hold;
       op_types[*h] = r.op_type;
+      devices[*h] = r.device;
+      streams[*h] = r.stream;
       if (r.op_type == BHVD_OP_LP_DECENTRALIZED_STEP)
         hierarchical[*h] = static_cast<const bhvd_lp_step_params*>(r.params)->hierarchical != 0;
       if (r.op_type == BHVD_OP_LP_DECENTRALIZED_INIT)
@@ -55,6 +62,11 @@ struct FakeRuntime {
     };
     o.release = [this](int64_t h) { log.push_back("release " + names[h]); };
     o.stream_wait = [](int64_t, void*) {};
+    o.local = [this](const LpRing::Bucket& k, void*, void* stream) {
+      log.push_back("local " + k.exchange_name);
+      EXPECT_EQ(stream, kCallerStream);
+      return Status::OK();
+    };
     return o;
   }
 };
@@ -82,13 +94,14 @@ struct Bucket {
 };
 
 struct Ring {
-  explicit Ring(bool split, double op_timeout_s = 0, bool hierarchical = false) {
+  explicit Ring(bool split, double op_timeout_s = 0, bool hierarchical = false, int device = -1) {
     buckets.emplace_back(5, "a");
     buckets.emplace_back(3, "b");
     LpRing::Params p;
     p.split = split;
     p.op_timeout_s = op_timeout_s;
     p.hierarchical = hierarchical;
+    p.device = device;
     ring = std::make_unique<LpRing>(rt.ops(), p,
                                     std::vector<LpRing::Bucket>{buckets[0].spec, buckets[1].spec});
   }
@@ -166,6 +179,26 @@ TEST(LpRing, WholeStepIsHierarchicalAsTheAlgorithmSays) {
   }
 }
 
+TEST(LpRing, DeviceSplitStepQueuesTheLocalHalfBeforeItsExchange) {
+  // Device weights: the local half goes to the device engine (Ops::local) with the caller's
+  // stream, after the bucket's previous exchange was waited for, and the exchange is a device
+  // request on the same stream (which waits for the local half), left in flight.
+  Ring r(true, 0, false, 0);
+  ASSERT_TRUE(r.ring->step(r.x(), kCallerStream).ok());
+  EXPECT_EQ(r.rt.log, (std::vector<std::string>{"local lpdec.x.a", "enqueue lpdec.x.a",
+                                                "local lpdec.x.b", "enqueue lpdec.x.b"}));
+  EXPECT_EQ(r.ring->pending(), 2);
+  for (const auto& kv : r.rt.devices) EXPECT_EQ(kv.second, 0) << r.rt.names[kv.first];
+  for (const auto& kv : r.rt.streams) EXPECT_EQ(kv.second, kCallerStream) << r.rt.names[kv.first];
+  EXPECT_EQ(r.buckets[0].x, std::vector<float>(5, 1.0f));  // the host kernels did not run
+  r.rt.log.clear();
+  ASSERT_TRUE(r.ring->step(r.x(), kCallerStream).ok());
+  EXPECT_EQ(r.rt.log,
+            (std::vector<std::string>{"wait lpdec.x.a", "release lpdec.x.a", "local lpdec.x.a",
+                                      "enqueue lpdec.x.a", "wait lpdec.x.b", "release lpdec.x.b",
+                                      "local lpdec.x.b", "enqueue lpdec.x.b"}));
+}
+
 TEST(LpRing, LayoutChangeIsRefused) {
   Ring r(true);
   std::vector<LpRing::Segments> segs = r.x();
@@ -203,10 +236,9 @@ TEST(LpRing, OwnWaitFailsAfterTheOpTimeout) {
 }
 
 TEST(LpRing, SplitDecision) {
-  EXPECT_TRUE(lp_ring_splits(false, 2, 4, -1));  // flat ring
-  EXPECT_FALSE(lp_ring_splits(true, 2, 4, -1));  // the host hierarchy in play
-  EXPECT_TRUE(lp_ring_splits(true, 4, 4, -1));   // hierarchical on one host: flat
-  EXPECT_FALSE(lp_ring_splits(false, 4, 4, 0));  // device weights: the whole step
+  EXPECT_TRUE(lp_ring_splits(false, 2, 4));  // flat ring (host or device weights)
+  EXPECT_FALSE(lp_ring_splits(true, 2, 4));  // the host hierarchy in play
+  EXPECT_TRUE(lp_ring_splits(true, 4, 4));   // hierarchical on one host: flat
 }
 
 }  // namespace

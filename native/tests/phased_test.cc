@@ -132,6 +132,40 @@ TEST(PhasedLowPrecisionRing, SameBitsAsThePipelinedForm) {
   }
 }
 
+TEST(PhasedLowPrecisionRing, LocalHalfAloneSameBitsAsTheCpuLocalHalf) {
+  // The split step's local half on a device (DeviceEngine::lp_local): kernels only, into the
+  // caller's compressed-difference and work buffers, against lp_decentralized_local.
+  for (DataType dtype : {DataType::FLOAT32, DataType::FLOAT16, DataType::BFLOAT16}) {
+    for (size_t count : {size_t{1}, size_t{5}, size_t{300001}}) {
+      const size_t bytes = count * dtype_size(dtype), cbytes = minmax_uint8_bytes(dtype, count, 1);
+      const Bytes left = phased_input(1, count, 0, dtype, 610);
+      const Bytes right = phased_input(2, count, 0, dtype, 620);
+      std::vector<Bytes> out[2];
+      for (int phased = 0; phased < 2; ++phased) {
+        Bytes x = phased_input(0, count, 0, dtype, 630),
+              self = phased_input(3, count, 0, dtype, 640);
+        std::vector<uint8_t> c(cbytes);
+        if (phased) {
+          // No exchange: the kernels of a backend whose exchanges are never called.
+          run_ranks(1, Kind::TCP, [&](Comm& comm) {
+            HostBackend be(comm);
+            Bytes work(bytes);
+            lp_decentralized_local_phased(be, x.data(), self.data(), left.data(), right.data(),
+                                          count, dtype, c.data(), work.data());
+          });
+        } else {
+          lp_decentralized_local(x.data(), self.data(), left.data(), right.data(), count, dtype,
+                                 c.data());
+        }
+        out[phased] = {x, self, Bytes(c.begin(), c.end())};
+      }
+      for (size_t i = 0; i < 3; ++i)
+        EXPECT_EQ(out[1][i], out[0][i])
+            << count << " elements, " << dtype_name(dtype) << ", buffer " << i << " (x, self, c)";
+    }
+  }
+}
+
 TEST(PhasedPeerAverage, SameBitsAsTheCombiningForm) {
   for (int n : {2, 3, 4}) {
     for (PeerMode mode : {PeerMode::ALL, PeerMode::SHIFT_ONE, PeerMode::RING}) {

@@ -54,20 +54,26 @@ void lp_decentralized_exchange_phased(StreamBackend& be, const uint8_t* c, void*
   be.add(right, dec, count, dtype);
 }
 
+void lp_decentralized_local_phased(StreamBackend& be, void* x, void* self, const void* left,
+                                   const void* right, size_t count, DataType dtype, uint8_t* c,
+                                   void* work) {
+  check_minmax_uint8_dtype(dtype, "low-precision decentralized");
+  if (count == 0) return;
+  // d, c = MinMaxUInt8(d), self += D(c), x = self (what the neighbours will hold); D(c) is
+  // decoded into d's buffer, which c no longer needs.
+  be.lp_difference(work, x, left, right, self, count, dtype);
+  be.compress(work, dtype, count, 1, c);
+  be.decompress(c, dtype, count, 1, work);
+  be.add(self, work, count, dtype);
+  be.copy(x, self, count * dtype_size(dtype));
+}
+
 void lp_decentralized_phased(StreamBackend& be, void* x, void* self, void* left, void* right,
                              size_t count, DataType dtype) {
   if (be.size() <= 1 || count == 0) return;  // as the CPU form: no local half either
-  check_minmax_uint8_dtype(dtype, "low-precision decentralized");
-  const size_t bytes = count * dtype_size(dtype);
-  // Local half: d, c = MinMaxUInt8(d), self += D(c), x = self (what the neighbours will hold).
-  void* d = be.scratch(kDiff, bytes);
-  be.lp_difference(d, x, left, right, self, count, dtype);
   auto* c = static_cast<uint8_t*>(be.scratch(kMine, minmax_uint8_bytes(dtype, count, 1)));
-  be.compress(d, dtype, count, 1, c);
-  void* dec = be.scratch(kDecoded, bytes);
-  be.decompress(c, dtype, count, 1, dec);
-  be.add(self, dec, count, dtype);
-  be.copy(x, self, bytes);
+  lp_decentralized_local_phased(be, x, self, left, right, count, dtype, c,
+                                be.scratch(kDiff, count * dtype_size(dtype)));
   lp_decentralized_exchange_phased(be, c, left, right, count, dtype);
 }
 

@@ -83,5 +83,12 @@ void lp_decentralized_exchange_phased(StreamBackend& be, const uint8_t* c, void*
                                       size_t count, DataType dtype);
 void lp_decentralized_phased(StreamBackend& be, void* x, void* self, void* left, void* right,
                              size_t count, DataType dtype);
+// Its local half alone (collectives.h: lp_decentralized_local), the split step's on a device:
+// c receives minmax_uint8_bytes(dtype, count, 1) bytes; work is count elements of scratch of the
+// caller's (the kernels only: no exchange, no backend scratch, so another thread's primitives
+// may run on the same backend's engine meanwhile).
+void lp_decentralized_local_phased(StreamBackend& be, void* x, void* self, const void* left,
+                                   const void* right, size_t count, DataType dtype, uint8_t* c,
+                                   void* work);
 
 }  // namespace bagua_hvd

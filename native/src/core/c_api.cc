@@ -95,6 +95,19 @@ bagua_hvd::LpRing::Ops lp_ring_ops(bagua_hvd::DeviceEngine* engine) {
     auto handle = Runtime::get().find(h);
     if (engine && handle && handle->done_event) engine->stream_wait(stream, handle->done_event);
   };
+  ops.local = [engine](const bagua_hvd::LpRing::Bucket& k, void* x, void* stream) {
+    if (!engine || !k.work || !k.diff)
+      return Status::InvalidArgument(
+          "low-precision decentralized: the split step on device weights needs device buffers "
+          "for the compressed difference");
+    try {
+      engine->lp_local(x, k.self, k.left, k.right, static_cast<size_t>(k.count), k.dtype, k.diff,
+                       k.work.get(), stream);
+    } catch (const std::exception& e) {
+      return Status::InvalidArgument(e.what());
+    }
+    return Status::OK();
+  };
   return ops;
 }
 
@@ -748,12 +761,16 @@ int bhvd_lp_ring_start(const bhvd_lp_ring_params* p, int64_t* id_out) {
       bucket.left = k.left;
       bucket.right = k.right;
       bucket.diff = k.diff;
+      // The split step's local half on the device needs scratch there (count elements).
+      if (engine && k.diff && k.count > 0)
+        bucket.work = engine->device_memory(static_cast<size_t>(k.count) *
+                                            bagua_hvd::dtype_size(bucket.dtype));
       buckets.push_back(std::move(bucket));
     }
     LpRing::Params params;
     params.set_id = p->process_set_id;
     params.hierarchical = p->hierarchical != 0;
-    params.split = bagua_hvd::lp_ring_splits(params.hierarchical, group, set_size, p->device);
+    params.split = bagua_hvd::lp_ring_splits(params.hierarchical, group, set_size);
     params.device = p->device;
     params.op_timeout_s = p->op_timeout_s;
     params.wait_warning_s = p->wait_warning_s;

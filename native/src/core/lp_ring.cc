@@ -35,8 +35,7 @@ std::string seconds_text(double s) {
 }
 }  // namespace
 
-bool lp_ring_splits(bool hierarchical, int group_size, int set_size, int device) {
-  if (device >= 0) return false;  // the local half runs on the host: device buckets take STEP
+bool lp_ring_splits(bool hierarchical, int group_size, int set_size) {
   return !hierarchical || group_size == set_size;
 }
 
@@ -51,7 +50,7 @@ bhvd_request LpRing::request(int32_t op_type, const std::string& name, const bhv
   r.op_type = op_type;
   r.name = name.c_str();
   r.process_set_id = params_.set_id;
-  const bool on_device = params_.device >= 0 && op_type != BHVD_OP_LP_DECENTRALIZED_EXCHANGE;
+  const bool on_device = params_.device >= 0;
   r.device = on_device ? params_.device : -1;
   r.stream = on_device ? stream : nullptr;
   r.prescale_factor = 1.0;
@@ -157,8 +156,7 @@ Status LpRing::run_buckets(const std::vector<Segments>& x, bool init, void* stre
     const bhvd_tensor reps[3] = {{or_empty(k.self), dtype, 1, &n},
                                  {or_empty(k.left), dtype, 1, &n},
                                  {or_empty(k.right), dtype, 1, &n}};
-    // The whole step runs host buckets only with the hierarchy in play, device buckets always:
-    // hierarchical as the algorithm says (device buckets with hierarchical=False: the flat ring).
+    // The whole step runs with the hierarchy in play: hierarchical as the algorithm says.
     const auto ip = replica_params<bhvd_lp_init_params>(BHVD_OP_LP_DECENTRALIZED_INIT,
                                                         params_.hierarchical, reps);
     const auto sp = replica_params<bhvd_lp_step_params>(BHVD_OP_LP_DECENTRALIZED_STEP,
@@ -180,10 +178,10 @@ Status LpRing::step(const std::vector<Segments>& x, void* stream) {
   std::lock_guard<std::mutex> lock(mu_);
   Status s = check(x);
   if (!s.ok()) return s;
-  return params_.split ? split_step(x) : whole_step(x, stream);
+  return params_.split ? split_step(x, stream) : whole_step(x, stream);
 }
 
-Status LpRing::split_step(const std::vector<Segments>& x) {
+Status LpRing::split_step(const std::vector<Segments>& x, void* stream) {
   // Bucket by bucket: the previous round's exchange of bucket b (which wrote its replicas and
   // read its difference) is waited for, its local half runs on the weights in place and its new
   // exchange starts, which then overlaps the next buckets' local halves. Each bucket's math is
@@ -205,12 +203,19 @@ Status LpRing::split_step(const std::vector<Segments>& x) {
           "low-precision decentralized: the split step needs the compressed difference buffers");
       break;
     }
-    try {
-      lp_decentralized_local(x[b].data(), x[b].size(), or_empty(k.self), or_empty(k.left),
-                             or_empty(k.right), k.dtype, k.diff);
-    } catch (const std::exception& e) {
-      failed = Status::InvalidArgument(e.what());
-      break;
+    if (params_.device >= 0) {
+      void* data = nullptr;
+      failed = flat(b, x[b], &data);  // one buffer (device weights are not packed)
+      if (failed.ok()) failed = ops_.local(k, data, stream);
+      if (!failed.ok()) break;
+    } else {
+      try {
+        lp_decentralized_local(x[b].data(), x[b].size(), or_empty(k.self), or_empty(k.left),
+                               or_empty(k.right), k.dtype, k.diff);
+      } catch (const std::exception& e) {
+        failed = Status::InvalidArgument(e.what());
+        break;
+      }
     }
     const int64_t bytes =
         static_cast<int64_t>(minmax_uint8_bytes(k.dtype, static_cast<size_t>(k.count), 1));
@@ -224,7 +229,8 @@ Status LpRing::split_step(const std::vector<Segments>& x) {
     p.right = &right;
     int64_t h = 0;
     trace_mark(TraceOp::kLpRingLaunch, k.count);  // before: the core may begin it at once
-    failed = ops_.enqueue(request(p.op_type, k.exchange_name, &c, &p, nullptr), &h);
+    // Device weights: the exchange waits for `stream`, which waits for the local half.
+    failed = ops_.enqueue(request(p.op_type, k.exchange_name, &c, &p, stream), &h);
     if (failed.ok()) pending_.push_back({h, k.exchange_name});  // written into after we return
   }
   // Every exchange of the previous round completes before the error surfaces; those started

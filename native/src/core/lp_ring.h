@@ -6,9 +6,10 @@
 //
 // The split step (a flat ring, or a hierarchical one whose compression group is the whole set):
 // bucket by bucket, the previous round's exchange of the bucket is waited for, the local half
-// runs on the caller's thread on the weights in place, and the new exchange is left in flight,
-// overlapping the next step. Otherwise (the host hierarchy in play, or device weights) the whole
-// step of each bucket runs in the core, blocking.
+// runs on the weights in place (host weights: on the caller's thread; device weights: queued on
+// the device engine's stream, the caller's stream waiting for it, Ops::local), and the new
+// exchange is left in flight, overlapping the next step. Otherwise (the host hierarchy in play)
+// the whole step of each bucket runs in the core, blocking.
 //
 // A name stays taken until its handle is seen complete (docs/design-core.md): a ring's start
 // and flush, and each split step, first wait for every other ring's exchanges in flight (the
@@ -40,6 +41,8 @@ class LpRing {
     void* left = nullptr;
     void* right = nullptr;
     uint8_t* diff = nullptr;  // minmax_uint8 bytes of count elements, 1 chunk; null: no split
+    // Device weights that split: count elements of device memory for the local half.
+    std::shared_ptr<void> work;
   };
   // The weights of one bucket: its segments in order (count elements in all).
   using Segments = std::vector<XSegment>;
@@ -51,6 +54,9 @@ class LpRing {
     std::function<void(int64_t handle)> release;
     // Device weights: `stream` waits on the device for the handle's results.
     std::function<void(int64_t handle, void* stream)> stream_wait;
+    // Device weights: the local half of bucket k on x (one buffer), after and before the work
+    // of `stream` (DeviceEngine::lp_local).
+    std::function<Status(const Bucket& k, void* x, void* stream)> local;
   };
   struct Params {
     int32_t set_id = 0;
@@ -97,7 +103,7 @@ class LpRing {
   Status wait_bounded(int64_t handle, const std::string& name);
   // INIT (init) or STEP of every bucket, each waited for even after a failure; the first.
   Status run_buckets(const std::vector<Segments>& x, bool init, void* stream);
-  Status split_step(const std::vector<Segments>& x);
+  Status split_step(const std::vector<Segments>& x, void* stream);
   Status whole_step(const std::vector<Segments>& x, void* stream);
 
   Ops ops_;
@@ -109,8 +115,8 @@ class LpRing {
 };
 
 // Whether a ring of process set `set_id` splits its step: flat, or hierarchical where the
-// compression group is every rank of the set (one host); device weights never split.
-bool lp_ring_splits(bool hierarchical, int group_size, int set_size, int device);
+// compression group is every rank of the set (one host); host and device weights alike.
+bool lp_ring_splits(bool hierarchical, int group_size, int set_size);
 
 // The rings of this process, by id (the C API's); they belong to the job: the runtime's
 // shutdown forgets them (their exchanges have failed by then).

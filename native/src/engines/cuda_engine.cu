@@ -398,7 +398,15 @@ class CudaEngine final : public DeviceEngine {
   // bytes staged. The same bits as the CPU engine's (native/tests/phased_test.cc).
   std::unique_ptr<StreamBackend> backend(Comm& comm) override {
     DeviceGuard g(device_);
-    return std::make_unique<Backend>(*this, comm, set_comm(comm).comm);
+    return std::make_unique<Backend>(*this, &comm, set_comm(comm).comm);
+  }
+  void lp_local(void* x, void* self, const void* left, const void* right, size_t count,
+                DataType dtype, uint8_t* c, void* work, void* stream) override {
+    DeviceGuard g(device_);
+    wait(record(stream));
+    Backend kernels(*this, nullptr, nullptr);
+    lp_decentralized_local_phased(kernels, x, self, left, right, count, dtype, c, work);
+    stream_wait(stream, record(stream_));
   }
 
  private:
@@ -458,9 +466,10 @@ class CudaEngine final : public DeviceEngine {
   // NCCL (nc_), or staged through the host transports where the set has no communicator.
   class Backend final : public StreamBackend {
    public:
-    Backend(CudaEngine& e, Comm& comm, nccl::Comm nc) : e_(e), comm_(comm), nc_(nc) {}
-    int rank() const override { return comm_.rank(); }
-    int size() const override { return comm_.size(); }
+    // comm null: the kernels only (lp_local), no exchange.
+    Backend(CudaEngine& e, Comm* comm, nccl::Comm nc) : e_(e), comm_(comm), nc_(nc) {}
+    int rank() const override { return comm_->rank(); }
+    int size() const override { return comm_->size(); }
     void* scratch(int slot, size_t bytes) override { return e_.scratch(slot, bytes); }
     void copy(void* dst, const void* src, size_t bytes) override { e_.copy(dst, src, bytes); }
     void zero(void* dst, size_t bytes) override { e_.zero(dst, bytes); }
@@ -502,7 +511,7 @@ class CudaEngine final : public DeviceEngine {
       const std::vector<size_t> each(n, bytes);
       if (!nc_) {
         Staging s(e_, {{in, bytes * n, false}, {out, bytes * n, true, false}});
-        cpu_engine().alltoallv(comm_, s.host(0), each, s.host(1), each);
+        cpu_engine().alltoallv(*comm_, s.host(0), each, s.host(1), each);
         s.to_device();
         return;
       }
@@ -519,7 +528,7 @@ class CudaEngine final : public DeviceEngine {
       if (!nc_) {
         const std::vector<size_t> each(size(), bytes);
         Staging s(e_, {{in, bytes, false}, {out, bytes * size(), true, false}});
-        cpu_engine().allgatherv(comm_, s.host(0), s.host(1), each);
+        cpu_engine().allgatherv(*comm_, s.host(0), s.host(1), each);
         s.to_device();
         return;
       }
@@ -538,7 +547,7 @@ class CudaEngine final : public DeviceEngine {
         for (int p : to) xs.push_back({Comm::Xfer::SEND, p, s.host(0), bytes});
         for (size_t k = 0; k < from.size(); ++k)
           xs.push_back({Comm::Xfer::RECV, from[k], s.host(k + 1), bytes});
-        comm_.run(xs, "peer exchange");
+        comm_->run(xs, "peer exchange");
         s.to_device();
         return;
       }
@@ -553,7 +562,7 @@ class CudaEngine final : public DeviceEngine {
       nccl::DataType t;
       if (!nc_ || !nccl::data_type(dtype, &t)) {
         Staging s(e_, {{buf, n * dtype_size(dtype), true}});
-        cpu_engine().allreduce(comm_, s.host(0), n, dtype, ReduceOp::SUM);
+        cpu_engine().allreduce(*comm_, s.host(0), n, dtype, ReduceOp::SUM);
         s.to_device();
         return;
       }
@@ -562,7 +571,7 @@ class CudaEngine final : public DeviceEngine {
 
    private:
     CudaEngine& e_;
-    Comm& comm_;
+    Comm* comm_;
     nccl::Comm nc_;
   };
 

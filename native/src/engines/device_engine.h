@@ -70,6 +70,12 @@ class DeviceEngine : public StreamEngine {
   virtual void copy_on(void* dst, const void* src, size_t bytes, void* stream) = 0;
   virtual void async_merge(void* x, const void* sum, const void* snapshot, size_t n,
                            DataType dtype, int set_size, void* stream) = 0;
+  // Frontend thread: the low-precision ring's local half (lp_decentralized_local_phased) queued
+  // on the engine's stream after the work `stream` (the caller's) has queued so far, and
+  // `stream` waiting for it; work: count elements of device memory of the caller's. The split
+  // step's exchange, enqueued next with the same stream, follows it.
+  virtual void lp_local(void* x, void* self, const void* left, const void* right, size_t count,
+                        DataType dtype, uint8_t* c, void* work, void* stream) = 0;
   // Destroys the NCCL communicators once the engine's stream has drained, or
   // aborts them when it has not within wait_s (a peer gone mid-operation); the
   // next op of a set creates anew.
