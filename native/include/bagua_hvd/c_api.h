@@ -438,9 +438,9 @@ int bhvd_lp_rings_settle(double timeout_s, int64_t* late);
 /* ---- diagnostics -------------------------------------------------------------------------- */
 /* Counters for tests and benchmarks: key is one of "responses", "fused_tensors", "cycles",
  * "cache_hits", "fusion_buffer_bytes", "exec_ns" (time the background thread spent executing
- * operations), "bytes_sent" (payload bytes sent to other ranks since init: the sum of
- * bhvd_communication_stats' bytes), "bytes_sent_remote" (of those, to ranks on other hosts),
- * "mpi_calls" (MPI functions the MPI engine called). Returns -1 for an unknown key. */
+ * operations), "bytes_sent" (payload bytes sent to other ranks), "bytes_sent_remote" (of those,
+ * to ranks on other hosts), "mpi_calls" (MPI functions the MPI engine called). Returns -1 for an
+ * unknown key. */
 int64_t bhvd_stat(const char* key);
 /* Bytes on the wire of one op type since hvd.init() (bhvd_communication_stats). */
 typedef struct bhvd_comm_stat {
@@ -460,9 +460,10 @@ typedef struct bhvd_comm_stat {
  * rank over the core's shared-memory and TCP transports; NCCL's (CUDA tensors) only as far as
  * a device engine reports them (count_bytes_sent, base/wire_stats.h; the CUDA engine does not
  * yet). Not counted: negotiation and other control messages, bytes to itself, the MPI engine's
- * collectives (HOROVOD_CPU_OPERATIONS=mpi). A request of reduce op Adasum counts as "adasum",
- * as on the timeline. BHVD_NOT_INITIALIZED before hvd.init(); BHVD_INVALID_ARGUMENT for a null
- * n, a negative cap, or a null out with cap > 0. */
+ * collectives (HOROVOD_CPU_OPERATIONS=mpi). bhvd_stat's "bytes_sent" and "bytes_sent_remote"
+ * are the sums of this table's bytes (so they too count from init). A request of reduce op
+ * Adasum counts as "adasum", as on the timeline. BHVD_NOT_INITIALIZED before hvd.init();
+ * BHVD_INVALID_ARGUMENT for a null n, a negative cap, or a null out with cap > 0. */
 int bhvd_communication_stats(bhvd_comm_stat* out, int32_t cap, int32_t* n);
 /* Timestamps of the core's collectives for bench/timeline.py: a ring buffer of the last 4096
  * begin/mark/end events, recorded only while enabled (off by default). bhvd_trace_enable turns
