@@ -119,9 +119,13 @@ def test_timeline_from_environment(tmp_path):
     step = [n for n in rows if n.startswith("allreduce.") and "bias" in n and "+" in n]
     assert step, sorted(rows)
     assert (0, "ALLREDUCE") in phases(rows[step[0]])
-    # Each op's top-level end carries the dtype, as Horovod's.
+    # Each op's top-level end carries the dtype, as Horovod's, and the bytes rank 0 sent for it
+    # (2 ranks on one host: all within it).
     ends = [e for e in rows["allreduce.test_allreduce"] if e["ph"] == "E"]
-    assert ends[-1]["args"] == {"dtype": "float32"}
+    args = ends[-1]["args"]
+    assert set(args) == {"dtype", "within_host_bytes_sent", "between_hosts_bytes_sent"}, args
+    assert args["dtype"] == "float32" and args["between_hosts_bytes_sent"] == 0, args
+    assert 0 < args["within_host_bytes_sent"] <= 2 * 3 * 4, args  # at most twice the 3 floats
     assert sum(1 for e in events if e.get("name") == "CYCLE_START") >= 5
 
 

@@ -2,6 +2,7 @@
 shared memory, ranks on different nodes TCP, and collectives across them are correct."""
 
 import ast
+import json
 import os
 import re
 import socket
@@ -106,3 +107,90 @@ def test_hierarchical_allreduce_sends_one_allreduce_per_host(hosts, flags, expec
     sent = {int(m.group(1)): int(m.group(2))
             for m in re.finditer(r"rank (\d) remote bytes (\d+) OK", text)}  # fmt: skip
     assert sent == expected, text
+
+
+STATS_WORKER = ROOT / "tests" / "workers" / "communication_stats.py"
+BYTEGRAD_COUNT = 10001  # float32 elements: a multiple of neither 2 nor 4 (padded chunks)
+
+
+def _compressed_chunk_bytes(count: int, parts: int) -> int:
+    """Bytes of one MinMaxUInt8 chunk of ceil(count / parts) float32 values, from the format in
+    docs/compression.md: a 32-byte header (min and max), then one byte per value, zero-padded to
+    a multiple of 32."""
+    c = -(-count // parts)
+    return 32 + -(-c // 32) * 32
+
+
+def test_communication_stats_on_two_hosts(tmp_path):
+    """hvd.communication_stats() at 2 hosts x 2 ranks (shm within, TCP between), summed over the
+    ranks. ByteGrad, hierarchical: only the hosts' 2 leaders talk between hosts, each sending one
+    compressed chunk of ceil(count / 2) values in the alltoall and one in the allgather; flat
+    over the 4 ranks: each rank sends 2 chunks of ceil(count / 4) to the other host per phase,
+    more in all. A plain allreduce under HOROVOD_HIERARCHICAL_ALLREDUCE=1 sends fewer bytes
+    between hosts than the flat one. Counting restarts at init (0 before any op), bhvd_stat's
+    totals agree with the table (the worker), and rank 0's timeline carries its bytes."""
+    pytest.importorskip("torch")
+    from bagua_hvd.common import ops
+    from bagua_hvd.common._native import lib
+
+    timeline = tmp_path / "timeline.json"
+    text = _two_nodes(STATS_WORKER, timeout=180, STATS_BYTEGRAD_COUNT=str(BYTEGRAD_COUNT),
+                      STATS_TIMELINE=str(timeline))  # fmt: skip
+    rows = [json.loads(m.group(1)) for m in re.finditer(r"STATS (\{.*\})$", text, re.M)]
+    cases = {}
+    for row in rows:
+        assert row["host"] == row["rank"] // 2, text  # 2 ranks on each simulated host
+        cases.setdefault(row["case"], {})[row["rank"]] = row["delta"]
+    assert all(sorted(c) == [0, 1, 2, 3] for c in cases.values()), text
+    assert all(d == {} for d in cases["init"].values()), text
+
+    def total(case: str, op: str, key: str) -> int:
+        return sum(d[op][key] for d in cases[case].values() if op in d)
+
+    for case in cases:
+        # Each case is one op type, one call on every rank.
+        assert all(set(d) <= {"allreduce", "compressed_allreduce"} for d in cases[case].values())
+    for case in ("bytegrad hierarchical", "bytegrad flat"):
+        assert all(d["compressed_allreduce"]["calls"] == 1 for d in cases[case].values()), text
+
+    hier = 2 * 2 * _compressed_chunk_bytes(BYTEGRAD_COUNT, 2)  # 2 leaders x (alltoall + allgather)
+    flat = 4 * 2 * 2 * _compressed_chunk_bytes(BYTEGRAD_COUNT, 4)  # 4 ranks x 2 phases x 2 peers
+    # The formula agrees with the core's own size function.
+    assert _compressed_chunk_bytes(BYTEGRAD_COUNT, 2) == lib().bhvd_minmax_uint8_size(
+        ops.FLOAT32, -(-BYTEGRAD_COUNT // 2), 1
+    )
+    got_hier = total("bytegrad hierarchical", "compressed_allreduce", "between_hosts_bytes_sent")
+    got_flat = total("bytegrad flat", "compressed_allreduce", "between_hosts_bytes_sent")
+    print(f"ByteGrad count {BYTEGRAD_COUNT}: between hosts hierarchical expected {hier} "
+          f"measured {got_hier}; flat expected {flat} measured {got_flat}")  # fmt: skip
+    assert got_hier == hier, text
+    assert got_flat == flat and flat > hier, text
+    # Per rank: hierarchical, only the leaders (local rank 0: ranks 0 and 2) cross hosts.
+    bg = cases["bytegrad hierarchical"]
+    per_rank = [bg[r]["compressed_allreduce"]["between_hosts_bytes_sent"] for r in range(4)]
+    assert per_rank == [hier // 2, 0, hier // 2, 0], text
+    # Within each host the flat layout sends 1 chunk per phase to the host's other rank; the
+    # hierarchical one a full-precision allreduce and broadcast of the whole bucket.
+    assert total("bytegrad flat", "compressed_allreduce", "within_host_bytes_sent") == (
+        4 * 2 * _compressed_chunk_bytes(BYTEGRAD_COUNT, 4)
+    ), text
+    assert total("bytegrad hierarchical", "compressed_allreduce", "within_host_bytes_sent") >= (
+        2 * BYTEGRAD_COUNT * 4  # at least each leader's broadcast to its host's other rank
+    ), text
+
+    plain_flat = total("allreduce flat", "allreduce", "between_hosts_bytes_sent")
+    plain_hier = total("allreduce hierarchical", "allreduce", "between_hosts_bytes_sent")
+    assert 0 < plain_hier < plain_flat, text
+    assert total("allreduce flat", "allreduce", "within_host_bytes_sent") > 0, text
+    assert total("allreduce hierarchical", "allreduce", "within_host_bytes_sent") > 0, text
+
+    # Rank 0's timeline (the second job): the allreduce's end event has its bytes as args.
+    events = json.loads(timeline.read_text())
+    pid = next(e["pid"] for e in events
+               if e.get("name") == "process_name" and e.get("args", {}).get("name") == "allreduce.s.hier")  # fmt: skip
+    ends = [e["args"] for e in events
+            if e["ph"] == "E" and e["pid"] == pid and "between_hosts_bytes_sent" in e.get("args", {})]  # fmt: skip
+    mine = cases["allreduce hierarchical"][0]["allreduce"]
+    assert ends == [{"dtype": "float32",
+                     "within_host_bytes_sent": mine["within_host_bytes_sent"],
+                     "between_hosts_bytes_sent": mine["between_hosts_bytes_sent"]}], ends  # fmt: skip

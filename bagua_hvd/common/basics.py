@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import warnings
-from typing import Any, Callable, List, Sequence, Union
+from typing import Any, Callable, Dict, List, Sequence, Union
 
 from bagua_hvd.common import _native, bootstrap, config, elastic, ops
 from bagua_hvd.common import process_sets as _ps
@@ -321,6 +321,51 @@ class HorovodBasics:
     def is_homogeneous(self) -> bool:
         """True when every host runs the same number of ranks."""
         return bool(self._checked(self.lib.bhvd_is_homogeneous()))
+
+    # ---- bytes on the wire ----------------------------------------------------------------
+    def communication_stats(self) -> Dict[str, Dict[str, int]]:
+        """The bytes this rank sent to other ranks since ``init()``, per op type:
+        ``{op_type: {"within_host_bytes_sent": int, "between_hosts_bytes_sent": int,
+        "calls": int}}``.
+
+        - op type: the snake_case name of the core's op type ("allreduce", "allgather",
+          "broadcast", "alltoall", "reducescatter", "adasum" (an allreduce with ``op=Adasum``),
+          "hierarchical_allreduce", "compressed_allreduce" (ByteGrad), "peer_average",
+          "lp_decentralized_init", "lp_decentralized_step", "lp_decentralized_exchange"), or
+          "other" for bytes sent outside any op. Only op types with a call or a byte counted
+          since ``init()`` appear.
+        - ``within_host_bytes_sent``: payload bytes sent to ranks with this rank's
+          ``HOROVOD_HOSTNAME`` (shared memory, or TCP with ``BAGUA_HVD_TRANSPORT=tcp``).
+        - ``between_hosts_bytes_sent``: payload bytes sent to ranks on other hosts.
+        - ``calls``: responses of that type this rank executed (fused tensors count once).
+
+        Counted: every payload byte of a collective, at the transport that sends it (compressed
+        bytes for ByteGrad, each hop of a hierarchical algorithm). Not counted: negotiation and
+        other control messages (barrier and join included), bytes a rank keeps, the
+        collectives of ``HOROVOD_CPU_OPERATIONS=mpi``, and NCCL's on CUDA tensors (until the
+        CUDA engine reports them). Raises ``ValueError`` before ``init()``.
+        """
+        ffi = _native.ffi
+        n = ffi.new("int32_t *")
+        cap = 16  # every op type of the core fits
+        while True:
+            out = ffi.new("bhvd_comm_stat[]", cap)
+            status = self.lib.bhvd_communication_stats(out, cap, n)
+            if status == ops.NOT_INITIALIZED:
+                raise ValueError(NOT_INITIALIZED_ERROR)
+            if status != ops.OK:
+                raise RuntimeError(_native.last_error())
+            if n[0] <= cap:
+                break
+            cap = n[0]  # a type counted its first byte meanwhile: ask again with room for all
+        return {
+            ffi.string(out[i].op_type).decode(): {
+                "within_host_bytes_sent": int(out[i].within_host_bytes_sent),
+                "between_hosts_bytes_sent": int(out[i].between_hosts_bytes_sent),
+                "calls": int(out[i].calls),
+            }
+            for i in range(n[0])
+        }
 
     # ---- timeline ------------------------------------------------------------------------
     def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:

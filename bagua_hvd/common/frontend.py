@@ -20,7 +20,7 @@ __all__ = [
     "is_initialized", "start_timeline", "stop_timeline", "size", "local_size", "cross_size",
     "rank", "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
     "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
-    "rocm_built",
+    "rocm_built", "communication_stats",
 ]  # fmt: skip
 
 init = basics.init
@@ -45,6 +45,7 @@ ddl_built = basics.ddl_built
 ccl_built = basics.ccl_built
 cuda_built = basics.cuda_built
 rocm_built = basics.rocm_built
+communication_stats = basics.communication_stats
 
 Average = _ops.Average
 Sum = _ops.Sum

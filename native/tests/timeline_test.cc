@@ -234,6 +234,38 @@ TEST(Timeline, OffUntilStartedAndHorovodPhasesInOrder) {
   std::remove(path.c_str());
 }
 
+TEST(Timeline, OpEndCarriesTheBytesSent) {
+  Timeline tl(1024, 5);
+  const std::string path = temp_path("bytes");
+  ASSERT_TRUE(tl.start(path, false).ok());
+  const uint64_t sent = tl.op_begin({tensor_key(0, "allreduce.sent")}, BHVD_OP_ALLREDUCE,
+                                    static_cast<int32_t>(DataType::FLOAT32));
+  const uint64_t none = tl.op_begin({tensor_key(0, "allreduce.none")}, BHVD_OP_ALLREDUCE,
+                                    static_cast<int32_t>(DataType::FLOAT32));
+  tl.op_end(sent, WireCounts{1, 12, 34});
+  tl.op_end(none);  // no scope counted: the dtype alone
+  tl.stop();
+  Json root;
+  Trace t;
+  load(path, &root, &t);
+  int with_bytes = 0, dtype_only = 0;
+  for (const Json& e : root.items) {
+    const Json* args = e.get("args");
+    if (!args || !args->get("dtype")) continue;
+    if (const Json* w = args->get("within_host_bytes_sent")) {
+      ++with_bytes;
+      EXPECT_EQ(w->number, 12);
+      ASSERT_NE(args->get("between_hosts_bytes_sent"), nullptr);
+      EXPECT_EQ(args->get("between_hosts_bytes_sent")->number, 34);
+    } else {
+      ++dtype_only;
+    }
+  }
+  EXPECT_EQ(with_bytes, 1);
+  EXPECT_EQ(dtype_only, 1);
+  std::remove(path.c_str());
+}
+
 TEST(Timeline, ValidJsonWhileRecordingAndOpenEventsClosedAtStop) {
   Timeline tl(1024, 5);
   const std::string path = temp_path("live");

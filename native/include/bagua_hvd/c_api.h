@@ -444,6 +444,29 @@ int bhvd_lp_rings_settle(double timeout_s, int64_t* late);
  * staged through host memory, and the bytes those copied between device and host, both ways).
  * Returns -1 for an unknown key. */
 int64_t bhvd_stat(const char* key);
+/* Bytes on the wire of one op type since hvd.init() (bhvd_communication_stats). */
+typedef struct bhvd_comm_stat {
+  const char* op_type;               /* "allreduce", "allgather", "broadcast", "adasum",
+                                        "alltoall", "reducescatter", "hierarchical_allreduce",
+                                        "compressed_allreduce", "peer_average",
+                                        "lp_decentralized_init", "lp_decentralized_step",
+                                        "lp_decentralized_exchange", or "other" (bytes sent
+                                        outside any response); static storage */
+  int64_t calls;                     /* responses of this type executed on this rank */
+  int64_t within_host_bytes_sent;    /* payload bytes sent to ranks with this HOROVOD_HOSTNAME */
+  int64_t between_hosts_bytes_sent;  /* payload bytes sent to ranks on other hosts */
+} bhvd_comm_stat;
+/* This rank's bytes on the wire per op type since hvd.init(): *n = the number of op types with
+ * a call or a byte counted, of which the first min(cap, *n) are written to out, in BHVD_OP_
+ * order ("other" last). Counted: every payload byte of a collective this rank sent to another
+ * rank over the core's shared-memory and TCP transports; NCCL's (CUDA tensors) only as far as
+ * a device engine reports them (count_bytes_sent, base/wire_stats.h; the CUDA engine does not
+ * yet). Not counted: negotiation and other control messages, bytes to itself, the MPI engine's
+ * collectives (HOROVOD_CPU_OPERATIONS=mpi). bhvd_stat's "bytes_sent" and "bytes_sent_remote"
+ * are the sums of this table's bytes (so they too count from init). A request of reduce op
+ * Adasum counts as "adasum", as on the timeline. BHVD_NOT_INITIALIZED before hvd.init();
+ * BHVD_INVALID_ARGUMENT for a null n, a negative cap, or a null out with cap > 0. */
+int bhvd_communication_stats(bhvd_comm_stat* out, int32_t cap, int32_t* n);
 /* Timestamps of the core's collectives for bench/timeline.py: a ring buffer of the last 4096
  * begin/mark/end events, recorded only while enabled (off by default). bhvd_trace_enable turns
  * recording on (1) or off (0) and returns the previous setting. bhvd_trace_read moves up to

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "base/wire_stats.h"
 #include "collectives/building_blocks.h"
 #include "collectives/collectives.h"
 
@@ -159,10 +160,7 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what, const Work& work) {
     if (x.len == 0) continue;  // completes at once
     const bool send = x.kind == Xfer::SEND;
     if (x.peer == rank_) (send ? self_send : self_recv) += x.len;
-    if (send && x.peer != rank_) {
-      bytes_sent_.fetch_add(x.len, std::memory_order_relaxed);
-      if (remote_[x.peer]) bytes_sent_remote_.fetch_add(x.len, std::memory_order_relaxed);
-    }
+    if (send && x.peer != rank_) count_bytes_sent(remote_[x.peer] != 0, x.len);
     int& li = lane_of[2 * static_cast<size_t>(x.peer) + (send ? 1 : 0)];
     if (li < 0) {
       li = static_cast<int>(lanes.size());

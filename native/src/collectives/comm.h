@@ -2,7 +2,6 @@
 // over the transport's data pairs. Collective algorithms are written against this only.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -45,7 +44,9 @@ class Comm {
   // Drives all transfers concurrently until every one completes. Transfers to the same peer in
   // the same direction complete in vector order (they share one byte stream). Throws
   // TransportError when a peer fails, or when nothing moved for the transport's timeout; the
-  // message names the peer (global rank) and `what` (e.g. "allreduce").
+  // message names the peer (global rank) and `what` (e.g. "allreduce"). The payload of every
+  // SEND to another rank is counted once, within-host or between-hosts, under the op type this
+  // thread executes (base/wire_stats.h).
   void run(std::vector<Xfer>& xfers, const char* what);
   // The same, calling work() once per pass until every transfer completed and work() found
   // nothing left to do. work() must never need a byte that only a later call of it would let a
@@ -53,11 +54,6 @@ class Comm {
   void run(std::vector<Xfer>& xfers, const char* what, const Work& work);
 
   void send(int peer, const void* buf, size_t len, const char* what);
-
-  // Payload bytes handed to the transport for other ranks by every Comm of this process; of
-  // those, the bytes for ranks on other hosts (what crosses the network).
-  static int64_t bytes_sent() { return bytes_sent_.load(std::memory_order_relaxed); }
-  static int64_t bytes_sent_remote() { return bytes_sent_remote_.load(std::memory_order_relaxed); }
   void recv(int peer, void* buf, size_t len, const char* what);
 
  private:
@@ -65,9 +61,7 @@ class Comm {
   std::vector<int> global_ranks_;
   int rank_ = -1;
   std::vector<unsigned char> partial_;  // staging for RECV_REDUCE element fragments
-  std::vector<char> remote_;             // per set rank: on another host than this rank
-  static inline std::atomic<int64_t> bytes_sent_{0};
-  static inline std::atomic<int64_t> bytes_sent_remote_{0};
+  std::vector<char> remote_;            // per set rank: on another host than this rank
 };
 
 }  // namespace bagua_hvd

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "base/wire_stats.h"
 #include "collectives/collectives.h"
 #include "collectives/trace.h"
 #include "core/async_average.h"
@@ -506,13 +507,32 @@ int64_t bhvd_stat(const char* key) {
     if (k == "cache_hits") return s.cache_hits;
     if (k == "fusion_buffer_bytes") return s.fusion_buffer_bytes;
     if (k == "exec_ns") return s.exec_ns;
-    if (k == "bytes_sent") return bagua_hvd::Comm::bytes_sent();
-    if (k == "bytes_sent_remote") return bagua_hvd::Comm::bytes_sent_remote();
+    if (k == "bytes_sent") return bagua_hvd::wire_bytes_sent(false);
+    if (k == "bytes_sent_remote") return bagua_hvd::wire_bytes_sent(true);
     if (k == "mpi_calls") return bagua_hvd::mpi_engine_calls();
     if (k == "nccl_calls") return bagua_hvd::device_stats().nccl_calls;
     if (k == "device_staged_calls") return bagua_hvd::device_stats().staged_calls;
     if (k == "device_staged_bytes") return bagua_hvd::device_stats().staged_bytes;
     return -1;
+  });
+}
+
+int bhvd_communication_stats(bhvd_comm_stat* out, int32_t cap, int32_t* n) {
+  return guarded([&]() -> int {
+    if (!n || cap < 0 || (cap > 0 && !out))
+      return report(Status::InvalidArgument("bhvd_communication_stats: invalid output"));
+    if (!Runtime::get().initialized()) return report(Status::NotInitialized());
+    int32_t count = 0;
+    for (int slot = 0; slot < bagua_hvd::kWireSlots; ++slot) {
+      const bagua_hvd::WireCounts c = bagua_hvd::wire_counts(slot);
+      if (c.calls == 0 && c.within_host == 0 && c.between_hosts == 0) continue;
+      if (count < cap)
+        out[count] = bhvd_comm_stat{bagua_hvd::wire_slot_name(slot), c.calls, c.within_host,
+                                    c.between_hosts};
+      ++count;
+    }
+    *n = count;
+    return BHVD_OK;
   });
 }
 

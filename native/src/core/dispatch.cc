@@ -70,6 +70,7 @@ void Runtime::execute(const Response& r, uint64_t tl_group) {
   }
   Comm* comm = comm_for(r.process_set_id);
   if (!comm || comm->rank() < 0) return;  // not a member of the set
+  const WireOpScope wire(horovod_request_type(r.type, static_cast<int32_t>(r.reduce_op)));
   std::vector<Entry*> entries;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -114,7 +114,8 @@ void Runtime::apply(const ResponseList& list) {
     }
     const uint64_t group = groups.empty() ? 0 : groups[i];
     execute(r, group);
-    if (group) timeline_.op_end(group);
+    const WireCounts sent = take_last_scope_bytes();  // read after every response: never stale
+    if (group) timeline_.op_end(group, sent);
   }
   stats_.cycles++;
   if (list.seq) acked_seq_ = list.seq;

@@ -130,6 +130,7 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
         BHVD_LOG(ERROR, s.reason);
     }
   }
+  reset_wire_stats();  // hvd.communication_stats() counts from init()
   initialized_ = true;
   thread_ = std::thread([this] { loop(); });
   name_thread(thread_, "bhvd_core");

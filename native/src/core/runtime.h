@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "base/common.h"
+#include "base/wire_stats.h"
 #include "collectives/comm.h"
 #include "collectives/hierarchy.h"
 #include "core/coordinator.h"

@@ -93,7 +93,7 @@ class Sink {
   // Closes every open event, completes the array and the file.
   void close(int64_t ts_ns) {
     if (!file_) return;
-    for (auto& kv : rows_) close_all(kv.second, ts_ns, -1);
+    for (auto& kv : rows_) close_all(kv.second, ts_ns, "");
     flush();
     file_.reset();
     rows_.clear();
@@ -106,7 +106,7 @@ class Sink {
     switch (r.kind) {
       case TimelineRecord::kNegotiateBegin: {
         Row& row = row_of(r.names[0]);
-        close_all(row, r.ts_ns, -1);
+        close_all(row, r.ts_ns, "");
         begin(row, "NEGOTIATE_" + type_title(r.value), r.ts_ns);
         break;
       }
@@ -118,7 +118,7 @@ class Sink {
       }
       case TimelineRecord::kNegotiateEnd: {
         auto it = rows_.find(r.names[0]);
-        if (it != rows_.end()) close_all(it->second, r.ts_ns, -1);
+        if (it != rows_.end()) close_all(it->second, r.ts_ns, "");
         break;
       }
       case TimelineRecord::kOpBegin: {
@@ -127,7 +127,7 @@ class Sink {
         const std::string title = type_title(r.value);
         for (const auto& key : r.names) {
           Row& row = row_of(key);
-          close_all(row, r.ts_ns, -1);
+          close_all(row, r.ts_ns, "");
           begin(row, title, r.ts_ns);
           g.rows.push_back(&row);
         }
@@ -138,7 +138,7 @@ class Sink {
         auto it = groups_.find(r.group);
         if (it == groups_.end()) break;
         for (Row* row : it->second.rows) {
-          if (row->depth > 1) end(*row, r.ts_ns, -1);  // one activity at a time
+          if (row->depth > 1) end(*row, r.ts_ns, "");  // one activity at a time
           if (r.kind == TimelineRecord::kActivityBegin && row->depth == 1)
             begin(*row, r.activity, r.ts_ns);
         }
@@ -147,7 +147,13 @@ class Sink {
       case TimelineRecord::kOpEnd: {
         auto it = groups_.find(r.group);
         if (it == groups_.end()) break;
-        for (Row* row : it->second.rows) close_all(*row, r.ts_ns, it->second.dtype);
+        std::string args = dtype_arg(it->second.dtype);
+        if (r.sent.calls > 0) {
+          args += std::string(args.empty() ? "" : ", ") +
+                  "\"within_host_bytes_sent\": " + std::to_string(r.sent.within_host) +
+                  ", \"between_hosts_bytes_sent\": " + std::to_string(r.sent.between_hosts);
+        }
+        for (Row* row : it->second.rows) close_all(*row, r.ts_ns, args);
         groups_.erase(it);
         break;
       }
@@ -237,17 +243,20 @@ class Sink {
     ++row.depth;
   }
 
-  void end(Row& row, int64_t ts_ns, int32_t dtype) {
-    std::string extra;
-    if (dtype >= 0 && dtype_valid(dtype))
-      extra = std::string(", \"args\": {\"dtype\": \"") + dtype_name(static_cast<DataType>(dtype)) +
-              "\"}";
-    event("E", "", ts_ns, row.pid, extra);
+  static std::string dtype_arg(int32_t dtype) {
+    if (dtype < 0 || !dtype_valid(dtype)) return "";
+    return std::string("\"dtype\": \"") + dtype_name(static_cast<DataType>(dtype)) + "\"";
+  }
+
+  // args: the members of the event's "args" object, "" for none.
+  void end(Row& row, int64_t ts_ns, const std::string& args) {
+    event("E", "", ts_ns, row.pid, args.empty() ? "" : ", \"args\": {" + args + "}");
     --row.depth;
   }
 
-  void close_all(Row& row, int64_t ts_ns, int32_t dtype) {
-    while (row.depth > 0) end(row, ts_ns, row.depth == 1 ? dtype : -1);
+  // args: those of the outermost event's end.
+  void close_all(Row& row, int64_t ts_ns, const std::string& args) {
+    while (row.depth > 0) end(row, ts_ns, row.depth == 1 ? args : "");
   }
 
   std::unique_ptr<std::FILE, FileCloser> file_;
@@ -394,7 +403,14 @@ void Timeline::activity_end(uint64_t group) {
   push_group(TimelineRecord::kActivityEnd, group, nullptr);
 }
 
-void Timeline::op_end(uint64_t group) { push_group(TimelineRecord::kOpEnd, group, nullptr); }
+void Timeline::op_end(uint64_t group, const WireCounts& sent) {
+  if (!group) return;
+  TimelineRecord r;
+  r.kind = TimelineRecord::kOpEnd;
+  r.group = group;
+  r.sent = sent;
+  push(std::move(r));
+}
 
 void Timeline::mark_cycle() {
   if (!mark_cycles_.load(std::memory_order_relaxed)) return;

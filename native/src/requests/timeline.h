@@ -10,9 +10,12 @@
 //                      with one zero-length "X" event named after each rank when its request
 //                      arrives;
 //   <TYPE>             the response's execution (ALLREDUCE, ALLGATHER, ..., BAGUA's op types by
-//                      their own names), with nested activities: QUEUE (behind earlier responses
-//                      of the same cycle), MEMCPY_IN_FUSION_BUFFER, the collective
-//                      (GLOO_ALLREDUCE on the core's own transports, MPI_ALLREDUCE with
+//                      their own names); its end event's args: the dtype and, for a tensor op
+//                      this rank took part in, the bytes it sent to other ranks
+//                      (within_host_bytes_sent, between_hosts_bytes_sent: base/wire_stats.h;
+//                      the response's, all its tensors' when fused); nested activities: QUEUE
+//                      (behind earlier responses of the same cycle), MEMCPY_IN_FUSION_BUFFER, the
+//                      collective (GLOO_ALLREDUCE on the core's own transports, MPI_ALLREDUCE with
 //                      HOROVOD_CPU_OPERATIONS=mpi, ...), MEMCPY_OUT_FUSION_BUFFER.
 // CYCLE_START instant events mark each cycle that ran responses (mark_cycles).
 //
@@ -33,6 +36,7 @@
 #include <vector>
 
 #include "base/common.h"
+#include "base/wire_stats.h"
 
 namespace bagua_hvd {
 
@@ -51,7 +55,7 @@ struct TimelineRecord {
     kOpBegin,         // names, group, value = op type, dtype
     kActivityBegin,   // group, activity
     kActivityEnd,     // group
-    kOpEnd,           // group
+    kOpEnd,           // group, sent
     kCycle,           // (mark_cycles)
     kOpen,            // control: open names[0] (start)
     kClose,           // control: close the file (stop)
@@ -62,6 +66,7 @@ struct TimelineRecord {
   uint64_t group = 0;
   int64_t ts_ns = 0;               // Clock (steady), nanoseconds
   const char* activity = nullptr;  // a static string
+  WireCounts sent;                 // kOpEnd: the response's bytes (calls 0: none counted)
   std::vector<std::string> names;  // tensor keys (set:name, requests/message.h)
 };
 
@@ -96,7 +101,8 @@ class Timeline {
   uint64_t op_begin(std::vector<std::string> keys, int32_t op_type, int32_t dtype);
   void activity_begin(uint64_t group, const char* activity);
   void activity_end(uint64_t group);
-  void op_end(uint64_t group);
+  // sent: what the response's WireOpScope counted (take_last_scope_bytes; calls 0: no args).
+  void op_end(uint64_t group, const WireCounts& sent = WireCounts{});
   void mark_cycle();
 
  private:
