@@ -341,9 +341,11 @@ class HorovodBasics:
 
         Counted: every payload byte of a collective, at the transport that sends it (compressed
         bytes for ByteGrad, each hop of a hierarchical algorithm). Not counted: negotiation and
-        other control messages (barrier and join included), bytes a rank keeps, the
-        collectives of ``HOROVOD_CPU_OPERATIONS=mpi``, and NCCL's on CUDA tensors (until the
-        CUDA engine reports them). Raises ``ValueError`` before ``init()``.
+        other control messages (barrier and join included), bytes a rank keeps, and the
+        collectives of ``HOROVOD_CPU_OPERATIONS=mpi``. NCCL's on CUDA tensors are counted by
+        the ring model (docs/gpu.md): sends exactly, a collective's bytes as a ring's (an
+        allreduce of S bytes over n ranks: 2S(n-1)/n) to the set's next rank. Raises
+        ``ValueError`` before ``init()``.
         """
         ffi = _native.ffi
         n = ffi.new("int32_t *")

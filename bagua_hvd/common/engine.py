@@ -434,8 +434,9 @@ class LowPrecisionRing(_WeightAveraging):
     a communicating step, its step. On a flat ring the local half runs on this thread (on a
     CUDA bucket: queued on the device, the current stream waiting for it) and the exchange in
     the background, overlapping the next step (waited for by the next step or :meth:`flush`);
-    with the host hierarchy in play the core runs the whole step, blocking. This object allocates the replicas and differences and keeps them alive
-    until the core's ring is released (:meth:`replan`, or when this object is collected)."""
+    with the host hierarchy in play the core runs the whole step, blocking. This object
+    allocates the replicas and differences and keeps them alive until the core's ring is
+    released (:meth:`replan`, or when this object is collected)."""
 
     acts_after_update = True
 

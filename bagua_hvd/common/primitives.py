@@ -359,8 +359,8 @@ def lp_ring_start(
 ) -> int:
     """Starts the core's low-precision decentralized ring (c_api.h ``bhvd_lp_ring_start``) and
     returns its id: per bucket its weights' segments, its replicas (self, left, right), its
-    compressed difference (uint8, :func:`compressed_size` bytes; None where the step never
-    splits: CUDA buckets) and its op names (init, whole step, exchange). The replicas start
+    compressed difference (uint8, :func:`compressed_size` bytes, on the bucket's device; None:
+    no split step) and its op names (init, whole step, exchange). The replicas start
     from the weights (blocking). The caller keeps the buffers alive until
     :func:`lp_ring_release` returns."""
     _ops.check_not_forked()

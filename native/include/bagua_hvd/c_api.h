@@ -375,10 +375,11 @@ int bhvd_async_impl_release(int64_t id);
  * One ring per frontend implementation (LowPrecisionDecentralized): the core orchestrates its
  * primitives (BHVD_OP_LP_DECENTRALIZED_*); the caller owns the weights and the state buffers
  * and keeps the state buffers alive until bhvd_lp_ring_release returns. The step splits (the
- * local half on the caller's thread, on the weights in place; the exchange left in flight,
- * waited for by the next step or bhvd_lp_ring_flush) for a flat ring, or a hierarchical one
- * whose compression group is the whole set (one host), with host weights; otherwise the core
- * runs the whole step of each bucket, blocking. A name stays taken until its handle is seen
+ * local half on the weights in place: host weights on the caller's thread, device weights
+ * queued on the device after the caller's stream, which then waits for it; the exchange left in
+ * flight, waited for by the next step or bhvd_lp_ring_flush) for a flat ring, or a hierarchical
+ * one whose compression group is the whole set (one host); otherwise the core runs the whole
+ * step of each bucket, blocking. A name stays taken until its handle is seen
  * complete: start, step (split) and flush first wait for every other ring's exchanges in flight,
  * whose failures stay with their own ring. Rings belong to the job: after bhvd_shutdown their
  * ids are unknown (BHVD_INVALID_ARGUMENT), and the frontend starts new ones. */
@@ -397,8 +398,8 @@ typedef struct bhvd_lp_bucket {
   void* self;                /* the replicas (count elements each) */
   void* left;
   void* right;
-  uint8_t* diff; /* the compressed difference, bhvd_minmax_uint8_size(dtype, count, 1) bytes;
-                    NULL where the step never splits (device weights) */
+  uint8_t* diff; /* the compressed difference, bhvd_minmax_uint8_size(dtype, count, 1) bytes,
+                    in the weights' memory (host or the device's); NULL: no split step */
 } bhvd_lp_bucket;
 
 typedef struct bhvd_lp_ring_params {

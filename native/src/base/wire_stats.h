@@ -5,7 +5,7 @@
 // counted once under that op type, as within-host (the peer has this rank's HOROVOD_HOSTNAME:
 // shared memory, or TCP with BAGUA_HVD_TRANSPORT=tcp) or between-hosts. Comm::run
 // (collectives/comm.cc) counts its transfers here; a device engine whose library moves the bytes
-// itself (NCCL) is to call count_bytes_sent() for them (the CUDA engine does not yet).
+// itself (NCCL) calls count_bytes_sent() for them (the CUDA engine: by NCCL's ring model).
 //
 // Not counted: negotiation and the other control messages (the control pairs), bytes a rank
 // "sends" to itself, and collectives the MPI engine runs (HOROVOD_CPU_OPERATIONS=mpi: the MPI

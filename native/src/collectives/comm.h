@@ -22,6 +22,8 @@ class Comm {
   int global_rank(int set_rank) const { return global_ranks_[set_rank]; }
   const std::vector<int>& global_ranks() const { return global_ranks_; }
   Transport& transport() { return transport_; }
+  // Whether set rank `set_rank` is on another host than this rank (HOROVOD_HOSTNAME).
+  bool remote(int set_rank) const { return remote_[set_rank] != 0; }
 
   struct Xfer {
     enum Kind { SEND, RECV, RECV_REDUCE } kind;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "base/float_bits.h"
+#include "base/wire_stats.h"
 #include "collectives/stream_backend.h"
 #include "compression/minmax_uint8.h"
 #include "compression/minmax_uint8_cuda.h"
@@ -278,6 +279,7 @@ class CudaEngine final : public DeviceEngine {
     SetComm& sc = set_comm(comm);
     if (sc.comm && nccl::data_type(dtype, &t) && nccl::red_op(op, &o)) {
       if (count) nccl_call(nccl_->all_reduce(buf, buf, count, t, o, sc.comm, stream_), sc.comm);
+      count_ring(comm, 2 * ring_share(comm, count * dtype_size(dtype)));
       return;
     }
     const size_t es = dtype_size(dtype);
@@ -309,6 +311,7 @@ class CudaEngine final : public DeviceEngine {
         if (bytes_per_rank[0])
           nccl_call(nccl_->all_gather(in, out, bytes_per_rank[0], nccl::kUint8, sc.comm, stream_),
                     sc.comm);
+        count_ring(comm, (n - 1) * bytes_per_rank[0]);
         return;
       }
       // Unequal parts: one send of this rank's part to every peer and one receive from each.
@@ -317,7 +320,7 @@ class CudaEngine final : public DeviceEngine {
       std::vector<void*> from(n);
       for (int j = 0; j < n; ++j) from[j] = o + offset[j];
       std::vector<size_t> send(n, bytes_per_rank[me]);
-      grouped_sendrecv(sc.comm, me, to, send, from, bytes_per_rank);
+      grouped_sendrecv(comm, sc.comm, me, to, send, from, bytes_per_rank);
       return;
     }
     Staging s(*this, {{in, bytes_per_rank[me], false}, {out, total, true, false}});
@@ -330,6 +333,8 @@ class CudaEngine final : public DeviceEngine {
     if (sc.comm) {
       if (bytes)
         nccl_call(nccl_->broadcast(buf, buf, bytes, nccl::kUint8, root, sc.comm, stream_), sc.comm);
+      // The ring's pipeline: every rank but the root's predecessor passes the bytes on.
+      if ((comm.rank() + 1) % comm.size() != root) count_ring(comm, bytes);
       return;
     }
     Staging s(*this, {{buf, bytes, true}});
@@ -353,7 +358,7 @@ class CudaEngine final : public DeviceEngine {
     SetComm& sc = set_comm(comm);
     if (sc.comm) {
       copy(from[me], to[me], send_bytes[me]);
-      grouped_sendrecv(sc.comm, me, to, send_bytes, from, recv_bytes);
+      grouped_sendrecv(comm, sc.comm, me, to, send_bytes, from, recv_bytes);
       return;
     }
     Staging s(*this, {{in, sent, false}, {out, received, true, false}});
@@ -371,6 +376,7 @@ class CudaEngine final : public DeviceEngine {
     if (sc.comm && even && nccl::data_type(dtype, &t) && nccl::red_op(op, &o)) {
       if (counts[0])
         nccl_call(nccl_->reduce_scatter(buf, out, counts[0], t, o, sc.comm, stream_), sc.comm);
+      count_ring(comm, (comm.size() - 1) * counts[0] * dtype_size(dtype));
       return;
     }
     size_t total = 0;
@@ -522,7 +528,7 @@ class CudaEngine final : public DeviceEngine {
         from[j] = static_cast<unsigned char*>(out) + j * bytes;
       }
       e_.copy(from[me], to[me], bytes);
-      e_.grouped_sendrecv(nc_, me, to, each, from, each);
+      e_.grouped_sendrecv(*comm_, nc_, me, to, each, from, each);
     }
     void allgather(const void* in, void* out, size_t bytes) override {
       if (!nc_) {
@@ -535,6 +541,7 @@ class CudaEngine final : public DeviceEngine {
       // In place when `in` is out's block rank(), as NCCL allows.
       if (bytes)
         e_.nccl_call(e_.nccl_->all_gather(in, out, bytes, nccl::kUint8, nc_, e_.stream_), nc_);
+      e_.count_ring(*comm_, (size() - 1) * bytes);
     }
     void sendrecv(const std::vector<int>& to, const void* out, const std::vector<int>& from,
                   const std::vector<void*>& in, size_t bytes) override {
@@ -554,6 +561,7 @@ class CudaEngine final : public DeviceEngine {
       e_.nccl_group(nc_, [&] {
         for (int p : to)
           e_.nccl_call(e_.nccl_->send(out, bytes, nccl::kUint8, p, nc_, e_.stream_), nc_);
+        for (int p : to) count_bytes_sent(comm_->remote(p), bytes);
         for (size_t k = 0; k < from.size(); ++k)
           e_.nccl_call(e_.nccl_->recv(in[k], bytes, nccl::kUint8, from[k], nc_, e_.stream_), nc_);
       });
@@ -567,6 +575,7 @@ class CudaEngine final : public DeviceEngine {
         return;
       }
       if (n) e_.nccl_call(e_.nccl_->all_reduce(buf, buf, n, t, nccl::kSum, nc_, e_.stream_), nc_);
+      e_.count_ring(*comm_, 2 * ring_share(*comm_, n * dtype_size(dtype)));
     }
 
    private:
@@ -575,9 +584,20 @@ class CudaEngine final : public DeviceEngine {
     nccl::Comm nc_;
   };
 
+  // The bytes NCCL sends for this rank (hvd.communication_stats(), base/wire_stats.h), by the
+  // ring model NCCL's collectives follow: a collective's bytes go to the ring's next rank (the
+  // set's next rank; between hosts when it is on another host); sends and receives exactly.
+  static size_t ring_share(const Comm& comm, size_t bytes) {
+    return bytes / comm.size() * (comm.size() - 1);
+  }
+  static void count_ring(const Comm& comm, size_t bytes) {
+    if (comm.size() > 1 && bytes)
+      count_bytes_sent(comm.remote((comm.rank() + 1) % comm.size()), bytes);
+  }
+
   // One NCCL group: to[j] (send[j] bytes) to every other rank j and from[j] (recv[j] bytes) from
   // it; empty parts are skipped on both ends (both know the sizes).
-  void grouped_sendrecv(nccl::Comm nc, int me, const std::vector<const void*>& to,
+  void grouped_sendrecv(const Comm& comm, nccl::Comm nc, int me, const std::vector<const void*>& to,
                         const std::vector<size_t>& send, const std::vector<void*>& from,
                         const std::vector<size_t>& recv) {
     nccl_group(nc, [&] {
@@ -585,6 +605,7 @@ class CudaEngine final : public DeviceEngine {
         const int peer = static_cast<int>(j);
         if (peer == me) continue;
         if (send[j]) nccl_call(nccl_->send(to[j], send[j], nccl::kUint8, peer, nc, stream_), nc);
+        if (send[j]) count_bytes_sent(comm.remote(peer), send[j]);
         if (recv[j]) nccl_call(nccl_->recv(from[j], recv[j], nccl::kUint8, peer, nc, stream_), nc);
       }
     });
