@@ -1,10 +1,11 @@
-// The host hierarchy on a stream engine (engines/stream_engine.h), as the CUDA engine runs it on
-// multi-GPU hosts: the op executors' decomposition (ops/), the engine's Horovod collectives and the
-// phased BAGUA primitives over the hierarchy's sub-communicators, here with host memory and the CPU
-// kernels (comm_exchanges.h) over the real transports, ranks as threads grouped into simulated
-// hosts (shared memory within a host, TCP between). Checked bit for bit against the CPU engine's
-// path, and, for the plain hierarchical allreduce (another order of addition than the CPU engine's
-// pipeline), against exact sums computed here.
+// The host hierarchy on a stream engine (engines/stream_engine.h): the op executors' decomposition
+// (ops/), DataEngine's hierarchical allreduce and the phased BAGUA primitives over the hierarchy's
+// sub-communicators, the code the CUDA engine runs on multi-GPU hosts, here with host memory and
+// the CPU kernels (comm_exchanges.h) over the real transports, ranks as threads grouped into
+// simulated hosts (shared memory within a host, TCP between). The CUDA engine's own part (NCCL or
+// staging per group, its kernels) is not exercised here: that is the GPU check's. Checked bit for
+// bit against the CPU engine's path, and, for the plain hierarchical allreduce (another order of
+// addition than the CPU engine's pipeline), against exact sums computed here.
 #include <gtest/gtest.h>
 
 #include <atomic>

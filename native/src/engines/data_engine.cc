@@ -10,11 +10,12 @@ Output DataEngine::allocate_output(size_t bytes) {
   return Output{std::shared_ptr<void>(host, host->data()), bytes, -1};
 }
 
-// Horovod's NCCL hierarchical allreduce, over this engine's collectives: a reduce-scatter within
-// the host, the allreduce of this rank's shard among the ranks with its index on every host, an
-// allgather within the host. The shards are equal (what NCCL's reduce-scatter takes); the
-// count % n elements left over are reduced over the whole set at once, so that every rank ends
-// with the same bits.
+// Horovod's NCCL hierarchical allreduce (NCCLHierarchicalAllreduce), over this engine's
+// collectives: a reduce-scatter within the host, the allreduce of this rank's shard among the
+// ranks with its index on every host (Horovod: MPI on a host copy), an allgather within the host.
+// The shards are equal (what NCCL's reduce-scatter takes). The count % n elements left over are
+// reduced over the whole set at once (Horovod: reduced to one rank per host, allreduced among
+// those, broadcast back), so that every rank ends with the same bits.
 void DataEngine::allreduce_hierarchical(Comm& comm, Comm& host, Comm& cross, void* buf,
                                         size_t count, DataType dtype, ReduceOp op) {
   check_reduction(dtype, op, "allreduce");
