@@ -13,7 +13,7 @@ import threading
 import warnings
 from typing import Any, Callable, Dict, List, Sequence, Union
 
-from bagua_hvd.common import _native, bootstrap, config, elastic, ops
+from bagua_hvd.common import _native, autotune, bootstrap, config, elastic, ops
 from bagua_hvd.common import process_sets as _ps
 from bagua_hvd.common.exceptions import NOT_INITIALIZED_ERROR
 from bagua_hvd.common.process_sets import ProcessSet
@@ -253,6 +253,10 @@ class HorovodBasics:
             _ps._after_init(dynamic)
             for fn in list(_after_init):
                 fn()
+            # Horovod's autotuner, on rank 0; the hierarchical allreduce is a tunable where the
+            # job spans hosts and some host has several ranks.
+            hosts = self.cross_size()
+            autotune.start(self.rank(), hosts > 1 and self.size() != hosts)
             if (
                 not on_comm
                 and comm is not None
@@ -280,6 +284,7 @@ class HorovodBasics:
                 except Exception as e:  # noqa: BLE001 - the shutdown itself must go on
                     warnings.warn(f"bagua_hvd: before shutdown: {e}", RuntimeWarning, stacklevel=2)
             status = lib.bhvd_shutdown()
+            autotune.stop()  # its thread returns once the core stopped
             if status != ops.OK:
                 raise RuntimeError(f"Horovod shutdown failed: {_native.last_error()}")
         _ps._after_shutdown()

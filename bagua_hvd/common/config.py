@@ -82,6 +82,82 @@ def bucket_bytes() -> int:
     return int(mb * (1 << 20))
 
 
+# Horovod's autotuner (docs/autotune.md): its variables and defaults
+# (horovod/common/parameter_manager.cc).
+AUTOTUNE_ENV = "HOROVOD_AUTOTUNE"
+DEFAULT_AUTOTUNE_WARMUP_SAMPLES = 3
+DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE = 10
+DEFAULT_AUTOTUNE_BAYES_OPT_MAX_SAMPLES = 20
+DEFAULT_AUTOTUNE_GAUSSIAN_PROCESS_NOISE = 0.8
+
+
+class AutotuneSettings(NamedTuple):
+    """``HOROVOD_AUTOTUNE_*`` as set, and the tunables the user fixed by setting them."""
+
+    log_file: str  #: HOROVOD_AUTOTUNE_LOG ("": none)
+    warmup_samples: int  #: HOROVOD_AUTOTUNE_WARMUP_SAMPLES (3)
+    steps_per_sample: int  #: HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE (10)
+    bayes_opt_max_samples: int  #: HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES (20)
+    gaussian_process_noise: float  #: HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE (0.8)
+    #: what the user set, which the tuner leaves as set (Horovod's "fixed" parameters): any of
+    #: "fusion_threshold_mb", "cycle_time_ms", "cache_enabled", "hierarchical_allreduce",
+    #: "bucket_size_mb"
+    fixed: dict
+
+
+def _horovod_text(name: str) -> str:
+    """HOROVOD_<name>, else its BAGUA_HVD_<name> alias (the core's order, base/env.cc)."""
+    return _text("HOROVOD_" + name) or _text("BAGUA_HVD_" + name)
+
+
+def _number(name: str, value: str, kind: type, low: float, high: float = float("inf")) -> float:
+    try:
+        x = kind(value)
+    except ValueError:
+        x = None
+    if x is None or not (low <= x <= high):
+        bound = f">= {low}" if high == float("inf") else f"in [{low}, {high}]"
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name} must be {what} {bound}, got {value!r}")
+    return x
+
+
+def autotune() -> Optional[AutotuneSettings]:
+    """``HOROVOD_AUTOTUNE`` (set by ``bagua-run --autotune``) and its companions, validated;
+    None when autotuning is off. ValueError naming a variable that is out of range."""
+    if not flag(AUTOTUNE_ENV):
+        return None
+
+    def read(suffix: str, kind: type, default: float, low: float, high: float = float("inf")):
+        name = "HOROVOD_AUTOTUNE_" + suffix
+        value = _text(name)
+        return default if not value else _number(name, value, kind, low, high)
+
+    fixed: dict = {}
+    if value := _horovod_text("FUSION_THRESHOLD"):
+        fixed["fusion_threshold_mb"] = int(float(value)) / (1 << 20)
+    if value := _horovod_text("CYCLE_TIME"):
+        fixed["cycle_time_ms"] = float(value)
+    if value := _horovod_text("CACHE_CAPACITY"):
+        fixed["cache_enabled"] = int(float(value)) > 0
+    if value := _horovod_text("HIERARCHICAL_ALLREDUCE"):
+        fixed["hierarchical_allreduce"] = value.lower() not in ("0", "false", "no", "off")
+    if _text(BUCKET_MB_ENV):
+        fixed["bucket_size_mb"] = bucket_bytes() / (1 << 20)
+    return AutotuneSettings(
+        log_file=_text("HOROVOD_AUTOTUNE_LOG"),
+        warmup_samples=int(read("WARMUP_SAMPLES", int, DEFAULT_AUTOTUNE_WARMUP_SAMPLES, 0)),
+        steps_per_sample=int(read("STEPS_PER_SAMPLE", int, DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE, 1)),
+        bayes_opt_max_samples=int(
+            read("BAYES_OPT_MAX_SAMPLES", int, DEFAULT_AUTOTUNE_BAYES_OPT_MAX_SAMPLES, 1)
+        ),
+        gaussian_process_noise=read(
+            "GAUSSIAN_PROCESS_NOISE", float, DEFAULT_AUTOTUNE_GAUSSIAN_PROCESS_NOISE, 0.0, 1.0
+        ),
+        fixed=fixed,
+    )
+
+
 def dynamic_process_sets() -> bool:
     """``HOROVOD_DYNAMIC_PROCESS_SETS``."""
     return flag(DYNAMIC_PROCESS_SETS_ENV)
@@ -240,7 +316,6 @@ def foreign_launch() -> Optional[ForeignLaunch]:
 # Horovod's run-time variables that bagua_hvd accepts but does not act on, and why; init() names
 # those that are set in one warning per process (docs/environment.md). ``asks``: whether the value
 # asks for something (a boolean switched off asks for Horovod's default, which holds here).
-_NO_AUTOTUNER = "bagua_hvd has no autotuner: the fusion threshold and cycle time stay as set"
 _ASKS_ANY: Callable[[str], bool] = bool
 
 
@@ -249,12 +324,6 @@ def _ASKS_TRUE(value: str) -> bool:  # noqa: N802 - a constant of the table belo
 
 
 NO_EFFECT_VARIABLES: Tuple[Tuple[str, Callable[[str], bool], str], ...] = (
-    ("HOROVOD_AUTOTUNE", _ASKS_TRUE, _NO_AUTOTUNER),
-    ("HOROVOD_AUTOTUNE_LOG", _ASKS_ANY, _NO_AUTOTUNER),
-    ("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", _ASKS_ANY, _NO_AUTOTUNER),
-    ("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", _ASKS_ANY, _NO_AUTOTUNER),
-    ("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", _ASKS_ANY, _NO_AUTOTUNER),
-    ("HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", _ASKS_ANY, _NO_AUTOTUNER),
     ("HOROVOD_HIERARCHICAL_ALLGATHER", _ASKS_TRUE, "bagua_hvd's allgather has one algorithm"),
     ("HOROVOD_TORUS_ALLREDUCE", _ASKS_TRUE,
      "there is no torus allreduce here: HOROVOD_HIERARCHICAL_ALLREDUCE serves hosts of "

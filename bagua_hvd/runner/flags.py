@@ -253,27 +253,41 @@ def make_parser() -> argparse.ArgumentParser:
         "--autotune",
         "--no-autotune",
         "autotune",
-        "no effect here: bagua_hvd has no autotuner; the fusion threshold and cycle time stay "
-        "as set (HOROVOD_AUTOTUNE is still set)",
+        "tune the fusion threshold, cycle time, response cache, hierarchical allreduce and "
+        "bucket size online: Horovod's autotuner (HOROVOD_AUTOTUNE=1; docs/autotune.md)",
         None,
     )
     autotune.add_argument(
-        "--autotune-log-file", action=_Given, metavar="FILE", help="no effect (no autotuner)"
+        "--autotune-log-file",
+        action=_Given,
+        metavar="FILE",
+        help="rank 0 writes each tuned setting and its score to this CSV file "
+        "(HOROVOD_AUTOTUNE_LOG; with --autotune)",
     )
-    for name in ("warmup-samples", "steps-per-sample", "bayes-opt-max-samples"):
+    for name, minimum, text in (
+        ("warmup-samples", _non_negative_int,
+         "scores dropped before tuning starts (default 3; HOROVOD_AUTOTUNE_WARMUP_SAMPLES)"),
+        ("steps-per-sample", _positive_int,
+         "steps per sample; the score is the median of five samples (default 10; "
+         "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE)"),
+        ("bayes-opt-max-samples", _positive_int,
+         "scores of the Bayesian optimisation per setting of the other tunables (default 20; "
+         "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES)"),
+    ):  # fmt: skip
         autotune.add_argument(
             f"--autotune-{name}",
             action=_Given,
-            type=_non_negative_int,
+            type=minimum,
             metavar="N",
-            help="no effect (no autotuner)",
+            help=text + "; with --autotune",
         )
     autotune.add_argument(
         "--autotune-gaussian-process-noise",
         action=_Given,
         type=_unit_float,
         metavar="X",
-        help="no effect (no autotuner); a number in [0, 1]",
+        help="the Gaussian process's noise, in [0, 1] (default 0.8; "
+        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE); with --autotune",
     )
 
     elastic = parser.add_argument_group("elastic arguments")
@@ -725,7 +739,7 @@ def rank_env(args: argparse.Namespace) -> Dict[str, str]:
     return env
 
 
-_NO_AUTOTUNER = "bagua_hvd has no autotuner: the fusion threshold and cycle time stay as set"
+_AUTOTUNE_ONLY = "they only configure the autotuner: add --autotune"
 _ELASTIC_ONLY = "they only configure elastic jobs: add --min-np or --host-discovery-script"
 # (flag, its destination, whether the value asks for something, why it has no effect here)
 _NO_EFFECT: Tuple[Tuple[str, str, Callable[[Any], bool], str], ...] = (
@@ -733,16 +747,15 @@ _NO_EFFECT: Tuple[Tuple[str, str, Callable[[Any], bool], str], ...] = (
      "bagua_hvd's allgather has one algorithm"),
     ("--torus-allreduce", "torus_allreduce", bool,
      "there is no torus allreduce: --hierarchical-allreduce serves hosts of several GPUs"),
-    ("--autotune", "autotune", bool, _NO_AUTOTUNER),
-    ("--autotune-log-file", "autotune_log_file", lambda v: v is not None, _NO_AUTOTUNER),
+    ("--autotune-log-file", "autotune_log_file", lambda v: v is not None, _AUTOTUNE_ONLY),
     ("--autotune-warmup-samples", "autotune_warmup_samples", lambda v: v is not None,
-     _NO_AUTOTUNER),
+     _AUTOTUNE_ONLY),
     ("--autotune-steps-per-sample", "autotune_steps_per_sample", lambda v: v is not None,
-     _NO_AUTOTUNER),
+     _AUTOTUNE_ONLY),
     ("--autotune-bayes-opt-max-samples", "autotune_bayes_opt_max_samples",
-     lambda v: v is not None, _NO_AUTOTUNER),
+     lambda v: v is not None, _AUTOTUNE_ONLY),
     ("--autotune-gaussian-process-noise", "autotune_gaussian_process_noise",
-     lambda v: v is not None, _NO_AUTOTUNER),
+     lambda v: v is not None, _AUTOTUNE_ONLY),
     ("--max-np", "max_num_proc", lambda v: v is not None, _ELASTIC_ONLY),
     ("--slots-per-host", "slots", lambda v: v is not None, _ELASTIC_ONLY),
     ("--elastic-timeout", "elastic_timeout", lambda v: v is not None, _ELASTIC_ONLY),
@@ -780,6 +793,8 @@ def _no_effect_flags(args: argparse.Namespace) -> List[Tuple[str, str, str]]:
     elastic = args.min_num_proc is not None or args.host_discovery_script is not None
     for flag, dest, asks, why in _NO_EFFECT:
         if why is _ELASTIC_ONLY and elastic:
+            continue
+        if why is _AUTOTUNE_ONLY and args.autotune:
             continue
         if dest == "mpi_threads_disable" and (args.mpi or args.jsrun):
             continue  # acted on under mpirun (bagua_hvd.common.bootstrap)

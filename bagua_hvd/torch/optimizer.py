@@ -20,8 +20,9 @@ import torch
 import bagua_hvd.torch.algorithms as _alg
 import bagua_hvd.torch.bucketwise as bucketwise
 import bagua_hvd.torch.hooks as _hooks
+import bagua_hvd.torch.mpi_ops as mpi_ops
 from bagua_hvd.common import algorithms as _alg_common
-from bagua_hvd.common import config
+from bagua_hvd.common import autotune, config
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.basics import after_init as basics_after_init
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
@@ -85,11 +86,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Steps whose update ran bucket by bucket, and the update calls they made (tests).
         self._bucketwise_steps = self._bucketwise_updates = 0
 
+        # Horovod's autotuner tunes the bucket size of an optimizer of the global set whose
+        # buckets are cut by size (not by ``groups``); rank 0 decides, every rank follows at the
+        # same step (_agree_bucket_cap).
+        self._tunes_buckets = False
         if self.process_set.included() and (size() > 1 or config.elastic()):
             if algorithm is not None:
                 self._algo_impl = _alg.implementation(algorithm, self, self._parameter_names)
             self._register_hooks()
             _LIVE.add(self)
+            if self._groups is None and self.process_set.process_set_id == 0:
+                self._tunes_buckets = autotune.tunes_buckets()
+                if self._tunes_buckets:
+                    autotune.use_buckets()
 
     @property
     def _buckets(self) -> List[Bucket]:
@@ -125,6 +134,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._bucketing.plan_again()
             if self._algo_impl is not None:
                 self._algo_impl.replan()
+        # The new job's tuner starts afresh (rank 0's, bagua_hvd.common.autotune).
+        self._tunes_buckets = (
+            self._bucketing is not None
+            and self._groups is None
+            and self.process_set.process_set_id == 0
+            and autotune.tunes_buckets()
+        )
+
+    def _agree_bucket_cap(self) -> None:
+        """While the autotuner tunes the bucket size: rank 0's current size, on every rank at
+        the end of the same step; a new size plans the buckets again (at the next step, as after
+        an elastic reset). The last broadcast says tuning is done."""
+        cap, active = self._bucket_cap, True
+        if self.process_set.rank() == 0:
+            cap, active = autotune.rank0_bucket_state(self._bucket_cap)
+        agreed = mpi_ops.broadcast(
+            torch.tensor([cap, int(active)], dtype=torch.int64),
+            0,
+            name="DistributedOptimizer.autotune",
+        )
+        cap = int(agreed[0])
+        if cap != self._bucket_cap:
+            self._bucket_cap = self._bucketing.cap = cap
+            self._bucketing.plan_again()
+            if self._algo_impl is not None:
+                self._algo_impl.replan()
+        self._tunes_buckets = bool(agreed[1])
 
     # ---- Horovod's public surface --------------------------------------------------------------
     def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
@@ -206,12 +242,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._synchronize_and_update_bucketwise()
                 if self._algo_impl is not None:
                     self._algo_impl.after_step()
+                if self._tunes_buckets:
+                    self._agree_bucket_cap()
                 return None
             self.synchronize()
         self._synchronized = False
         result = super(self._hvd_cls, self).step(closure)
         if self._algo_impl is not None:
             self._algo_impl.after_step()
+        if self._tunes_buckets:
+            self._agree_bucket_cap()
         return result
 
     def _synchronize_and_update_bucketwise(self) -> None:

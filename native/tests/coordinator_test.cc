@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
@@ -312,6 +313,40 @@ TEST_F(Negotiation, CacheCapacityEvictsTheLeastRecentlyUsed) {
   ResponseList r2 = build();
   ASSERT_EQ(r2.responses.size(), 1u);
   EXPECT_EQ(r2.evicted, std::vector<int32_t>{r1.responses[0].cache_ids[0]});
+}
+
+TEST_F(Negotiation, TheAutotunersParametersHoldFromTheNextBuild) {
+  params_.fusion_threshold = 100;
+  start();
+  // A larger threshold fuses what did not fit; the hierarchical setting goes out once, in the
+  // next list, even a list without responses.
+  TunedParams p;
+  p.fusion_threshold = 1000;
+  p.hierarchical_allreduce = true;
+  p.cache_enabled = true;
+  p.cycle_time_ms = 0;
+  coord_->tune(p);
+  ResponseList flag = build();
+  EXPECT_TRUE(flag.responses.empty());
+  EXPECT_EQ(flag.hierarchical_allreduce, 1);
+  EXPECT_GT(flag.seq, 0u);
+  for (const char* name : {"a", "b", "c"}) submit_all(allreduce(name, {10}));
+  ResponseList fused = build();
+  ASSERT_EQ(fused.responses.size(), 1u);
+  EXPECT_EQ(fused.responses[0].names, (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_EQ(fused.hierarchical_allreduce, -1);  // unchanged since
+  // The cache off: every cached id is evicted, no new one given.
+  p.cache_enabled = false;
+  coord_->tune(p);
+  submit_all(allreduce("d", {10}));
+  ResponseList uncached = build();
+  ASSERT_EQ(uncached.responses.size(), 1u);
+  EXPECT_EQ(uncached.responses[0].cache_ids, std::vector<int32_t>{-1});
+  std::vector<int32_t> evicted = uncached.evicted;
+  std::sort(evicted.begin(), evicted.end());
+  std::vector<int32_t> ids = fused.responses[0].cache_ids;
+  std::sort(ids.begin(), ids.end());
+  EXPECT_EQ(evicted, ids);
 }
 
 // ---- requests no real rank sends (found by native/fuzz/coordinator_fuzz.cc) -------------------

@@ -84,6 +84,7 @@ void expect_same(const ResponseList& a, const ResponseList& b) {
   ASSERT_EQ(a.responses.size(), b.responses.size());
   for (size_t i = 0; i < a.responses.size(); ++i) expect_same(a.responses[i], b.responses[i]);
   EXPECT_EQ(a.evicted, b.evicted);
+  EXPECT_EQ(a.hierarchical_allreduce, b.hierarchical_allreduce);
 }
 
 const DataType kTypes[] = {DataType::UINT8,   DataType::INT8,  DataType::UINT16,  DataType::INT16,
@@ -192,12 +193,22 @@ class Random {
     l.shutdown = coin();
     for (int i = num(0, 6); i > 0; --i) l.responses.push_back(response());
     l.evicted = vec<int32_t>(10, 0, 5000);
+    l.hierarchical_allreduce = static_cast<int8_t>(num(-1, 1));
     return l;
   }
 
  private:
   std::mt19937 g_;
 };
+
+TEST(Message, TheAutotunersSettingOutsideItsValuesIsRejected) {
+  ResponseList l;
+  l.hierarchical_allreduce = 1;
+  std::string bytes = encode(l);
+  expect_same(decode_response_list(bytes), l);
+  bytes.back() = 2;  // the setting is the last byte
+  EXPECT_THROW(decode_response_list(bytes), TransportError);
+}
 
 TEST(Message, EmptyListsRoundTrip) {
   expect_same(decode_request_list(encode(RequestList{})), RequestList{});

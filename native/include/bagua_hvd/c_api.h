@@ -225,6 +225,30 @@ const char* bhvd_version(void);
 int bhvd_start_timeline(const char* path, int32_t mark_cycles);
 int bhvd_stop_timeline(void);
 
+/* Horovod's autotuner (HOROVOD_AUTOTUNE, docs/autotune.md): the core measures on rank 0 and
+ * applies; rank 0's frontend decides. bhvd_autotune_start (rank 0 only, else
+ * BHVD_INVALID_ARGUMENT; BHVD_NOT_INITIALIZED before init) starts sampling: a sample ends when a
+ * tensor of the global set has been reduced steps_per_sample more times, and scores the bytes
+ * reduced per microsecond since the last (Horovod's score); the median of five samples is the
+ * score bhvd_autotune_next_score hands out (*got = 1; 0 after timeout_ms without one;
+ * BHVD_ABORTED once the job stopped). Sampling then pauses until bhvd_autotune_propose: its
+ * parameters hold from the next negotiation cycle on, on every rank at the same point of the
+ * order, and sampling resumes with them (active = 1) or ends (active = 0: tuning is done, these
+ * are the best). */
+typedef struct bhvd_autotune_params {
+  int32_t hierarchical_allreduce; /* 0 or 1: HOROVOD_HIERARCHICAL_ALLREDUCE's meaning */
+  int32_t cache_enabled;          /* 0: the response cache off; 1: HOROVOD_CACHE_CAPACITY */
+  double cycle_time_ms;           /* >= 0: HOROVOD_CYCLE_TIME's meaning */
+  int64_t fusion_threshold;       /* bytes, >= 0: HOROVOD_FUSION_THRESHOLD's meaning */
+} bhvd_autotune_params;
+int bhvd_autotune_start(int32_t steps_per_sample);
+int bhvd_autotune_next_score(double* score, int64_t timeout_ms, int32_t* got);
+int bhvd_autotune_propose(const bhvd_autotune_params* params, int32_t active);
+/* One line in the core's log, as the core writes its own (HOROVOD_LOG_LEVEL, HOROVOD_LOG_HIDE_TIME;
+ * levels 0 trace .. 5 fatal, as Horovod's): the frontends' messages that Horovod's core logs.
+ * Returns 1 when written, 0 when below the level. */
+int bhvd_log(int32_t level, const char* message);
+
 int bhvd_rank(void);
 int bhvd_size(void);
 int bhvd_local_rank(void);

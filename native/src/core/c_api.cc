@@ -231,6 +231,54 @@ int bhvd_stop_timeline(void) {
   return guarded([&]() -> int { return report(Runtime::get().stop_timeline()); });
 }
 
+int bhvd_log(int32_t level, const char* message) {
+  return guarded_value<int>(0, [&]() -> int {
+    const auto lv = static_cast<bagua_hvd::LogLevel>(std::clamp(level, 0, 5));
+    if (!message || lv < bagua_hvd::log_level()) return 0;
+    bagua_hvd::log_message(lv, message);
+    return 1;
+  });
+}
+
+int bhvd_autotune_start(int32_t steps_per_sample) {
+  return guarded([&]() -> int {
+    Runtime& rt = Runtime::get();
+    if (!rt.initialized()) return report(Status::NotInitialized());
+    if (rt.config().rank != 0)
+      return report(Status::InvalidArgument("autotune: only rank 0 samples and decides"));
+    return report(rt.autotuner().start(steps_per_sample));
+  });
+}
+
+int bhvd_autotune_next_score(double* score, int64_t timeout_ms, int32_t* got) {
+  return guarded([&]() -> int {
+    if (!score || !got) return report(Status::InvalidArgument("autotune: null output"));
+    *got = 0;
+    const int r = Runtime::get().autotuner().next_score(score, timeout_ms);
+    if (r < 0) return report(Status::Aborted("autotune: the job has stopped"));
+    *got = r;
+    return BHVD_OK;
+  });
+}
+
+int bhvd_autotune_propose(const bhvd_autotune_params* p, int32_t active) {
+  return guarded([&]() -> int {
+    if (!p) return report(Status::InvalidArgument("autotune: null parameters"));
+    if (!(p->cycle_time_ms >= 0) || p->fusion_threshold < 0)
+      return report(Status::InvalidArgument(
+          "autotune: the cycle time and fusion threshold must be >= 0, got " +
+          std::to_string(p->cycle_time_ms) + " ms and " + std::to_string(p->fusion_threshold) +
+          " bytes"));
+    bagua_hvd::TunedParams t;
+    t.hierarchical_allreduce = p->hierarchical_allreduce != 0;
+    t.cache_enabled = p->cache_enabled != 0;
+    t.cycle_time_ms = p->cycle_time_ms;
+    t.fusion_threshold = p->fusion_threshold;
+    Runtime::get().autotuner().propose(t, active != 0);
+    return BHVD_OK;
+  });
+}
+
 int bhvd_is_initialized(void) {
   return guarded_value<int>(0, [&]() -> int { return Runtime::get().initialized() ? 1 : 0; });
 }

@@ -68,8 +68,10 @@ Status load_config(int epoch, Config* out) {
   cp.stall_shutdown_s = env_double("STALL_SHUTDOWN_TIME_SECONDS", 0);
   c.spin_us = env_int("SPIN_US", 1000);
   c.hierarchical_allreduce = env_bool("HIERARCHICAL_ALLREDUCE", false);
+  cp.hierarchical_allreduce = c.hierarchical_allreduce;
   c.timeline = env_str("TIMELINE", "");
   c.timeline_mark_cycles = env_bool("TIMELINE_MARK_CYCLES", false);
+  if (const char* dir = env_raw("BAGUA_HVD_RESPONSE_LOG")) c.response_log = dir;
   if (const char* ops = env_lookup("CPU_OPERATIONS")) {
     if (strcasecmp(ops, "mpi") == 0) {
       c.cpu_operations_mpi = true;

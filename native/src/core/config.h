@@ -32,6 +32,9 @@ struct Config {
   // start none until hvd.start_timeline(); empty: off, and start_timeline refused.
   std::string timeline;
   bool timeline_mark_cycles = false;  // HOROVOD_TIMELINE_MARK_CYCLES
+  // BAGUA_HVD_RESPONSE_LOG: a directory where each rank writes the responses it executes, in
+  // order (rank.<r>.log): what two ranks ran differently shows there. Empty: off.
+  std::string response_log;
 };
 
 // Reads and validates the environment (the messages are those hvd.init() raises). epoch goes

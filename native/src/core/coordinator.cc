@@ -432,6 +432,16 @@ void Coordinator::stall_check(Clock::time_point now, Clock::time_point* wake_at)
   shutdown_requested_ = true;  // build() sends the shutdown to every rank
 }
 
+void Coordinator::tune(const TunedParams& p) {
+  params_.fusion_threshold = fusion_.threshold = p.fusion_threshold;
+  params_.cycle_time_s = p.cycle_time_ms / 1000.0;
+  cache_.set_capacity(p.cache_enabled ? params_.cache_capacity : 0);
+  if (p.hierarchical_allreduce != params_.hierarchical_allreduce) {
+    params_.hierarchical_allreduce = p.hierarchical_allreduce;
+    hierarchical_sent_ = false;
+  }
+}
+
 ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_at) {
   ResponseList out;
   *wake_at = Clock::time_point::max();
@@ -507,7 +517,12 @@ ResponseList Coordinator::build(Clock::time_point now, Clock::time_point* wake_a
   // Retire evicted cache templates once every rank has seen the eviction.
   cache_.retire(seq_);
 
-  if (!out.responses.empty() || cache_.has_evictions() || shutdown_requested_) {
+  if (!hierarchical_sent_) {
+    out.hierarchical_allreduce = params_.hierarchical_allreduce ? 1 : 0;
+    hierarchical_sent_ = true;
+  }
+  if (!out.responses.empty() || cache_.has_evictions() || shutdown_requested_ ||
+      out.hierarchical_allreduce >= 0) {
     out.seq = ++seq_;
     out.shutdown = shutdown_requested_;
     out.evicted = cache_.take_evictions(out.seq);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "base/common.h"
+#include "core/autotune.h"
 #include "core/fusion.h"
 #include "core/response_cache.h"
 #include "requests/message.h"
@@ -27,6 +28,7 @@ struct CoordinatorParams {
   int64_t cache_capacity = 1024;  // 0 disables the response cache
   double stall_warning_s = 60;    // 0 disables the stall inspector (shutdown included)
   double stall_shutdown_s = 0;    // 0: never shut the job down for a stalled tensor
+  bool hierarchical_allreduce = false;  // HOROVOD_HIERARCHICAL_ALLREDUCE (the autotuner's after)
 };
 
 // Horovod's checks of a process set's global ranks (ProcessSetTable::RegisterProcessSet): "" when
@@ -50,6 +52,10 @@ class Coordinator {
   ResponseList build(Clock::time_point now, Clock::time_point* wake_at);
 
   bool shutdown_requested() const { return shutdown_requested_; }
+
+  // The autotuner's parameters (core/autotune.h), from the next build() on; a change of the
+  // hierarchical allreduce goes out in that ResponseList (ResponseList::hierarchical_allreduce).
+  void tune(const TunedParams& p);
 
  private:
   struct Pending {
@@ -85,6 +91,7 @@ class Coordinator {
   int32_t last_joined_ = -1;
 
   bool shutdown_requested_ = false;
+  bool hierarchical_sent_ = true;  // the last change of params_.hierarchical_allreduce went out
   uint64_t seq_ = 0;
   int32_t next_set_id_ = 1;
   std::deque<int32_t> free_set_ids_;  // removed sets' ids, given again first (Horovod's rule)

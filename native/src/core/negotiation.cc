@@ -55,12 +55,16 @@ void Runtime::loop_once_coordinator(bool* active) {
       *active = true;
     }
   }
+  if (TunedParams p; autotuner_.take_proposal(&p)) coordinator_->tune(p);
   ResponseList out = coordinator_->build(Clock::now(), &wake_at_);
-  if (out.responses.empty() && !out.shutdown && out.evicted.empty()) return;
+  if (out.responses.empty() && !out.shutdown && out.evicted.empty() &&
+      out.hierarchical_allreduce < 0)
+    return;
   std::string payload = encode(out);
   for (int w = 1; w < cfg_.size; ++w) ctrl_->send(w, payload);
   if (timeline_.active() && !out.responses.empty()) timeline_.mark_cycle();
   apply(out);
+  autotuner_.observe(out);
   *active = true;
 }
 
@@ -86,6 +90,7 @@ void Runtime::loop_once_worker(bool* active) {
 
 void Runtime::apply(const ResponseList& list) {
   cache_.evict(list.evicted);
+  if (list.hierarchical_allreduce >= 0) hierarchical_allreduce_ = list.hierarchical_allreduce != 0;
   // On the timeline (rank 0), every response of the list starts now and waits in QUEUE behind
   // the earlier ones until it executes.
   std::vector<uint64_t> groups;
@@ -113,6 +118,13 @@ void Runtime::apply(const ResponseList& list) {
       continue;
     }
     const uint64_t group = groups.empty() ? 0 : groups[i];
+    if (response_log_) {
+      // The seq, set, type, the hierarchical allreduce in effect, the names in fusion order.
+      *response_log_ << list.seq << ' ' << r.process_set_id << ' ' << r.type << ' '
+                     << (hierarchical_allreduce_ ? 1 : 0) << ' ';
+      for (size_t k = 0; k < r.names.size(); ++k) *response_log_ << (k ? "," : "") << r.names[k];
+      *response_log_ << '\n';
+    }
     execute(r, group);
     const WireCounts sent = take_last_scope_bytes();  // read after every response: never stale
     if (group) timeline_.op_end(group, sent);

@@ -63,21 +63,29 @@ void ResponseCache::assign(Response& r) {
       by_name_.erase(it);
       pending_evictions_.push_back(old);
     }
-    if (static_cast<int64_t>(cache_.size()) >= capacity_) {
-      int32_t victim = lru_.back();
-      lru_.pop_back();
-      auto& ve = cache_.at(victim);
-      by_name_.erase(tensor_key(ve.tmpl.process_set_id, ve.tmpl.name));
-      dead_templates_[victim] = std::move(ve.tmpl);
-      cache_.erase(victim);
-      pending_evictions_.push_back(victim);
-    }
+    if (static_cast<int64_t>(cache_.size()) >= capacity_) evict_lru();
     int32_t id = next_id_++;
     lru_.push_front(id);
     cache_[id] = CacheEntry{std::move(tmpl), lru_.begin()};
     by_name_[key] = id;
     r.cache_ids[i] = id;
   }
+}
+
+void ResponseCache::evict_lru() {
+  int32_t victim = lru_.back();
+  lru_.pop_back();
+  auto& ve = cache_.at(victim);
+  by_name_.erase(tensor_key(ve.tmpl.process_set_id, ve.tmpl.name));
+  dead_templates_[victim] = std::move(ve.tmpl);
+  cache_.erase(victim);
+  pending_evictions_.push_back(victim);
+}
+
+void ResponseCache::set_capacity(int64_t capacity) {
+  capacity_ = capacity;
+  while (!lru_.empty() && static_cast<int64_t>(cache_.size()) > std::max<int64_t>(capacity_, 0))
+    evict_lru();
 }
 
 void ResponseCache::retire(uint64_t last_seq) {

@@ -31,6 +31,9 @@ class ResponseCache {
   // Assigns cache ids to the tensors of an executable response (r.cache_ids), evicting the least
   // recently used entries and ids whose parameters changed.
   void assign(Response& r);
+  // A new capacity (the autotuner turning the cache off and on): the least recently used
+  // entries beyond it are evicted, as assign() evicts.
+  void set_capacity(int64_t capacity);
   // rank has applied every ResponseList up to seq.
   void ack(int rank, uint64_t seq);
   // Forgets evicted templates that every worker has acknowledged by now (last_seq: the last
@@ -55,6 +58,8 @@ class ResponseCache {
   };
 
  private:
+  void evict_lru();
+
   struct CacheEntry {
     Request tmpl;
     std::list<int32_t>::iterator lru;

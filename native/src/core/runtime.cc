@@ -130,6 +130,15 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
         BHVD_LOG(ERROR, s.reason);
     }
   }
+  response_log_.reset();
+  if (!config.response_log.empty()) {
+    const std::string path = config.response_log + "/rank." + std::to_string(cfg_.rank) + ".log";
+    response_log_ = std::make_unique<std::ofstream>(path, std::ios::out | std::ios::app);
+    if (!response_log_->good()) {
+      BHVD_LOG(WARNING, "BAGUA_HVD_RESPONSE_LOG: cannot write " + path);
+      response_log_.reset();
+    }
+  }
   reset_wire_stats();  // hvd.communication_stats() counts from init()
   initialized_ = true;
   thread_ = std::thread([this] { loop(); });
@@ -148,7 +157,9 @@ Status Runtime::shutdown() {
     shutdown_requested_ = true;
     transport_->notify();
   }
+  autotuner_.stop();  // rank 0's tuner thread returns
   if (thread_.joinable()) thread_.join();
+  response_log_.reset();
   timeline_.shutdown();  // the file is complete once hvd.shutdown() returns
   mpi_engine_.reset();   // its communicators, once the background thread no longer uses them
   // NCCL communicators belong to this job: the next init (an elastic reset) makes new ones.

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -22,6 +23,7 @@
 #include "base/wire_stats.h"
 #include "collectives/comm.h"
 #include "collectives/hierarchy.h"
+#include "core/autotune.h"
 #include "core/coordinator.h"
 #include "core/response_cache.h"
 #include "engines/data_engine.h"
@@ -82,6 +84,8 @@ class Runtime {
   const char* transport_kind(int peer);
 
   RuntimeStats& stats() { return stats_; }
+  // Horovod's autotuner: the core's half (core/autotune.h); rank 0 measures, its frontend decides.
+  Autotuner& autotuner() { return autotuner_; }
 
   // Horovod's dynamic timeline (hvd.start_timeline/stop_timeline): rank 0 writes, the other
   // ranks accept and do nothing. Refused (Horovod's text) unless HOROVOD_TIMELINE was set.
@@ -180,6 +184,9 @@ class Runtime {
   std::unique_ptr<DataEngine> mpi_engine_;  // HOROVOD_CPU_OPERATIONS=mpi (engines/mpi_engine.cc)
   MpiFacts mpi_facts_;
   Clock::time_point wake_at_ = Clock::time_point::max();
+  Autotuner autotuner_;            // sampling on rank 0 while HOROVOD_AUTOTUNE tunes
+  // BAGUA_HVD_RESPONSE_LOG: each response this rank executes, a line each (docs/autotune.md).
+  std::unique_ptr<std::ofstream> response_log_;
   Timeline timeline_;              // rank 0's (requests/timeline.h)
   bool timeline_enabled_ = false;  // HOROVOD_TIMELINE set: start_timeline allowed
 };

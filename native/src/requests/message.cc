@@ -247,6 +247,7 @@ std::string encode(const ResponseList& m) {
     w.put_vec(r.set_ranks);
   }
   w.put_vec(m.evicted);
+  w.put<int8_t>(m.hierarchical_allreduce);
   return w.take();
 }
 
@@ -286,6 +287,9 @@ ResponseList decode_response_list(const std::string& bytes) {
     m.responses.push_back(std::move(r));
   }
   m.evicted = rd.get_vec<int32_t>();
+  m.hierarchical_allreduce = rd.get<int8_t>();
+  if (m.hierarchical_allreduce < -1 || m.hierarchical_allreduce > 1)
+    throw TransportError("malformed negotiation message: bad hierarchical allreduce setting");
   rd.finish();
   return m;
 }

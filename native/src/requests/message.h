@@ -110,6 +110,9 @@ struct ResponseList {
   bool shutdown = false;
   std::vector<Response> responses;
   std::vector<int32_t> evicted;  // cache ids dropped by the coordinator
+  // The autotuner's hierarchical allreduce (core/autotune.h) from this list on: 0 or 1; -1:
+  // unchanged. In the list, so that every rank switches at the same point of the order.
+  int8_t hierarchical_allreduce = -1;
 };
 
 // Names are unique within a process set (as in Horovod, where every set has its own queue):

@@ -1,0 +1,79 @@
+"""A rank of tests/test_autotune.py's jobs (HOROVOD_AUTOTUNE=1 set by the test).
+
+ops <steps> <out>: each step allreduces 24 small tensors asynchronously and waits; rank 1 sleeps
+  a random 0-4 ms before each step, so that the ranks' timings differ.
+optimizer <steps> <out>: hvd.DistributedOptimizer (SGD) on a model of 8 x 1 MiB weights, each
+  rank's batch from seed (rank, step); writes, per step, the bucket cap and the number of
+  buckets to <out>/rank<r>.json, the final weights to <out>/rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import bagua_hvd.torch as hvd
+
+WIDTH = 512  # 512 x 512 float32: 1 MiB per weight
+OUT = Path(sys.argv[3])
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(8)])
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, WIDTH, generator=g)
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def run_ops(steps: int) -> dict:
+    rank = hvd.rank()
+    rng = random.Random(rank)
+    tensors = [torch.full((256 + 64 * i,), float(rank + 1)) for i in range(24)]
+    for _ in range(steps):
+        if rank == 1:
+            time.sleep(rng.uniform(0, 0.004))
+        handles = [hvd.allreduce_async(t, name=f"t{i}", op=hvd.Sum) for i, t in enumerate(tensors)]
+        for i, h in enumerate(handles):
+            out = hvd.synchronize(h)
+            assert torch.equal(out, torch.full_like(out, 3.0)), (i, out[:4])
+    return {}
+
+
+def run_optimizer(steps: int) -> dict:
+    rank = hvd.rank()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), named_parameters=model.named_parameters()
+    )
+    caps = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss_of(model, batch(rank, step)).backward()
+        opt.step()
+        caps.append([opt._bucket_cap, len(opt._buckets)])
+    torch.save([p.detach() for p in model.parameters()], OUT / f"rank{rank}.pt")
+    return {"caps": caps, "tuning": opt._tunes_buckets}
+
+
+def main() -> None:
+    mode, steps, out = sys.argv[1], int(sys.argv[2]), OUT
+    hvd.init()
+    result = run_ops(steps) if mode == "ops" else run_optimizer(steps)
+    (out / f"rank{hvd.rank()}.json").write_text(json.dumps(result))
+    print(f"rank {hvd.rank()} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
