@@ -401,7 +401,7 @@ def _candidate(c: Any, i: int) -> Algorithm:
         if key not in BY_NAME:
             raise ValueError(
                 f"Auto: unknown candidate {c!r} (candidate {i}): choose algorithm objects or "
-                f"names among {', '.join(n for n in BY_NAME if n != 'async')}"
+                f"names among {', '.join(n for n in BY_NAME if n not in ('async', AUTO_NAME))}"
             )
         c = BY_NAME[key]()
     if isinstance(c, Auto):
@@ -475,6 +475,7 @@ class Auto(Algorithm):
         self.verbose = bool(verbose)
         self.average = averages.pop()
         self._latest: Optional[weakref.ref] = None
+        self._pending: Optional[Dict[str, Any]] = None  # a state restored before any loop
 
     def check(
         self,
@@ -503,7 +504,30 @@ class Auto(Algorithm):
 
         s = AutoSchedule(self, process_set)
         self._latest = weakref.ref(s)
+        if self._pending is not None:
+            s.load_state_dict(self._pending)
+            self._pending = None
         return s
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The latest training loop's choice (``AutoSchedule.state_dict``), for checkpoints;
+        before any loop, what :meth:`load_state_dict` was given (or an undecided state)."""
+        s = self._schedule()
+        if s is not None:
+            return s.state_dict()
+        if self._pending is not None:
+            return dict(self._pending)
+        return {"candidates": self.labels(), "chosen": None, "chosen_step": None,
+                "step_times": None}  # fmt: skip
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` into the latest training loop, or, before it exists,
+        into the next one made (a checkpoint restored before the first step)."""
+        s = self._schedule()
+        if s is not None:
+            s.load_state_dict(state)
+        else:
+            self._pending = dict(state)
 
     def _schedule(self) -> Any:
         return None if self._latest is None else self._latest()
@@ -522,13 +546,14 @@ class Auto(Algorithm):
         )
 
 
+BY_NAME[AUTO_NAME] = Auto  # bagua-run --algorithm auto: the default candidates
+
+
 def from_name(name: str) -> Algorithm:
     """The algorithm named ``name`` with default arguments (``bagua-run --algorithm``;
     ``"auto"``: :class:`Auto` with its default candidates)."""
     table = BY_NAME
     key = name.strip().lower()
-    if key == AUTO_NAME:
-        return Auto()
     if key == "qadam":
         raise ValueError(
             "QAdam needs its own optimizer: build QAdamOptimizer and pass "
@@ -537,7 +562,7 @@ def from_name(name: str) -> Algorithm:
     if key not in table:
         raise ValueError(
             f"unknown algorithm {name!r} (from {ALGORITHM_ENV} or bagua-run --algorithm): choose "
-            f"one of {', '.join(table)}, {AUTO_NAME}"
+            f"one of {', '.join(table)}"
         )
     return table[key]()
 
