@@ -1,8 +1,9 @@
 """``algorithm="auto"``: measure a few steps of each candidate algorithm, keep the fastest
 (docs/algorithms.md, "Auto").
 
-Written once for every frontend: the declaration :class:`Auto` (its candidates and schedule,
-validated), and :class:`AutoSchedule`, the state of one training loop: which candidate runs at
+Written once for every frontend (the declaration, :class:`~bagua_hvd.common.algorithms.Auto`,
+with its validated candidates, is in ``algorithms.py``): :class:`AutoSchedule`, the state of
+one training loop: which candidate runs at
 each step, the step times measured, the decision (the ranks' medians averaged by an allreduce,
 then rank 0's choice broadcast, so every rank switches to the same candidate at the same
 step), the table printed once by rank 0, and the state kept by checkpoints. A frontend calls

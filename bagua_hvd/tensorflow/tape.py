@@ -334,7 +334,9 @@ def DistributedGradientTape(
 
     algorithm: one of BAGUA's algorithms (``bagua_hvd.tensorflow.algorithms``:
     ``GradientAllReduce``, ``ByteGrad``, ``Decentralized``, ``LowPrecisionDecentralized``,
-    ``QAdamAlgorithm``, ``AsyncModelAverage``; docs/algorithms.md). Default None: the
+    ``QAdamAlgorithm``, ``AsyncModelAverage``; docs/algorithms.md), or a name (``"auto"``:
+    the faster of GradientAllReduce and ByteGrad, measured during the first steps; ``Auto``
+    takes other candidates). Default None: the
     ``BAGUA_HVD_ALGORITHM`` environment variable (``bagua-run --algorithm``) if set, else
     Horovod's allreduce configured by the arguments above. ``gradient()`` then returns what the
     optimizer must apply (ByteGrad: the compressed average; Decentralized: the local gradients,
