@@ -70,6 +70,12 @@ class _State:
         self.prereduced: List[Any] = []
 
 
+def _is_auto(algorithm: Any) -> bool:
+    from bagua_hvd.common.algorithms import Auto
+
+    return isinstance(algorithm, Auto)
+
+
 def _check_not_xla() -> None:
     """The collectives are custom asynchronous kernels and ``tf.numpy_function`` ops, which XLA
     cannot compile. Keras 3 turns XLA on by itself (``jit_compile="auto"``) on machines with a
@@ -147,6 +153,10 @@ def create_distributed_optimizer(
             self.process_set = process_set
             self.scale_local_gradients = scale_local_gradients
             self._agg_helper = None
+            if _is_auto(algorithm):  # tf.train.Checkpoint(optimizer=...) keeps Auto's choice
+                import bagua_hvd.tensorflow.algorithms as algorithms  # loads Keras: lazily
+
+                self._bhvd_auto_choice = algorithms.AutoCheckpoint(algorithm)
             if backward_passes_per_step > 1 and tf.executing_eagerly():
                 # Horovod's choice: the eager helper when built eagerly (the Keras mode of
                 # LocalGradientAggregationHelper under Horovod's eager constructor).

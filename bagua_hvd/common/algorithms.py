@@ -17,7 +17,7 @@ This module imports no framework. A frontend registers its QAdam optimizer class
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from bagua_hvd.common import basics, config
 from bagua_hvd.common import ops as _ops
@@ -32,6 +32,7 @@ FRONTEND_EXPORTS = [
     "LowPrecisionDecentralized",
     "QAdamAlgorithm",
     "AsyncModelAverage",
+    "Auto",
     "BY_NAME",
     "from_name",
     "from_environment",
@@ -361,8 +362,196 @@ BY_NAME: Dict[str, Callable[[], Algorithm]] = {
 }
 
 
+# ---- algorithm="auto" (the schedule, the measurements and the decision: auto_algorithm.py) ----
+#: the name of ``algorithm="auto"`` and ``bagua-run --algorithm auto``
+AUTO_NAME = "auto"
+#: steps run with the first candidate before any measurement (allocations, first traces)
+DEFAULT_WARMUP_STEPS = 2
+#: measured steps per candidate (each after one unmeasured step with it)
+DEFAULT_STEPS_PER_CANDIDATE = 5
+
+# Candidates Auto refuses, and why.
+_REFUSED = {
+    QAdamAlgorithm: (
+        "QAdamAlgorithm cannot be a candidate of Auto: it changes the update itself "
+        "(QAdamOptimizer, with a warm-up stage), not only how gradients travel"
+    ),
+    AsyncModelAverage: (
+        "AsyncModelAverage cannot be a candidate of Auto: its background averaging has no "
+        "step time to compare"
+    ),
+}
+
+
+def _default_candidates() -> List[Algorithm]:
+    """GradientAllReduce and ByteGrad: both keep every rank's model identical."""
+    return [GradientAllReduce(), ByteGrad()]
+
+
+def _candidate(c: Any, i: int) -> Algorithm:
+    if isinstance(c, str):
+        key = c.strip().lower()
+        if key == AUTO_NAME:
+            raise ValueError(f"Auto: candidate {i} is 'auto' itself")
+        if key == "qadam":
+            raise ValueError(
+                f"Auto: candidate {i} 'qadam' needs its own optimizer (QAdamOptimizer), which a "
+                "name cannot give; " + _REFUSED[QAdamAlgorithm]
+            )
+        if key not in BY_NAME:
+            raise ValueError(
+                f"Auto: unknown candidate {c!r} (candidate {i}): choose algorithm objects or "
+                f"names among {', '.join(n for n in BY_NAME if n not in ('async', AUTO_NAME))}"
+            )
+        c = BY_NAME[key]()
+    if isinstance(c, Auto):
+        raise ValueError(f"Auto: candidate {i} is an Auto itself; list the algorithms")
+    if not isinstance(c, Algorithm):
+        raise ValueError(
+            f"Auto: candidate {i} must be an algorithm (e.g. ByteGrad()) or its name, got "
+            f"{type(c).__name__}"
+        )
+    for cls, why in _REFUSED.items():
+        if isinstance(c, cls):
+            raise ValueError(f"{why} (candidate {i})")
+    return c
+
+
+def _count(value: Any, name: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"Auto: {name} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+class Auto(Algorithm):
+    """Chooses the fastest of ``candidates`` by measured step time, once, and keeps it.
+
+    The first ``warmup_steps`` steps run the first candidate unmeasured; then each candidate in
+    turn runs ``1 + steps_per_candidate`` steps, the first after the switch unmeasured, the
+    others timed (wall time from the start of one step to the start of the next). The ranks'
+    medians are averaged; the candidate with the smallest average runs from the next step on,
+    on every rank, with fresh state. Rank 0 prints the table once (``verbose``).
+
+    ``candidates``: algorithm objects or names of ``bagua-run --algorithm`` (default:
+    ``[GradientAllReduce(), ByteGrad()]``, which keep every rank's model identical);
+    ``Decentralized`` and ``LowPrecisionDecentralized`` run only where listed, and let the
+    ranks' models differ. ``QAdamAlgorithm`` and ``AsyncModelAverage`` are refused
+    (ValueError), as are an empty list, unknown names, one object listed twice and candidates
+    that disagree on ``average``.
+    """
+
+    def __init__(
+        self,
+        candidates: Optional[Sequence[Union[Algorithm, str]]] = None,
+        warmup_steps: int = DEFAULT_WARMUP_STEPS,
+        steps_per_candidate: int = DEFAULT_STEPS_PER_CANDIDATE,
+        verbose: bool = True,
+    ) -> None:
+        if candidates is None:
+            cands = _default_candidates()
+        else:
+            if isinstance(candidates, (str, Algorithm)) or not hasattr(candidates, "__iter__"):
+                raise ValueError(
+                    "Auto: candidates must be a list of algorithms or names, got "
+                    f"{type(candidates).__name__}"
+                )
+            cands = [_candidate(c, i) for i, c in enumerate(candidates)]
+            if not cands:
+                raise ValueError("Auto: candidates is empty: give at least one algorithm")
+        if len({id(c) for c in cands}) != len(cands):
+            raise ValueError(
+                "Auto: the same algorithm object is listed twice (each candidate keeps its own "
+                "state): pass separate objects"
+            )
+        averages = {bool(getattr(c, "average", True)) for c in cands}
+        if len(averages) > 1:
+            raise ValueError(
+                "Auto: the candidates disagree on average= (some average the gradients, some "
+                "sum them): the updates would differ by a factor of the job size"
+            )
+        self.candidates: List[Algorithm] = cands
+        self.warmup_steps = _count(warmup_steps, "warmup_steps", 0)
+        self.steps_per_candidate = _count(steps_per_candidate, "steps_per_candidate", 1)
+        self.verbose = bool(verbose)
+        self.average = averages.pop()
+        self._latest: Optional[weakref.ref] = None
+        self._pending: Optional[Dict[str, Any]] = None  # a state restored before any loop
+
+    def check(
+        self,
+        optimizer: Any,
+        qadam_optimizer_class: type,
+        compression: bool = False,
+        groups: Any = None,
+    ) -> None:
+        super().check(optimizer, qadam_optimizer_class, compression, groups)
+        for c in self.candidates:
+            c.check(optimizer, qadam_optimizer_class, compression, groups)
+
+    def reduce_op(self, op: int) -> int:
+        return _ops.Average if self.average else _ops.Sum
+
+    def labels(self) -> List[str]:
+        """The candidates' names in the table and in checkpoints: the class name, with the
+        arguments where two candidates share a class."""
+        names = [type(c).__name__ for c in self.candidates]
+        return [repr(c) if names.count(n) > 1 else n for c, n in zip(self.candidates, names)]
+
+    def schedule(self, process_set: Any) -> Any:
+        """A new :class:`AutoSchedule` of this declaration for one training loop (each
+        frontend implementation makes one)."""
+        from bagua_hvd.common.auto_algorithm import AutoSchedule  # the logic: imported lazily
+
+        s = AutoSchedule(self, process_set)
+        self._latest = weakref.ref(s)
+        if self._pending is not None:
+            s.load_state_dict(self._pending)
+            self._pending = None
+        return s
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The latest training loop's choice (``AutoSchedule.state_dict``), for checkpoints;
+        before any loop, what :meth:`load_state_dict` was given (or an undecided state)."""
+        s = self._schedule()
+        if s is not None:
+            return s.state_dict()
+        if self._pending is not None:
+            return dict(self._pending)
+        return {"candidates": self.labels(), "chosen": None, "chosen_step": None,
+                "step_times": None}  # fmt: skip
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` into the latest training loop, or, before it exists,
+        into the next one made (a checkpoint restored before the first step)."""
+        s = self._schedule()
+        if s is not None:
+            s.load_state_dict(state)
+        else:
+            self._pending = dict(state)
+
+    def _schedule(self) -> Any:
+        return None if self._latest is None else self._latest()
+
+    @property
+    def chosen(self) -> Optional[Algorithm]:
+        """The candidate chosen by the latest training loop using this object (None before
+        the decision)."""
+        s = self._schedule()
+        return None if s is None or s.chosen is None else self.candidates[s.chosen]
+
+    def __repr__(self) -> str:
+        return (
+            f"Auto(candidates={self.candidates!r}, warmup_steps={self.warmup_steps}, "
+            f"steps_per_candidate={self.steps_per_candidate})"
+        )
+
+
+BY_NAME[AUTO_NAME] = Auto  # bagua-run --algorithm auto: the default candidates
+
+
 def from_name(name: str) -> Algorithm:
-    """The algorithm named ``name`` with default arguments (``bagua-run --algorithm``)."""
+    """The algorithm named ``name`` with default arguments (``bagua-run --algorithm``;
+    ``"auto"``: :class:`Auto` with its default candidates)."""
     table = BY_NAME
     key = name.strip().lower()
     if key == "qadam":
@@ -411,6 +600,8 @@ def resolve(
     when there is an algorithm (a frontend may load its algorithms module then)."""
     if algorithm is None:
         algorithm = from_environment()
+    elif isinstance(algorithm, str):  # algorithm="auto" (or another name of from_name)
+        algorithm = from_name(algorithm)
     if algorithm is None:
         return None, op
     check_algorithm(algorithm, frontend)

@@ -61,6 +61,7 @@ ALGORITHM_NAMES = (
     "decentralized",
     "low_precision_decentralized",
     "async",
+    "auto",
 )
 
 
@@ -529,7 +530,8 @@ def make_parser() -> argparse.ArgumentParser:
         choices=ALGORITHM_NAMES,
         help="one of BAGUA's algorithms, with default arguments, for every "
         "DistributedOptimizer built without algorithm= (BAGUA_HVD_ALGORITHM; "
-        "docs/algorithms.md)",
+        "docs/algorithms.md); auto: times a few steps of gradient_allreduce and bytegrad "
+        "and keeps the faster, rank 0 printing the measurements",
     )
 
     nodes = parser.add_argument_group("several nodes (one bagua-run per node)")

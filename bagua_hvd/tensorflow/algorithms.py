@@ -29,20 +29,22 @@ and ``AsyncModelAverage`` (``impl.needs_after_apply``); for the others it does n
 
 from __future__ import annotations
 
+import json
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 import bagua_hvd.tensorflow.kernels as _kernels
+import bagua_hvd.tensorflow.mpi_ops as _mpi
 from bagua_hvd.common import algorithms as _common
 from bagua_hvd.common import config
 from bagua_hvd.common.algorithms import *  # noqa: F403  (the declarations, re-exported)
 from bagua_hvd.common.process_sets import ProcessSet, global_process_set
 from bagua_hvd.tensorflow.algorithm_impl import AlgorithmImpl, _read
-from bagua_hvd.tensorflow.algorithm_kernels import KernelImpl
+from bagua_hvd.tensorflow.algorithm_kernels import KernelImpl, _branches
 
-__all__ = [*_common.FRONTEND_EXPORTS, "QAdamOptimizer", "reify"]
+__all__ = [*_common.FRONTEND_EXPORTS, "QAdamOptimizer", "reify", "AutoCheckpoint"]
 
 _kernels.require("BAGUA's algorithms in TensorFlow (bagua_hvd.tensorflow.algorithms)")
 
@@ -231,7 +233,105 @@ def reify(
     if isinstance(algorithm, str):  # a name, e.g. BAGUA_HVD_ALGORITHM's value
         algorithm = _common.from_name(algorithm)
     check_algorithm(algorithm, optimizer)
+    if isinstance(algorithm, _common.Auto):
+        return AutoImpl(algorithm, optimizer, process_set)
     return KernelImpl(algorithm, optimizer, process_set)
+
+
+class AutoImpl:
+    """``Auto`` in TensorFlow, with ``reify``'s interface. Each candidate has two
+    implementations: one for its measured steps, one (fresh at the decision) for after the
+    choice. At each step the schedule (``bagua_hvd.common.auto_algorithm``) names the
+    implementation: called eagerly, or, inside ``tf.function``, through a
+    ``tf.numpy_function`` whose result selects a ``tf.switch_case`` branch."""
+
+    def __init__(self, alg: _common.Auto, optimizer: Any, process_set: ProcessSet) -> None:
+        self.alg = alg
+        self.process_set = process_set
+        self.schedule = alg.schedule(process_set)
+        cands = alg.candidates
+        self.impls = [KernelImpl(c, optimizer, process_set) for c in cands + cands]
+        self.needs_after_apply = any(i.needs_after_apply for i in self.impls)
+        self._branch = 0  # the implementation of the step in progress
+
+    @property
+    def step(self) -> int:
+        """Steps begun."""
+        return self.schedule.step
+
+    def _next_branch(self) -> np.int32:
+        index, final = self.schedule.begin_step()
+        self._branch = index + (len(self.alg.candidates) if final else 0)
+        return np.int32(self._branch)
+
+    def _current_branch(self) -> np.int32:
+        return np.int32(self._branch)
+
+    def _select(self, fn: Any) -> Any:
+        if tf.executing_eagerly():
+            return int(fn())
+        out = tf.numpy_function(fn, [], tf.int32, stateful=True)
+        out.set_shape([])
+        return out
+
+    def reduce_gradients(self, grads: List[Any], variables: List[Any]) -> List[Any]:
+        """This step's candidate's ``reduce_gradients``."""
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        variables = list(variables)
+        if not (self.process_set.included() and _mpi.process_set_size(self.process_set) > 1):
+            return grads
+        present = [i for i, g in enumerate(grads) if g is not None]
+        branch = self._select(self._next_branch)
+
+        def run(impl: KernelImpl) -> Any:
+            def fn() -> List[Any]:
+                reduced = impl.reduce_gradients(grads, variables)
+                return [reduced[i] for i in present]
+
+            return fn
+
+        outs = _branches(branch, [run(impl) for impl in self.impls])
+        out = list(grads)
+        for i, o in zip(present, outs):
+            out[i] = o
+        return out
+
+    def after_apply(self, variables: List[Any]) -> None:
+        """This step's candidate's ``after_apply`` (where one needs it)."""
+        if not self.needs_after_apply:
+            return
+        variables = list(variables)
+
+        def run(impl: KernelImpl) -> Any:
+            def fn() -> Any:
+                impl.after_apply(variables)
+                return tf.constant(0)
+
+            return fn
+
+        _branches(self._select(self._current_branch), [run(impl) for impl in self.impls])
+
+    def flush(self) -> None:
+        for impl in self.impls:
+            if impl.needs_after_apply and impl.alg.weight_averaging == "low_precision_ring":
+                impl.flush()
+
+
+class AutoCheckpoint(tf.train.experimental.PythonState):
+    """``Auto``'s choice in a ``tf.train.Checkpoint`` (the Keras ``DistributedOptimizer``
+    tracks one: ``tf.train.Checkpoint(optimizer=opt)`` keeps the choice; tape users add
+    ``auto=AutoCheckpoint(alg)``). Restored before the first step or after it, the saved
+    choice is taken and nothing is measured."""
+
+    def __init__(self, alg: _common.Auto) -> None:
+        self.alg = alg
+
+    def serialize(self) -> str:
+        return json.dumps(self.alg.state_dict())
+
+    def deserialize(self, string_value: Any) -> None:
+        text = string_value.decode() if isinstance(string_value, bytes) else str(string_value)
+        self.alg.load_state_dict(json.loads(text))
 
 
 def tape_impl(algorithm: _common.Algorithm, process_set: ProcessSet) -> AlgorithmImpl:
@@ -249,10 +349,11 @@ def tape_impl(algorithm: _common.Algorithm, process_set: ProcessSet) -> Algorith
 _env_algorithms: Dict[str, _common.Algorithm] = {}
 
 
-def environment_algorithm() -> Optional[_common.Algorithm]:
-    """``from_environment()``, the same object for every call with the same value: a tape is
-    built at every step, and the algorithm's state (its implementations) lives with it."""
-    name = config.algorithm_name()
+def environment_algorithm(name: Optional[str] = None) -> Optional[_common.Algorithm]:
+    """``from_environment()`` (or ``from_name(name)``), the same object for every call with
+    the same value: a tape is built at every step, and the algorithm's state (its
+    implementations) lives with it."""
+    name = name or config.algorithm_name()
     if not name:
         return None
     alg = _env_algorithms.get(name)

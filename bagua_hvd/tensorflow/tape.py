@@ -334,7 +334,9 @@ def DistributedGradientTape(
 
     algorithm: one of BAGUA's algorithms (``bagua_hvd.tensorflow.algorithms``:
     ``GradientAllReduce``, ``ByteGrad``, ``Decentralized``, ``LowPrecisionDecentralized``,
-    ``QAdamAlgorithm``, ``AsyncModelAverage``; docs/algorithms.md). Default None: the
+    ``QAdamAlgorithm``, ``AsyncModelAverage``; docs/algorithms.md), or a name (``"auto"``:
+    the faster of GradientAllReduce and ByteGrad, measured during the first steps; ``Auto``
+    takes other candidates). Default None: the
     ``BAGUA_HVD_ALGORITHM`` environment variable (``bagua-run --algorithm``) if set, else
     Horovod's allreduce configured by the arguments above. ``gradient()`` then returns what the
     optimizer must apply (ByteGrad: the compressed average; Decentralized: the local gradients,
@@ -362,11 +364,12 @@ def DistributedGradientTape(
     path with ``op`` Average or Sum (``average=``).
     """
     groups = check_tape_args(op, gradient_predivide_factor, num_groups, groups)
-    if algorithm is None and config.algorithm_name():
-        # A tape is built at every step: the environment's algorithm is one object for all.
+    if (algorithm is None and config.algorithm_name()) or isinstance(algorithm, str):
+        # A tape is built at every step: the environment's (or a named) algorithm is one
+        # object for all.
         import bagua_hvd.tensorflow.algorithms as _alg  # loads Keras: only with an algorithm
 
-        algorithm = _alg.environment_algorithm()
+        algorithm = _alg.environment_algorithm(algorithm)
     algorithm, op = resolve_algorithm(algorithm, op, compression, groups)
     cls = type(
         gradtape.__class__.__name__,

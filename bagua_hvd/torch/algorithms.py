@@ -401,9 +401,89 @@ class AlgorithmImpl(engine.Implementation):
         self._plan = None
 
 
+class AutoImpl:
+    """``Auto`` inside one DistributedOptimizer: the schedule (``bagua_hvd.common.
+    auto_algorithm``) names each step's candidate at the step's first hook (or its
+    synchronize()); the candidate runs through an implementation of its own, made when the
+    schedule switches to it (so the chosen one starts fresh, with zero error-feedback
+    residuals), or through Horovod's allreduce of the buckets for ``GradientAllReduce()``.
+    Has the interface of :class:`AlgorithmImpl` that the optimizer and its buckets call."""
+
+    def __init__(self, alg: _common.Auto, opt: torch.optim.Optimizer, names: Dict[Any, str]):
+        self.alg = alg
+        self.opt_ref = weakref.ref(opt)
+        self._param_names = names
+        self.schedule = alg.schedule(opt.process_set)
+        self.impl: Optional[AlgorithmImpl] = None  # this step's (None: Horovod's allreduce)
+        self._key: Optional[Tuple[int, bool]] = None  # the candidate of self.impl, final
+        self._begun = False  # a step began (the schedule was asked)
+
+    @property
+    def step(self) -> int:
+        """Steps begun."""
+        return self.schedule.step
+
+    def _begin(self) -> Optional[AlgorithmImpl]:
+        if not self._begun:
+            self._begun = True
+            key = self.schedule.begin_step()
+            if key != self._key:
+                self._switch(key)
+        return self.impl
+
+    def _switch(self, key: Tuple[int, bool]) -> None:
+        """Another candidate from this step on, with state of its own from scratch."""
+        old, self.impl, self._key = self.impl, None, key
+        if old is not None and old.averaging is not None:
+            if old.averaging.acts_after_update:
+                old.flush()  # the low-precision ring's last exchange
+            old.averaging.replan()
+        opt = self.opt_ref()
+        for b in opt._buckets:
+            b.residuals = None  # error feedback starts from zero
+        cand = self.alg.candidates[key[0]]
+        if not cand.is_horovod_allreduce():
+            self.impl = AlgorithmImpl(cand, opt, self._param_names)
+
+    def gradient_hook(self, p: torch.Tensor) -> bool:
+        impl = self._begin()
+        return impl is not None and impl.gradient_hook(p)
+
+    def communicates_gradients(self) -> bool:
+        impl = self._begin()
+        return impl is None or impl.communicates_gradients()
+
+    def launch(self, *args: Any) -> Optional[Request]:
+        """:meth:`AlgorithmImpl.launch` of this step's candidate (None: Horovod's allreduce)."""
+        impl = self._begin()
+        return None if impl is None else impl.launch(*args)
+
+    def synchronize(self) -> None:
+        impl = self._begin()
+        if impl is not None:
+            impl.synchronize()
+
+    def after_step(self) -> None:
+        if not self._begun:
+            return
+        self._begun = False
+        if self.impl is not None:
+            self.impl.after_step()
+
+    def replan(self) -> None:
+        """An elastic reset: the candidate's implementation drops the old job's state; the
+        schedule agrees with rank 0 at the next step (a choice made is kept)."""
+        if self.impl is not None:
+            self.impl.replan()
+        self._begun = False
+        self.schedule.reset()
+
+
 def implementation(
     alg: _common.Algorithm, opt: torch.optim.Optimizer, names: Dict[Any, str]
-) -> AlgorithmImpl:
+) -> Any:
     """The implementation of ``alg`` inside the DistributedOptimizer ``opt`` (``names``:
-    parameter -> name)."""
+    parameter -> name): an :class:`AlgorithmImpl`, or an :class:`AutoImpl` for ``Auto``."""
+    if isinstance(alg, _common.Auto):
+        return AutoImpl(alg, opt, names)
     return AlgorithmImpl(alg, opt, names)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,6 +33,9 @@ from bagua_hvd.torch.compression import Compression
 from bagua_hvd.torch.mpi_ops import Adasum, Average, rocm_built, size
 
 __all__ = ["DistributedOptimizer"]
+
+# The state dict's entry of Auto's choice.
+_AUTO_STATE = "bagua_hvd_auto"
 
 _STEP_AFTER_SYNC_WARNING = (
     "optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -163,14 +166,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._tunes_buckets = bool(agreed[1])
 
     # ---- Horovod's public surface --------------------------------------------------------------
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state dict; with ``algorithm=Auto``, also its choice
+        (under ``"bagua_hvd_auto"``)."""
+        state = super(self._hvd_cls, self).state_dict()
+        schedule = getattr(self._algo_impl, "schedule", None)
+        if schedule is not None:
+            state[_AUTO_STATE] = schedule.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self._handles.clear()
         self._synchronized = False
         self._should_synchronize = True
         self._reset_round()
         if self._bucketing is not None and self._bucketing.observed is not None:
             self._bucketing.observed = []
-        super(self._hvd_cls, self).load_state_dict(*args, **kwargs)
+        auto = state_dict.get(_AUTO_STATE)
+        if auto is not None:
+            state_dict = {k: v for k, v in state_dict.items() if k != _AUTO_STATE}
+        super(self._hvd_cls, self).load_state_dict(state_dict)
+        schedule = getattr(self._algo_impl, "schedule", None)
+        if auto is not None and schedule is not None:
+            schedule.load_state_dict(auto)  # Auto's choice: kept, not measured again
 
     @staticmethod
     def find_duplicates(lst: Sequence[Any]) -> set:
@@ -381,7 +399,9 @@ def DistributedOptimizer(
             process set. Defaults to the global process set.
         algorithm: One of BAGUA's algorithms from ``bagua_hvd.torch.algorithms``
             (``GradientAllReduce``, ``ByteGrad``, ``Decentralized``, ``LowPrecisionDecentralized``,
-            ``QAdamAlgorithm``, ``AsyncModelAverage``; docs/algorithms.md). Default: None, which
+            ``QAdamAlgorithm``, ``AsyncModelAverage``; docs/algorithms.md), or ``"auto"`` /
+            ``Auto([...])``: the fastest of some candidates, measured during the first steps
+            (docs/algorithms.md, "Auto"). Default: None, which
             takes ``BAGUA_HVD_ALGORITHM`` (``bagua-run --algorithm``) if set, else Horovod's
             gradient allreduce configured by the arguments above.
 

@@ -57,7 +57,8 @@ def DistributedOptimizer(
     gradients locally for that many calls and reduce/apply on the last (divided by the number of
     passes if average_aggregated_gradients). groups: an int (that many fused requests) or lists of
     variables (one request each). op: Average or Sum. algorithm (bagua_hvd extension): a BAGUA
-    algorithm of ``bagua_hvd.tensorflow.algorithms`` instead of the allreduce (default: the
+    algorithm of ``bagua_hvd.tensorflow.algorithms`` (or ``"auto"``: docs/algorithms.md,
+    "Auto") instead of the allreduce (default: the
     ``BAGUA_HVD_ALGORITHM`` environment variable, else allreduce). ``device_dense`` and
     ``device_sparse`` are accepted for compatibility.
     """
