@@ -18,20 +18,20 @@ This module imports no framework.
 from __future__ import annotations
 
 import itertools
-import os
 import statistics
 import sys
 import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
+from bagua_hvd.common import config
 from bagua_hvd.common import ops as _ops
 from bagua_hvd.common.algorithms import Algorithm, Auto
 
 __all__ = ["AutoSchedule", "TEST_DELAY_ENV", "test_delays"]
 
 #: the test hook: ``"ByteGrad:0.05"`` makes each step of that candidate sleep 0.05 s
-TEST_DELAY_ENV = "BAGUA_HVD_TEST_ALGORITHM_DELAY"
+TEST_DELAY_ENV = config.TEST_ALGORITHM_DELAY_ENV
 
 
 # ---- the test hook ---------------------------------------------------------------------------
@@ -43,7 +43,7 @@ def test_delays() -> Dict[str, float]:
     class name (``ByteGrad``) or a ``bagua-run --algorithm`` name (``bytegrad``), matched
     without case; ValueError for a malformed value."""
     global _parsed
-    text = os.environ.get(TEST_DELAY_ENV, "").strip()
+    text = config.test_algorithm_delay()
     if text == _parsed[0]:
         return _parsed[1]
     out: Dict[str, float] = {}

@@ -158,6 +158,15 @@ def autotune() -> Optional[AutotuneSettings]:
     )
 
 
+TEST_ALGORITHM_DELAY_ENV = "BAGUA_HVD_TEST_ALGORITHM_DELAY"
+
+
+def test_algorithm_delay() -> str:
+    """``BAGUA_HVD_TEST_ALGORITHM_DELAY`` as set (``"ByteGrad:0.05"``: the test hook of
+    ``algorithm="auto"``, parsed by :func:`bagua_hvd.common.auto_algorithm.test_delays`)."""
+    return _text(TEST_ALGORITHM_DELAY_ENV)
+
+
 def dynamic_process_sets() -> bool:
     """``HOROVOD_DYNAMIC_PROCESS_SETS``."""
     return flag(DYNAMIC_PROCESS_SETS_ENV)
