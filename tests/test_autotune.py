@@ -213,7 +213,7 @@ def test_every_rank_runs_the_same_cycles(tmp_path: Path) -> None:
     assert "Autotuner: Best params [" in out, out
     rows = rows_of(log)
     assert len(rows) == 5 * 2 + 1  # one host: the cache is the only categorical tunable
-    assert len({(r["tensor_fusion_threshold"], r["cycle_time_ms"]) for r in rows}) >= 5
+    assert len({(r["tensor_fusion_threshold"], r["cycle_time_ms"]) for r in rows}) >= 4
     assert {r["cache_enabled"] for r in rows[:-1]} == {0, 1}
     # Every rank executed the same responses, fused alike, in the same order.
     logs = [(responses / f"rank.{r}.log").read_text().splitlines() for r in (0, 1)]
@@ -229,7 +229,7 @@ def test_bucket_size_changes_at_the_same_step_and_training_stays_exact(tmp_path:
     sys.path.insert(0, str(WORKER.parent))
     import autotune_worker as w
 
-    steps = 40
+    steps = 60
     run_job(tmp_path, "optimizer", steps, HOROVOD_AUTOTUNE="1",
             HOROVOD_AUTOTUNE_WARMUP_SAMPLES="0", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="1",
             HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES="4", HOROVOD_CACHE_CAPACITY="1024",

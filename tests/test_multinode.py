@@ -24,15 +24,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(worker: Path, timeout: float = 120, **extra_env: str) -> str:
-    """Runs ``worker`` as 4 ranks: two launchers, one per node, 2 ranks each."""
+def _two_nodes(worker: Path, timeout: float = 120, args: tuple = (), **extra_env: str) -> str:
+    """Runs ``worker`` (with ``args``) as 4 ranks: two launchers, one per node, 2 ranks each."""
     port = _free_port()
     env = dict(os.environ, BAGUA_HVD_SECRET="5a" * 32, HOROVOD_GLOO_TIMEOUT_SECONDS="30",
                **extra_env)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     common = [sys.executable, "-m", "bagua_hvd.runner.launch", "-np", "4", "--num-nodes", "2",
               "--rendezvous-addr", f"127.0.0.1:{port}"]
-    nodes = [subprocess.Popen(common + ["--node-rank", str(i), sys.executable, str(worker)],
+    nodes = [subprocess.Popen(common + ["--node-rank", str(i), sys.executable, str(worker),
+                                        *args],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = []
@@ -194,3 +195,28 @@ def test_communication_stats_on_two_hosts(tmp_path):
     assert ends == [{"dtype": "float32",
                      "within_host_bytes_sent": mine["within_host_bytes_sent"],
                      "between_hosts_bytes_sent": mine["between_hosts_bytes_sent"]}], ends  # fmt: skip
+
+
+AUTOTUNE_WORKER = ROOT / "tests" / "workers" / "autotune_worker.py"
+
+
+def test_autotune_switches_the_hierarchy_on_every_rank_together(tmp_path):
+    """HOROVOD_AUTOTUNE at 2 hosts x 2 ranks, rank 1's timing perturbed: the hierarchical
+    allreduce is tuned too (both values scored, as many scores as the chain takes), and the 4
+    ranks execute the same responses with the same hierarchical setting in the same order."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    log, responses = tmp_path / "tune.csv", tmp_path / "responses"
+    responses.mkdir()
+    _two_nodes(AUTOTUNE_WORKER, timeout=240, args=("ops", "400", str(tmp_path)),
+               HOROVOD_AUTOTUNE="1", HOROVOD_AUTOTUNE_LOG=str(log),
+               HOROVOD_AUTOTUNE_WARMUP_SAMPLES="1", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="1",
+               HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES="4", HOROVOD_CACHE_CAPACITY="1024",
+               BAGUA_HVD_RESPONSE_LOG=str(responses))  # fmt: skip
+    lines = log.read_text().splitlines()
+    rows = [dict(zip(lines[0].split(","), map(float, r.split(",")))) for r in lines[1:]]
+    assert len(rows) == 4 * 2 + 1, lines  # the cache fixed: the hierarchy is the categorical
+    assert [r["hierarchical_allreduce"] for r in rows[:-1]] == [0] * 4 + [1] * 4
+    logs = [(responses / f"rank.{r}.log").read_text().splitlines() for r in range(4)]
+    assert logs[1] == logs[0] and logs[2] == logs[0] and logs[3] == logs[0]
+    assert {line.split()[3] for line in logs[0]} == {"0", "1"}  # both settings ran

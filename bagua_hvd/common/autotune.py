@@ -295,10 +295,11 @@ class ParameterManager:
 
 # ---- rank 0's tuner thread, and the frontends' side -------------------------------------------
 class _State:
-    manager: Optional[ParameterManager] = None
     thread: Optional[threading.Thread] = None
+    lock = threading.Lock()  # guards the fields below, never held while the tuner computes
     buckets_used = False
-    lock = threading.Lock()
+    #: rank 0's (bucket size in bytes or None when not tuned, whether tuning goes on)
+    bucket: Tuple[Optional[int], bool] = (None, False)
 
 
 def _log(line: str) -> None:
@@ -307,7 +308,11 @@ def _log(line: str) -> None:
     _native.lib().bhvd_log(2, line.encode())
 
 
-def _propose(lib: Any, ffi: Any, p: Dict[str, Any], active: bool) -> None:
+def _propose(lib: Any, ffi: Any, manager: ParameterManager, active: bool) -> None:
+    p = manager.params()
+    with _State.lock:
+        bucket = int(p["bucket_size_mb"] * MB) if manager.bucket_tunable else None
+        _State.bucket = (bucket, active)
     params = ffi.new("bhvd_autotune_params*")
     params.hierarchical_allreduce = int(p["hierarchical_allreduce"])
     params.cache_enabled = int(p["cache_enabled"])
@@ -330,22 +335,33 @@ def _run(manager: ParameterManager, lib: Any, ffi: Any) -> None:
                 continue
             try:
                 with _State.lock:
-                    manager.use_buckets(_State.buckets_used)
-                    active = manager.update(float(score[0]))
-                    params = manager.params()
+                    buckets_used = _State.buckets_used
+                manager.use_buckets(buckets_used)
+                active = manager.update(float(score[0]))
             except Exception as e:  # noqa: BLE001 - the job goes on with the values in effect
-                from bagua_hvd.common import _native
-
-                _native.lib().bhvd_log(4, f"Autotuner: stopped by an error: {e!r}".encode())
-                with _State.lock:
-                    manager.active = False
-                    params = manager.params()
-                active = False
-            _propose(lib, ffi, params, active)
+                lib.bhvd_log(4, f"Autotuner: stopped by an error: {e!r}".encode())
+                manager.active = active = False
+            _propose(lib, ffi, manager, active)
             if not active:
                 return
     finally:
         manager.close()
+
+
+def check() -> Optional[config.AutotuneSettings]:
+    """Before init() forms a job, on every rank: the variables validated (ValueError naming
+    one) and scikit-learn importable (ImportError), so that every rank fails alike; None when
+    autotuning is off."""
+    settings = config.autotune()
+    if settings is not None:
+        try:
+            import sklearn  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "HOROVOD_AUTOTUNE=1 needs scikit-learn for its Gaussian process: "
+                f"pip install scikit-learn ({e})"
+            ) from None
+    return settings
 
 
 def start(rank: int, hierarchical_tunable: bool) -> None:
@@ -355,17 +371,13 @@ def start(rank: int, hierarchical_tunable: bool) -> None:
     settings = config.autotune()
     if settings is None or rank != 0:
         return
-    import sklearn  # noqa: F401 - fails here, at init, rather than at the first score
-
     from bagua_hvd.common import _native
 
     lib, ffi = _native.lib(), _native.ffi
     if lib.bhvd_autotune_start(settings.steps_per_sample) != 0:
         raise ValueError(_native.last_error())
     manager = ParameterManager(settings, hierarchical_tunable, _log)
-    with _State.lock:
-        _State.manager = manager
-    _propose(lib, ffi, manager.params(), True)  # warm-up runs with the first test point
+    _propose(lib, ffi, manager, True)  # warm-up runs with the first test point
     thread = threading.Thread(target=_run, args=(manager, lib, ffi), name="bhvd_autotune",
                               daemon=True)  # fmt: skip
     _State.thread = thread
@@ -378,7 +390,7 @@ def stop() -> None:
     if thread is not None:
         thread.join(timeout=5)
     with _State.lock:
-        _State.manager = None
+        _State.bucket = (None, False)
 
 
 def tunes_buckets() -> bool:
@@ -398,9 +410,5 @@ def use_buckets() -> None:
 def rank0_bucket_state(default_bytes: int) -> Tuple[int, bool]:
     """On rank 0: (the bucket size in bytes to run now, whether tuning goes on)."""
     with _State.lock:
-        m = _State.manager
-        if m is None:
-            return default_bytes, False
-        if m.joint is None or not m.bucket_tunable:
-            return default_bytes, m.active
-        return int(m.params()["bucket_size_mb"] * MB), m.active
+        bucket, active = _State.bucket
+    return (default_bytes if bucket is None else bucket), active

@@ -225,6 +225,7 @@ class HorovodBasics:
         ``job``: init()'s comm (an mpi4py communicator or a list of ranks)."""
         lib = self.lib
         _warn_no_effect()
+        autotune.check()  # on every rank, before a job forms: all fail alike
         elastic.before_init()  # an elastic reset: this worker's place in the next generation
         # Started by mpirun/srun rather than bagua-run: join through MPI, over init()'s comm.
         on_comm = bootstrap.prepare(job)
