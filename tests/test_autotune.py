@@ -224,6 +224,20 @@ def test_every_rank_runs_the_same_cycles(tmp_path: Path) -> None:
     assert all(line.split()[3] == "0" for line in logs[0])  # one host: flat allreduce
 
 
+def test_tensorflow_jobs_are_tuned_alike(tmp_path: Path) -> None:
+    pytest.importorskip("tensorflow")
+    log, responses = tmp_path / "tune.csv", tmp_path / "responses"
+    responses.mkdir()
+    run_job(tmp_path, "tf-ops", 300, HOROVOD_AUTOTUNE="1", HOROVOD_AUTOTUNE_LOG=str(log),
+            HOROVOD_AUTOTUNE_WARMUP_SAMPLES="0", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="1",
+            HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES="4", HOROVOD_CACHE_CAPACITY="0",
+            BAGUA_HVD_RESPONSE_LOG=str(responses))  # fmt: skip
+    rows = rows_of(log)
+    assert len(rows) == 4 + 1 and {r["cache_enabled"] for r in rows} == {0}
+    logs = [(responses / f"rank.{r}.log").read_text().splitlines() for r in (0, 1)]
+    assert logs[0] == logs[1] and len(logs[0]) >= 300
+
+
 def test_bucket_size_changes_at_the_same_step_and_training_stays_exact(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     sys.path.insert(0, str(WORKER.parent))

@@ -2,6 +2,7 @@
 
 ops <steps> <out>: each step allreduces 24 small tensors asynchronously and waits; rank 1 sleeps
   a random 0-4 ms before each step, so that the ranks' timings differ.
+tf-ops <steps> <out>: the same through the TensorFlow frontend (a grouped allreduce a step).
 optimizer <steps> <out>: hvd.DistributedOptimizer (SGD) on a model of 8 x 1 MiB weights, each
   rank's batch from seed (rank, step); writes, per step, the bucket cap and the number of
   buckets to <out>/rank<r>.json, the final weights to <out>/rank<r>.pt.
@@ -68,8 +69,33 @@ def run_optimizer(steps: int) -> dict:
     return {"caps": caps, "tuning": opt._tunes_buckets}
 
 
+def run_tf_ops(steps: int) -> dict:
+    """The ops mode through the TensorFlow frontend (its own hvd.init())."""
+    import tensorflow as tf
+
+    import bagua_hvd.tensorflow as hvd_tf
+
+    hvd_tf.init()
+    rank, size = hvd_tf.rank(), hvd_tf.size()
+    rng = random.Random(rank)
+    tensors = [tf.fill([256 + 64 * i], float(rank + 1)) for i in range(24)]
+    total = size * (size + 1) / 2
+    for _ in range(steps):
+        if rank == 1:
+            time.sleep(rng.uniform(0, 0.004))
+        outs = hvd_tf.grouped_allreduce(tensors, op=hvd_tf.Sum, name="g")  # the same names each step
+        for i, out in enumerate(outs):
+            assert bool(tf.reduce_all(out == total)), (i, out[:4])
+    return {}
+
+
 def main() -> None:
     mode, steps, out = sys.argv[1], int(sys.argv[2]), OUT
+    if mode == "tf-ops":
+        result = run_tf_ops(steps)
+        (out / f"rank{hvd.rank()}.json").write_text(json.dumps(result))
+        print(f"rank {hvd.rank()} done", flush=True)
+        return
     hvd.init()
     result = run_ops(steps) if mode == "ops" else run_optimizer(steps)
     (out / f"rank{hvd.rank()}.json").write_text(json.dumps(result))
