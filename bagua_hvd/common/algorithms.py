@@ -68,9 +68,9 @@ def check_algorithm(algorithm: Any, frontend: str) -> None:
     """Raises ValueError when ``algorithm`` is not a declaration (``frontend``: the package
     named in the message, e.g. ``"torch"``)."""
     if not isinstance(algorithm, Algorithm):
+        got = repr(algorithm) if isinstance(algorithm, str) else type(algorithm).__name__
         raise ValueError(
-            f"algorithm must be an object from bagua_hvd.{frontend}.algorithms, got "
-            f"{type(algorithm).__name__}"
+            f'algorithm must be an object from bagua_hvd.{frontend}.algorithms or "auto", got {got}'
         )
 
 
@@ -600,8 +600,8 @@ def resolve(
     when there is an algorithm (a frontend may load its algorithms module then)."""
     if algorithm is None:
         algorithm = from_environment()
-    elif isinstance(algorithm, str):  # algorithm="auto" (or another name of from_name)
-        algorithm = from_name(algorithm)
+    elif isinstance(algorithm, str) and algorithm.lower() == "auto":
+        algorithm = from_name(algorithm)  # the one name algorithm= takes: Auto()
     if algorithm is None:
         return None, op
     check_algorithm(algorithm, frontend)

@@ -364,7 +364,8 @@ def DistributedGradientTape(
     path with ``op`` Average or Sum (``average=``).
     """
     groups = check_tape_args(op, gradient_predivide_factor, num_groups, groups)
-    if (algorithm is None and config.algorithm_name()) or isinstance(algorithm, str):
+    named = isinstance(algorithm, str) and algorithm.lower() == "auto"  # the one name taken
+    if (algorithm is None and config.algorithm_name()) or named:
         # A tape is built at every step: the environment's (or a named) algorithm is one
         # object for all.
         import bagua_hvd.tensorflow.algorithms as _alg  # loads Keras: only with an algorithm

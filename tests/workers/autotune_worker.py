@@ -21,7 +21,6 @@ import torch
 import bagua_hvd.torch as hvd
 
 WIDTH = 512  # 512 x 512 float32: 1 MiB per weight
-OUT = Path(sys.argv[3])
 
 
 def make_model() -> torch.nn.Module:
@@ -53,7 +52,7 @@ def run_ops(steps: int) -> dict:
     return {}
 
 
-def run_optimizer(steps: int) -> dict:
+def run_optimizer(steps: int, out: Path) -> dict:
     rank = hvd.rank()
     model = make_model()
     opt = hvd.DistributedOptimizer(
@@ -65,7 +64,7 @@ def run_optimizer(steps: int) -> dict:
         loss_of(model, batch(rank, step)).backward()
         opt.step()
         caps.append([opt._bucket_cap, len(opt._buckets)])
-    torch.save([p.detach() for p in model.parameters()], OUT / f"rank{rank}.pt")
+    torch.save([p.detach() for p in model.parameters()], out / f"rank{rank}.pt")
     return {"caps": caps, "tuning": opt._tunes_buckets}
 
 
@@ -83,21 +82,22 @@ def run_tf_ops(steps: int) -> dict:
     for _ in range(steps):
         if rank == 1:
             time.sleep(rng.uniform(0, 0.004))
-        outs = hvd_tf.grouped_allreduce(tensors, op=hvd_tf.Sum, name="g")  # the same names each step
+        # Named: the same names at every step, which the autotuner's sampling counts.
+        outs = hvd_tf.grouped_allreduce(tensors, op=hvd_tf.Sum, name="g")
         for i, out in enumerate(outs):
             assert bool(tf.reduce_all(out == total)), (i, out[:4])
     return {}
 
 
 def main() -> None:
-    mode, steps, out = sys.argv[1], int(sys.argv[2]), OUT
+    mode, steps, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     if mode == "tf-ops":
         result = run_tf_ops(steps)
         (out / f"rank{hvd.rank()}.json").write_text(json.dumps(result))
         print(f"rank {hvd.rank()} done", flush=True)
         return
     hvd.init()
-    result = run_ops(steps) if mode == "ops" else run_optimizer(steps)
+    result = run_ops(steps) if mode == "ops" else run_optimizer(steps, out)
     (out / f"rank{hvd.rank()}.json").write_text(json.dumps(result))
     print(f"rank {hvd.rank()} done", flush=True)
 
