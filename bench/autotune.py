@@ -33,7 +33,7 @@ Modes:
                after every step and broadcasts "done" every CHECK_EVERY steps), then runs its
                warm-up and timed steps: the steady state after tuning. A block whose tuning has
                not ended after --tune-steps steps is timed anyway and reported as not ended.
-  tuned_fixed  the setting the last autotune block chose, set by the variables (fusion, cycle,
+  tuned_fixed  the setting the autotune block just before chose, set by the variables (fusion, cycle,
                HOROVOD_CACHE_CAPACITY=0 if it turned the cache off, hierarchical): what the
                tuner leaves behind after it ended, beside the same setting fixed
   gradient_allreduce, bytegrad, auto
@@ -117,10 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--at-warmup", type=int, default=1,
                    help="HOROVOD_AUTOTUNE_WARMUP_SAMPLES")  # fmt: skip
-    p.add_argument("--at-steps-per-sample", type=int, default=3,
-                   help="HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE")  # fmt: skip
-    p.add_argument("--at-max-samples", type=int, default=8,
-                   help="HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES")  # fmt: skip
+    p.add_argument("--at-steps-per-sample", type=int,
+                   help="HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE (default 3; --quick 2)")  # fmt: skip
+    p.add_argument("--at-max-samples", type=int,
+                   help="HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES (default 8; --quick 4)")  # fmt: skip
     p.add_argument("--tune-steps", type=int,
                    help="the most steps an autotune block trains before its timed steps "
                    "(default: 3 x the steps the tuning needs + 50)")  # fmt: skip
@@ -131,6 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(WORKER_FLAG, choices=("loopback", "hosts"), help=argparse.SUPPRESS)
     p.add_argument("--_plan", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.at_steps_per_sample is None:
+        args.at_steps_per_sample = 2 if args.quick else 3
+    if args.at_max_samples is None:
+        args.at_max_samples = 4 if args.quick else 8
     if args.no_hosts and args.no_loopback:
         p.error("--no-hosts and --no-loopback leave nothing to run")
     for name in ("steps", "rounds", "batch_size", "at_steps_per_sample", "at_max_samples"):
@@ -236,6 +240,11 @@ def merge(ranks: list[dict]) -> dict:
     for mode, m0 in ranks[0]["modes"].items():
         per_step = [max(r["modes"][mode]["step_s"][i] for r in ranks)
                     for i in range(len(m0["step_s"]))]  # fmt: skip
+        start = 0
+        for block in m0["blocks"]:  # each block's own median too
+            part = per_step[start : start + block["timed"]]
+            block["step_ms"] = statistics.median(part) * 1e3 if part else None
+            start += block["timed"]
         out["modes"][mode] = {"step_ms": statistics.median(per_step) * 1e3,
                               "steps": len(per_step), "blocks": m0["blocks"]}  # fmt: skip
     return out
@@ -279,10 +288,11 @@ def report(net: str, result: dict, the_plan: dict) -> list[str]:
         lines.append(
             f"autotune block {i + 1}: tuning {ended} after {b['tune_steps']} steps "
             f"({b['tune_s']:.1f} s); {b['scores']} scores in the CSV (+ best row: "
-            f"{'yes' if b['ended'] else 'no'}); chose {best_text(b['best'])}"
+            f"{'yes' if b['ended'] else 'no'}); chose {best_text(b['best'])}; then "
+            f"{b['step_ms']:.1f} ms per step"
         )
     for i, b in enumerate(modes.get("tuned_fixed", {}).get("blocks", [])):
-        lines.append(f"tuned_fixed block {i + 1}: {best_text(b['best'])}")
+        lines.append(f"tuned_fixed block {i + 1}: {best_text(b['best'])}: {b['step_ms']:.1f} ms")
     lines.append("goals:")
     grid_modes = [m for m in modes if m.startswith("f") and "_c" in m]
     if grid_modes:
@@ -322,9 +332,10 @@ def auto_report(modes: dict, sps: dict) -> list[str]:
         chosen.append(names.get(b["chosen"], b["chosen"]))
     faster = max(("gradient_allreduce", "bytegrad"), key=lambda m: sps[m])
     picked = [c == faster for c in chosen]
-    lines.append(f"  faster alone: {faster} ({sps[faster] / sps[_other(faster)]:.2f}x the other); "
-                 f"auto chose it in {sum(picked)} of {len(picked)} blocks: "
-                 f"{met(all(picked))}")  # fmt: skip
+    margin = sps[faster] / sps[_other(faster)]
+    close = " (within 3 %: either choice is as good)" if margin - 1 <= AUTO_TOLERANCE else ""
+    lines.append(f"  faster alone: {faster} ({margin:.2f}x the other{close}); auto chose it in "
+                 f"{sum(picked)} of {len(picked)} blocks: {met(all(picked))}")  # fmt: skip
     if len(set(chosen)) == 1 and chosen[0] in sps:
         r = sps["auto"] / sps[chosen[0]]
         lines.append(f"  auto / {chosen[0]} alone samples/s = {r:.3f} (goal within "
@@ -430,6 +441,17 @@ def make_model(torch):
     return torch.nn.Sequential(*layers[:-1])
 
 
+def block_order(modes: list, b: int) -> list:
+    """Block b's order: A-B-C, then C-B-A; tuned_fixed stays right after autotune, so that it
+    runs the setting that block's tuning chose."""
+    if b % 2 == 0:
+        return list(modes)
+    order = [m for m in reversed(modes) if m[1] != "tuned_fixed"]
+    i = next((i for i, m in enumerate(order) if m[1] == "autotune"), None)
+    fixed = [m for m in modes if m[1] == "tuned_fixed"]
+    return order if i is None else order[: i + 1] + fixed + order[i + 1 :]
+
+
 def worker(args: argparse.Namespace) -> int:
     import torch
 
@@ -454,7 +476,7 @@ def worker(args: argparse.Namespace) -> int:
     steps = the_plan["steps"]
     for b in range(blocks):
         n = steps * (b + 1) // blocks - steps * b // blocks
-        for name, kind, env in modes if b % 2 == 0 else list(reversed(modes)):
+        for name, kind, env in block_order(modes, b):
             for key in MODE_VARS:
                 os.environ.pop(key, None)
             os.environ.update(env)
@@ -504,6 +526,7 @@ def worker(args: argparse.Namespace) -> int:
                 step()
                 marks.append(time.perf_counter())
             out[name]["step_s"] += [t1 - t0 for t0, t1 in zip(marks, marks[1:])]
+            note["timed"] = n
             out[name]["blocks"].append(note)
             del opt, model, step
             hvd.shutdown()
