@@ -2,7 +2,7 @@
 
     python bench/autotune.py              # loopback, then 2 hosts x 2 ranks at 1gbit (root)
     python bench/autotune.py --no-hosts   # loopback only (no root needed)
-    python bench/autotune.py --quick      # a smoke run of both (about 2 minutes)
+    python bench/autotune.py --quick      # a smoke run (loopback ~1 min, the 2 hosts ~3 min)
     python bench/autotune.py --rate 100mbit --steps 8
 
 Model: a stack of LAYERS Linear(WIDTH, WIDTH) + ReLU (100 x 128 x 128: 200 parameter tensors,
