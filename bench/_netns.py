@@ -203,6 +203,41 @@ def ns_exec(i: int, cmd: list[str]) -> list[str]:
     return ["ip", "netns", "exec", ns_name(i), *cmd]
 
 
+def run_job(argv: list[str], env: dict, port: int, timeout: float, ranks_per_host: int = 2,
+            cwd: str | None = None) -> list[int] | None:  # fmt: skip
+    """Runs ``argv`` as one job of HOSTS x ``ranks_per_host`` ranks: one bagua-run per host
+    namespace (``--num-nodes``), host 0 serving the rendezvous at ``port``, each host's
+    ``GLOO_SOCKET_IFNAME`` its interface. Returns the launchers' exit statuses, or None when
+    the job ran past ``timeout`` seconds (the launchers, which stop their ranks, are then
+    stopped)."""
+    procs = []
+    try:
+        for i in range(HOSTS):
+            cmd = [sys.executable, "-m", "bagua_hvd.runner.launch",
+                   "-np", str(ranks_per_host * HOSTS), "--num-nodes", str(HOSTS),
+                   "--node-rank", str(i), "--rendezvous-addr", f"{address(0)}:{port}",
+                   "--network-interfaces", ns_iface(i), *argv]  # fmt: skip
+            env_i = dict(env, GLOO_SOCKET_IFNAME=ns_iface(i))
+            procs.append(subprocess.Popen(ns_exec(i, cmd), env=env_i, cwd=cwd))
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return None
+        return [p.returncode for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 # ---- link check: a bounded bulk TCP transfer between the namespaces --------------------------
 
 SKIP_BYTES = 2 << 20  # rate measured after these: excludes slow start and tbf's initial bucket
