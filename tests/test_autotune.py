@@ -206,7 +206,7 @@ def test_every_rank_runs_the_same_cycles(tmp_path: Path) -> None:
     log = tmp_path / "tune.csv"
     responses = tmp_path / "responses"
     responses.mkdir()
-    out = run_job(tmp_path, "ops", 300, HOROVOD_AUTOTUNE="1", HOROVOD_AUTOTUNE_LOG=str(log),
+    out = run_job(tmp_path, "ops", 5000, HOROVOD_AUTOTUNE="1", HOROVOD_AUTOTUNE_LOG=str(log),
                   HOROVOD_AUTOTUNE_WARMUP_SAMPLES="1", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="1",
                   HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES="5", HOROVOD_LOG_LEVEL="info",
                   BAGUA_HVD_RESPONSE_LOG=str(responses))  # fmt: skip
@@ -218,7 +218,7 @@ def test_every_rank_runs_the_same_cycles(tmp_path: Path) -> None:
     # Every rank executed the same responses, fused alike, in the same order.
     logs = [(responses / f"rank.{r}.log").read_text().splitlines() for r in (0, 1)]
     assert logs[0] == logs[1]
-    assert len(logs[0]) >= 150
+    assert len(logs[0]) >= 50
     fused = {line.split()[-1] for line in logs[0]}
     assert len(fused) > 2, "the tuned fusion threshold and cycle time never changed the fusion"
     assert all(line.split()[3] == "0" for line in logs[0])  # one host: flat allreduce
@@ -228,14 +228,14 @@ def test_tensorflow_jobs_are_tuned_alike(tmp_path: Path) -> None:
     pytest.importorskip("tensorflow")
     log, responses = tmp_path / "tune.csv", tmp_path / "responses"
     responses.mkdir()
-    run_job(tmp_path, "tf-ops", 300, HOROVOD_AUTOTUNE="1", HOROVOD_AUTOTUNE_LOG=str(log),
+    run_job(tmp_path, "tf-ops", 5000, HOROVOD_AUTOTUNE="1", HOROVOD_AUTOTUNE_LOG=str(log),
             HOROVOD_AUTOTUNE_WARMUP_SAMPLES="0", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="1",
             HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES="4", HOROVOD_CACHE_CAPACITY="0",
             BAGUA_HVD_RESPONSE_LOG=str(responses))  # fmt: skip
     rows = rows_of(log)
     assert len(rows) == 4 + 1 and {r["cache_enabled"] for r in rows} == {0}
     logs = [(responses / f"rank.{r}.log").read_text().splitlines() for r in (0, 1)]
-    assert logs[0] == logs[1] and len(logs[0]) >= 300
+    assert logs[0] == logs[1] and len(logs[0]) >= 4 * 5  # 4 scores of 5 one-step samples
 
 
 def test_bucket_size_changes_at_the_same_step_and_training_stays_exact(tmp_path: Path) -> None:
@@ -243,14 +243,15 @@ def test_bucket_size_changes_at_the_same_step_and_training_stays_exact(tmp_path:
     sys.path.insert(0, str(WORKER.parent))
     import autotune_worker as w
 
-    steps = 60
-    run_job(tmp_path, "optimizer", steps, HOROVOD_AUTOTUNE="1",
+    run_job(tmp_path, "optimizer", 2000, HOROVOD_AUTOTUNE="1",
             HOROVOD_AUTOTUNE_WARMUP_SAMPLES="0", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="1",
             HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES="4", HOROVOD_CACHE_CAPACITY="1024",
             HOROVOD_AUTOTUNE_LOG=str(tmp_path / "tune.csv"))  # fmt: skip
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert results[0]["caps"] == results[1]["caps"]
     caps = results[0]["caps"]
+    steps = results[0]["steps"]  # the job ran until tuning ended, then 5 steps
+    assert results[1]["steps"] == steps
     assert len({c for c, _ in caps}) >= 3, caps  # the test points' sizes were run
     assert len({n for _, n in caps}) >= 2, caps  # and planned different buckets
     assert not results[0]["tuning"] and not results[1]["tuning"], "tuning did not end"

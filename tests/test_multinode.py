@@ -208,7 +208,7 @@ def test_autotune_switches_the_hierarchy_on_every_rank_together(tmp_path):
     pytest.importorskip("sklearn")
     log, responses = tmp_path / "tune.csv", tmp_path / "responses"
     responses.mkdir()
-    _two_nodes(AUTOTUNE_WORKER, timeout=240, args=("ops", "400", str(tmp_path)),
+    _two_nodes(AUTOTUNE_WORKER, timeout=240, args=("ops", "5000", str(tmp_path)),
                HOROVOD_AUTOTUNE="1", HOROVOD_AUTOTUNE_LOG=str(log),
                HOROVOD_AUTOTUNE_WARMUP_SAMPLES="1", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="1",
                HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES="4", HOROVOD_CACHE_CAPACITY="1024",
