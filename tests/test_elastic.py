@@ -113,18 +113,21 @@ def _numpy_sample(rank: int, epoch: int, batch: int) -> torch.Tensor:
     return torch.from_numpy(rng.standard_normal((8, 4)).astype(np.float32)).double()
 
 
-def _replay(lines: list[dict], sample=_torch_sample, init: list | None = None) -> None:
+def _replay(
+    lines: list[dict], sample=_torch_sample, init: list | None = None, first_epoch: int = 0
+) -> None:
     """Trains the script's model in this process, batch by batch at the sizes rank 0 logged
     (SGD at lr 0.01 x size on the mean gradient of ranks 0..size-1's samples), and checks the
     job's parameters after every epoch: a failed step must have been rolled back to the last
-    commit and replayed, not applied twice or lost."""
+    commit and replayed, not applied twice or lost. ``lines`` are the epochs from
+    ``first_epoch`` on (``init``: the weights that epoch started from)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1).double()
     if init is not None:
         with torch.no_grad():
             model.weight.copy_(torch.tensor(init[:4]).view(1, 4))
             model.bias.copy_(torch.tensor(init[4:]))
-    for epoch, line in enumerate(lines):
+    for epoch, line in enumerate(lines, start=first_epoch):
         assert len(line["sizes"]) == 10, line
         for batch, size in enumerate(line["sizes"]):
             grads = []
@@ -422,7 +425,6 @@ for a in (alg.ByteGrad(error_feedback=True), alg.Decentralized(), alg.LowPrecisi
                           timeout=180, env=env)  # fmt: skip
     assert proc.returncode == 0, _explain(proc)
     assert proc.stdout.count("accepted") == 6, proc.stdout
-
 
 
 # Every algorithm whose re-plan is in the TensorFlow kernels (residuals, peers, replicas). Async

@@ -66,6 +66,26 @@ def check_exit(epoch: int, batch: int) -> None:
         )
 
 
+# algorithm="auto": (candidate, final) of each step since the epoch began, this process's.
+auto_steps: list = []
+
+
+def auto_epoch_line(epoch: int) -> None:
+    """algorithm="auto": this rank's steps of the epoch and its schedule, for the test."""
+    schedule = getattr(optimizer._algo_impl, "schedule", None)
+    if schedule is None:
+        return
+    line = {
+        "epoch": epoch, "rank": hvd.rank(), "size": hvd.size(), "start_rank": start_rank,
+        "steps": list(auto_steps), "step": schedule.step, "chosen": schedule.chosen,
+        "chosen_step": schedule.chosen_step, "measured": sum(map(len, schedule._times)),
+        "params": [float(v) for p in model.parameters() for v in p.detach().flatten()],
+    }  # fmt: skip
+    with open(f"{args.logfile}.auto.{hvd.rank()}", "a") as f:
+        f.write(json.dumps(line) + "\n")
+    auto_steps.clear()
+
+
 def averager_rounds() -> int:
     """Rounds the asynchronous averager of the optimizer's algorithm merged (0: none runs)."""
     averaging = getattr(optimizer._algo_impl, "averaging", None)
@@ -89,13 +109,17 @@ def train(state):
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
+            if hasattr(optimizer._algo_impl, "schedule"):
+                auto_steps.append(optimizer._algo_impl._key)
             state.sizes = state.sizes + (hvd.size(),)  # a tuple: commit() keeps a copy
             state.batch += 1
             if state.batch % args.batches_per_commit == 0:
                 state.commits += 1
                 state.commit()
+        auto_epoch_line(state.epoch)
         impl = optimizer._algo_impl
-        if impl is not None and impl.averaging is not None and hasattr(impl.averaging, "pending"):
+        # (Auto's implementation has no averaging of its own.)
+        if hasattr(getattr(impl, "averaging", None), "pending"):
             # Low-precision decentralized: each rank's replicas (self, left, right) after the
             # epoch's exchanges, for the test to check them against its ring neighbours'.
             impl.flush()
