@@ -28,6 +28,7 @@ tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
 import reference_algorithms as ra  # noqa: E402
+from quadratic import TorchQuadratic, torch_loss  # noqa: E402
 from torch import nn  # noqa: E402
 from unnamed_ops import check_unnamed_ops, train_until_every_rank_averaged  # noqa: E402
 
@@ -85,20 +86,6 @@ def tf_loss(variables, a, c):
     )
 
 
-class TorchQuadratic(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ws = nn.ParameterList([nn.Parameter(torch.from_numpy(x)) for x in init_values()])
-
-
-def torch_loss(model, batch):
-    a, c = batch
-    total = 0
-    for w, ai, ci in zip(model.ws, a, c):
-        total = total + (0.5 * torch.from_numpy(ai) * w.square() + torch.from_numpy(ci) * w).sum()
-    return total
-
-
 def torch_sgd(params):
     return torch.optim.SGD(params, lr=LR)
 
@@ -107,7 +94,7 @@ def reference(name, steps=STEPS, opt_factory=torch_sgd, **kwargs):
     return ra.run_reference(
         name,
         hvd.size(),
-        lambda r: TorchQuadratic(),
+        lambda r: TorchQuadratic(init_values()),
         lambda r, t: data(r, t),
         torch_loss,
         opt_factory,
@@ -300,8 +287,8 @@ def test_qadam_without_algorithm_is_local_qadam():
         a, c = data(hvd.rank(), t)
         step(a, c)
     want = ra.run_reference(
-        "qadam", 1, lambda r: TorchQuadratic(), lambda r, t: data(hvd.rank(), t), torch_loss,
-        None, 5, lr=lr, warmup_steps=2, weight_decay=0.01,
+        "qadam", 1, lambda r: TorchQuadratic(init_values()), lambda r, t: data(hvd.rank(), t),
+        torch_loss, None, 5, lr=lr, warmup_steps=2, weight_decay=0.01,
     )  # fmt: skip
     compare(variables, want.params[0], "local qadam")
 

@@ -6,17 +6,26 @@ A candidate is made slow through the engine's test hook (BAGUA_HVD_TEST_ALGORITH
 other one must be chosen, by every rank at the same step; the training after the choice must
 equal the chosen algorithm run alone from the same weights; a tf.train.Checkpoint of the Keras
 optimizer keeps the choice. The model is tests/mp/test_tf_algorithms.py's quadratic one (plain
-SGD: no optimizer state besides the weights).
+SGD: no optimizer state besides the weights). With a decentralized candidate listed (the ranks'
+models then differ), each rank's training after the choice must equal the simulation (torch)
+of the chosen algorithm by tests/reference_algorithms.py from every rank's weights at the
+switch.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
+torch = pytest.importorskip("torch")
+
+import auto_cases  # noqa: E402
+import reference_algorithms as ra  # noqa: E402
+from quadratic import TorchQuadratic, torch_loss  # noqa: E402
 
 import bagua_hvd.tensorflow as hvd  # noqa: E402
 from bagua_hvd.common.auto_algorithm import TEST_DELAY_ENV  # noqa: E402
@@ -50,11 +59,15 @@ def init_values():
     return [rng.normal(0, 0.5, s).astype(np.float32) for s in SHAPES]
 
 
-def data(step):
-    rng = np.random.default_rng(1000 * hvd.rank() + step + 1)
+def data_of(rank, step):
+    rng = np.random.default_rng(1000 * rank + step + 1)
     a = [rng.uniform(0.5, 1.5, s).astype(np.float32) for s in SHAPES]
     c = [rng.normal(0, 1, s).astype(np.float32) for s in SHAPES]
     return a, c
+
+
+def data(step):
+    return data_of(hvd.rank(), step)
 
 
 def loss_of(variables, a, c):
@@ -195,3 +208,60 @@ def test_auto_by_name_and_bad_inputs():
         hvd.DistributedOptimizer(q, algorithm="auto")
     with pytest.raises(ValueError, match='algorithms or "auto", got .fastest.'):
         hvd.DistributedOptimizer(tf.keras.optimizers.SGD(LR), algorithm="fastest")
+
+
+def from_three_ranks(fn):
+    """Collects ``fn`` from 3 ranks on (the launcher's size, known at collection time): where
+    shift_one's pairs change from round to round and the ring's two neighbours differ."""
+    return fn if int(os.environ.get("HOROVOD_SIZE", "1")) >= 3 else None
+
+
+# Two of torch's four cases (tests/mp/test_torch_auto.py), at 3 ranks only, to keep the jobs
+# short: the switch to the decentralized SGD (its rounds counted from the decision) and the
+# switch away from the low-precision ring (an exchange may still be in flight).
+@from_three_ranks
+@pytest.mark.parametrize(
+    "name,slow_decentralized",
+    [("decentralized", False), ("low_precision_decentralized", True)],
+    ids=["to-decentralized", "from-low-precision-decentralized"],
+)
+def test_tape_auto_with_a_decentralized_candidate(monkeypatch, capfd, name, slow_decentralized):
+    """``Auto([GradientAllReduce(), <decentralized>])`` in a DistributedGradientTape inside
+    ``tf.function``, one of them made slow: the other is chosen, every rank runs the same
+    candidate at every step (the documented schedule), and after the switch (to or from the
+    decentralized algorithm, whose measurement left the ranks' models different) each rank's
+    weights equal the reference's rank, simulated from every rank's weights at the switch:
+    the chosen algorithm alone from there, with its state fresh (round 0, new replicas)."""
+    case = auto_cases.case(name, slow_decentralized)
+    monkeypatch.setenv(TEST_DELAY_ENV, f"{case.slow}:{DELAY}")
+    variables = [tf.Variable(x) for x in init_values()]
+    alg = A.Auto(
+        [A.GradientAllReduce(), case.decentralized()], warmup_steps=WARMUP, steps_per_candidate=PER
+    )
+    step = tape_loop(variables, alg)
+    keys = []  # (candidate, final) of each step
+    for t in range(DECISION + AFTER):
+        if t == DECISION:
+            start = hvd.allgather_object([v.numpy() for v in variables])
+        train(step, t, 1)
+        schedule = A.tape_impl(alg, hvd.global_process_set).schedule
+        keys.append((schedule.current, schedule.chosen is not None))
+    assert keys == auto_cases.schedule(case.chosen, WARMUP, PER, AFTER), keys
+    same_on_every_rank(keys)
+    state = alg.state_dict()
+    assert type(alg.chosen).__name__ == case.expected, state
+    assert state["chosen_step"] == DECISION, state
+    printed = capfd.readouterr().out
+    if hvd.rank() == 0:
+        assert printed.count("bagua_hvd auto: chose") == 1, printed
+        assert f"chose {case.expected} from step {DECISION}" in printed, printed
+    # The decentralized measurement (steps 5 to 8) left the ranks' models different.
+    assert any(any((x != y).any() for x, y in zip(s, start[0])) for s in start[1:])
+    ref = ra.ReferenceCluster(
+        case.reference, hvd.size(), lambda r: TorchQuadratic(start[r]), torch_loss,
+        lambda ps: torch.optim.SGD(ps, lr=LR), **case.reference_kwargs,
+    )  # fmt: skip
+    for t in range(DECISION, DECISION + AFTER):
+        ref.step([data_of(r, t) for r in range(hvd.size())])
+    want = [tf.constant(p.numpy()) for p in ref.parameters()[hvd.rank()]]
+    compare(variables, want, f"auto -> {case.expected}")

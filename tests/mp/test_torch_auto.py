@@ -4,14 +4,18 @@
 A candidate is made slow through the engine's test hook (BAGUA_HVD_TEST_ALGORITHM_DELAY), so
 the other one must be chosen; every rank must choose the same candidate at the same step; the
 training after the choice must equal the chosen algorithm run alone from the same state; the
-choice must survive a state_dict round trip.
+choice must survive a state_dict round trip. With a decentralized candidate listed (the ranks'
+models then differ), each rank's training after the choice must equal the simulation of the
+chosen algorithm by tests/reference_algorithms.py from every rank's state at the switch.
 """
 
 from __future__ import annotations
 
 import copy
 
+import auto_cases
 import pytest
+import reference_algorithms as ra
 import torch
 from torch import nn
 
@@ -40,9 +44,13 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
 
 
-def batch(step: int):
-    g = torch.Generator().manual_seed(1000 * hvd.rank() + step)
+def batch_of(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def batch(step: int):
+    return batch_of(hvd.rank(), step)
 
 
 def train(model, opt, steps, first=0):
@@ -224,3 +232,60 @@ def test_auto_by_name_uses_the_default_candidates():
     alg = opt._algo_impl.alg
     assert [type(c).__name__ for c in alg.candidates] == ["GradientAllReduce", "ByteGrad"]
     assert (alg.warmup_steps, alg.steps_per_candidate) == (2, 5)
+
+
+@pytest.mark.parametrize("slow_decentralized", [False, True], ids=["to", "from"])
+@pytest.mark.parametrize("name", auto_cases.NAMES)
+def test_auto_with_a_decentralized_candidate(monkeypatch, capsys, name, slow_decentralized):
+    """``Auto([GradientAllReduce(), <decentralized>])`` with one of them made slow: the other
+    is chosen, every rank runs the same candidate at every step (the documented schedule), and
+    after the switch (to or from the decentralized algorithm, whose measurement left the
+    ranks' models different) each rank's weights equal the reference's rank, simulated from
+    every rank's weights and momentum at the switch: the chosen algorithm alone from there,
+    with its state fresh (round 0, new replicas)."""
+    case = auto_cases.case(name, slow_decentralized)
+    monkeypatch.setenv(TEST_DELAY_ENV, f"{case.slow}:{DELAY}")
+    model = make_model()
+    alg = A.Auto(
+        [A.GradientAllReduce(), case.decentralized()], warmup_steps=WARMUP, steps_per_candidate=PER
+    )
+    opt = make_opt(model, alg)
+    keys = []  # (candidate, final) of each step, as the optimizer ran it
+    for step in range(DECISION + AFTER):
+        if step == DECISION:
+            # Every rank's state at the switch (the ranks' models differ by now).
+            start = hvd.allgather_object(
+                (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+            )
+        train(model, opt, 1, first=step)
+        keys.append(opt._algo_impl._key)
+    assert keys == auto_cases.schedule(case.chosen, WARMUP, PER, AFTER), keys
+    same_on_every_rank(keys)
+    assert type(alg.chosen).__name__ == case.expected, opt._algo_impl.schedule.table()
+    assert opt._algo_impl.schedule.chosen_step == DECISION
+    printed = capsys.readouterr().out
+    if hvd.rank() == 0:
+        assert printed.count("bagua_hvd auto: chose") == 1, printed
+        assert f"chose {case.expected} from step {DECISION}" in printed, printed
+    # The decentralized measurement (steps 5 to 8) left the ranks' models different.
+    first = [p.tolist() for p in start[0][0].values()]
+    assert any([p.tolist() for p in s[0].values()] != first for s in start[1:])
+
+    def start_model(rank: int) -> nn.Module:
+        m = make_model()
+        m.load_state_dict(start[rank][0])
+        return m
+
+    ref = ra.ReferenceCluster(
+        case.reference, hvd.size(), start_model, ra.mse_loss,
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), **case.reference_kwargs,
+    )  # fmt: skip
+    for r, ref_opt in enumerate(ref.optimizers):
+        ref_opt.load_state_dict({k: v for k, v in start[r][1].items() if k != "bagua_hvd_auto"})
+    for step in range(DECISION, DECISION + AFTER):
+        ref.step([batch_of(r, step) for r in range(hvd.size())])
+    want = ref.parameters()[hvd.rank()]
+    for i, (a, b) in enumerate(zip(model.parameters(), want)):
+        scale = b.abs().max().item()
+        err = (a.detach() - b).abs().max().item()
+        assert err <= RTOL * max(scale, 1e-30), f"auto -> {case.expected}: parameter {i}, {err:.3g}"
