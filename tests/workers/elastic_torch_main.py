@@ -8,6 +8,11 @@ workers whose start rank is listed fail at (epoch, batch): by exception or by SI
 (--exit-mode). When --discovery-schedule says the hosts change after an epoch, rank 0 waits
 (up to --discovery-wait s) for the driver's notification before committing the epoch, so the
 change takes effect at that commit.
+
+With ``algorithm="auto"`` (BAGUA_HVD_ALGORITHM=auto, or --auto-decentralized), every rank
+appends one JSON line per epoch to --logfile.auto.RANK: the candidate and whether it was final
+at each of the epoch's steps, its schedule's step count, choice and number of measured steps,
+the steps of the candidate's implementation, and the model's parameters.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ p.add_argument("--discovery-wait", type=float, default=10.0)
 # "E,N": at the end of epoch E, rank 0 waits (up to --discovery-wait s) for a host update
 # unless the job already has N ranks: a host coming back takes effect by then, whatever the load.
 p.add_argument("--expect-size", default="")
+# algorithm=Auto([GradientAllReduce(), Decentralized(shift_one, every 2 steps, flat)]) instead of
+# the environment's algorithm.
+p.add_argument("--auto-decentralized", action="store_true")
 args = p.parse_args()
 
 start_rank = int(os.environ["HOROVOD_RANK"])
@@ -49,7 +57,17 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 lr = 0.01
 optimizer = torch.optim.SGD(model.parameters(), lr=lr * hvd.size())
-optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+algorithm = None  # BAGUA_HVD_ALGORITHM's
+if args.auto_decentralized:
+    from bagua_hvd.torch import algorithms as A
+
+    decentralized = A.Decentralized(
+        hierarchical=False, peer_selection_mode="shift_one", communication_interval=2
+    )
+    algorithm = A.Auto([A.GradientAllReduce(), decentralized])
+optimizer = hvd.DistributedOptimizer(
+    optimizer, named_parameters=model.named_parameters(), algorithm=algorithm
+)
 
 
 def hosts_for(epoch: int):
@@ -79,6 +97,8 @@ def auto_epoch_line(epoch: int) -> None:
         "epoch": epoch, "rank": hvd.rank(), "size": hvd.size(), "start_rank": start_rank,
         "steps": list(auto_steps), "step": schedule.step, "chosen": schedule.chosen,
         "chosen_step": schedule.chosen_step, "measured": sum(map(len, schedule._times)),
+        # The steps of the candidate's implementation (None: Horovod's allreduce).
+        "impl_step": getattr(optimizer._algo_impl.impl, "step", None),
         "params": [float(v) for p in model.parameters() for v in p.detach().flatten()],
     }  # fmt: skip
     with open(f"{args.logfile}.auto.{hvd.rank()}", "a") as f:
