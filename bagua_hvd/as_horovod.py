@@ -1,10 +1,10 @@
 """``import horovod`` as bagua_hvd: the zero-line migration (``BAGUA_HVD_AS_HOROVOD=1``).
 
-With the variable set, the start-up hook the package installs (``bagua_hvd_as_horovod.pth`` in
-site-packages, which reads the variable itself and imports nothing when it is unset) calls
-:func:`install` in every Python process: a ``sys.meta_path`` finder, ahead of every other, then
-answers for ``horovod`` and all of its submodules, so a real Horovod installed beside is never
-loaded.
+The start-up hook the package installs (``bagua_hvd_as_horovod.pth`` in site-packages) runs in
+every Python process; it only tests whether the variable is in the environment, and imports
+nothing when it is not. When it is, it calls :func:`install_if_asked`: with the variable on
+(``config.as_horovod``), a ``sys.meta_path`` finder, ahead of every other, then answers for
+``horovod`` and all of its submodules, so a real Horovod installed beside is never loaded.
 
 - ``horovod.X.Y`` is ``bagua_hvd.X.Y`` itself (the same module object in ``sys.modules`` under
   both names: ``horovod.torch is bagua_hvd.torch``). bagua_hvd keeps Horovod's module layout
@@ -48,7 +48,7 @@ _TARGET = "bagua_hvd"
 def target_name(fullname: str) -> Optional[str]:
     """The bagua_hvd module that answers for ``fullname`` (``horovod.torch`` ->
     ``bagua_hvd.torch``); None for a name outside ``horovod`` and for ``horovod`` itself, which
-    is a module of its own (:func:`install`)."""
+    is a module of its own (:class:`_TopLoader`)."""
     if not fullname.startswith(_ALIAS + "."):
         return None
     return _TARGET + fullname[len(_ALIAS) :]
@@ -147,9 +147,9 @@ def installed() -> bool:
 
 def install() -> None:
     """Makes ``import horovod`` (and every ``horovod.X``) bagua_hvd in this process, ahead of
-    any Horovod installed. Idempotent. The start-up hook calls it when ``BAGUA_HVD_AS_HOROVOD``
-    is set; call it directly to switch a process over without the variable (before anything
-    imported a real ``horovod``: RuntimeError otherwise)."""
+    any Horovod installed. Idempotent. The start-up hook calls it (:func:`install_if_asked`)
+    when ``BAGUA_HVD_AS_HOROVOD`` is on; call it directly to switch a process over without the
+    variable (before anything imported a real ``horovod``: RuntimeError otherwise)."""
     if installed():
         return
     real = sys.modules.get(_ALIAS)
@@ -159,6 +159,13 @@ def install() -> None:
             f"({getattr(real, '__file__', real)!r}); install before importing horovod"
         )
     sys.meta_path.insert(0, HorovodAliasFinder())
+
+
+def install_if_asked() -> None:
+    """The start-up hook's call, when ``BAGUA_HVD_AS_HOROVOD`` is in the environment:
+    :func:`install` when it is on (``0``, ``false``, ``no``, ``off`` and empty are off)."""
+    if config.as_horovod():
+        install()
 
 
 def uninstall() -> None:

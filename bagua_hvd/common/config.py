@@ -29,8 +29,8 @@ DYNAMIC_PROCESS_SETS_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
 
 
 # ``import horovod`` is bagua_hvd (bagua_hvd.as_horovod; set by ``bagua-run --as-horovod``).
-# The start-up hook (bagua_hvd_as_horovod.pth) reads it too, by this name and with flag()'s rule,
-# before any of the package is imported.
+# The start-up hook (bagua_hvd_as_horovod.pth) only tests whether it is in os.environ, by this
+# name, before importing anything of the package; its value is read here.
 AS_HOROVOD_ENV = "BAGUA_HVD_AS_HOROVOD"
 
 
