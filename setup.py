@@ -1,20 +1,31 @@
-"""Builds native/ with CMake into one shared library inside the package (bagua_hvd/_lib).
+"""Builds native/ with CMake into one shared library inside the package (bagua_hvd/_lib), and
+installs the start-up hook bagua_hvd_as_horovod.pth into site-packages (BAGUA_HVD_AS_HOROVOD=1:
+``import horovod`` is bagua_hvd; bagua_hvd/as_horovod.py), by ``pip install .`` and
+``pip install -e .`` alike.
 
 No framework is needed at build time: Python reaches the library through cffi in ABI mode.
 Environment: BAGUA_HVD_WITH_CUDA=auto|0|1 (default auto), BAGUA_HVD_BUILD_TYPE (default Release),
 BAGUA_HVD_BUILD_JOBS (default: number of CPUs).
 """
 
+import base64
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
 
 ROOT = Path(__file__).resolve().parent
+# The start-up hook: one line that does nothing unless BAGUA_HVD_AS_HOROVOD is set. Its name sorts
+# after setuptools' "__editable__.*.pth", whose finder an editable install needs first.
+HOOK = "bagua_hvd_as_horovod.pth"
 
 
 class CMakeExtension(Extension):
@@ -70,6 +81,43 @@ class CMakeBuild(build_ext):
         shutil.copy2(ROOT / "native/include/bagua_hvd/c_api.h", lib_dir / "c_api.h")
 
 
+class BuildPy(build_py):
+    """Puts the hook at the top of build_lib: a wheel installs it into site-packages."""
+
+    def run(self) -> None:
+        super().run()
+        self.copy_file(str(ROOT / HOOK), os.path.join(self.build_lib, HOOK))
+
+
+def _add_to_wheel(wheel: Path, name: str, data: bytes) -> None:
+    """Adds the file ``name`` (at the wheel's top: site-packages) to ``wheel``, and its line to
+    the RECORD, so that pip installs it and ``pip uninstall`` removes it."""
+    with zipfile.ZipFile(wheel) as zin:
+        entries = [(info, zin.read(info)) for info in zin.infolist()]
+    if any(info.filename == name for info, _ in entries):
+        return
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    tmp = wheel.with_name(wheel.name + ".tmp")
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info, content in entries:
+            if info.filename.endswith(".dist-info/RECORD"):
+                line = f"{name},sha256={digest},{len(data)}\n".encode()
+                content = content.rstrip(b"\n") + b"\n" + line
+            zout.writestr(info, content)
+        zout.writestr(name, data)
+    tmp.replace(wheel)
+
+
+class EditableWheel(editable_wheel):
+    """``pip install -e .``: setuptools' editable wheel holds only its own .pth and finder, not
+    what build_py put in build_lib; the hook is added to the wheel it built."""
+
+    def run(self) -> None:
+        super().run()
+        for wheel in Path(self.dist_dir).glob("*editable*.whl"):
+            _add_to_wheel(wheel, HOOK, (ROOT / HOOK).read_bytes())
+
+
 setup(
     name="bagua_hvd",
     version="0.1.0",
@@ -82,7 +130,7 @@ setup(
         "bagua_hvd": ["_lib/*.so", "_lib/c_api.h", "tensorflow/kernels.h", "tensorflow/*kernels.cc"]
     },
     ext_modules=[CMakeExtension("bagua_hvd._lib.libbagua_hvd")],
-    cmdclass={"build_ext": CMakeBuild},
+    cmdclass={"build_ext": CMakeBuild, "build_py": BuildPy, "editable_wheel": EditableWheel},
     install_requires=["cffi>=1.15", "numpy", "cloudpickle", "pyyaml"],  # pyyaml: --config-file
     extras_require={
         "mpi": ["mpi4py"],

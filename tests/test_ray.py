@@ -86,6 +86,33 @@ def test_two_workers_match_the_bagua_run_job(cluster):
                                    rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
+def horovod_job():
+    """A Horovod user's function: ``import horovod.torch`` in the actor."""
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum, name="as_horovod")
+    out = (hvd.__name__, hvd.rank(), total.item())
+    hvd.shutdown()
+    return out
+
+
+def test_actors_import_horovod_as_bagua_hvd_when_the_driver_does(cluster, monkeypatch):
+    """BAGUA_HVD_AS_HOROVOD=1 in the driver (tests/test_as_horovod.py): the actors, started by
+    a cluster without it, import horovod as bagua_hvd too."""
+    from bagua_hvd.ray import RayExecutor
+
+    monkeypatch.setenv("BAGUA_HVD_AS_HOROVOD", "1")
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    executor.start()
+    try:
+        got = executor.run(horovod_job)
+    finally:
+        executor.shutdown()
+    assert got == [("bagua_hvd.torch", 0, 3.0), ("bagua_hvd.torch", 1, 3.0)]
+
+
 def test_two_hosts_of_two_workers(cluster):
     import numpy as np
 

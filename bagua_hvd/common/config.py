@@ -28,6 +28,12 @@ DEFAULT_WAIT_WARNING_S = 60.0
 DYNAMIC_PROCESS_SETS_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
 
 
+# ``import horovod`` is bagua_hvd (bagua_hvd.as_horovod; set by ``bagua-run --as-horovod``).
+# The start-up hook (bagua_hvd_as_horovod.pth) only tests whether it is in os.environ, by this
+# name, before importing anything of the package; its value is read here.
+AS_HOROVOD_ENV = "BAGUA_HVD_AS_HOROVOD"
+
+
 def _text(name: str) -> str:
     return os.environ.get(name, "").strip()
 
@@ -44,6 +50,11 @@ def seconds(name: str, default: float) -> float:
         return float(value) if value else default
     except ValueError:
         raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+
+
+def as_horovod() -> bool:
+    """``BAGUA_HVD_AS_HOROVOD``: ``import horovod`` resolves to bagua_hvd in this process."""
+    return flag(AS_HOROVOD_ENV)
 
 
 def op_timeout_seconds() -> float:
@@ -301,6 +312,19 @@ def launcher_size() -> Optional[int]:
     """The job's size as a launcher gave it (HOROVOD_SIZE), None without one (or unreadable)."""
     size = _text("HOROVOD_SIZE")
     return int(size) if size.isdigit() else None
+
+
+def launcher_rank() -> Optional[int]:
+    """This process's rank as its launcher gave it: HOROVOD_RANK (bagua-run), else mpirun's or
+    srun's rank variable; None outside a launched job (or unreadable)."""
+    rank = _text("HOROVOD_RANK")
+    if rank.isdigit():
+        return int(rank)
+    try:
+        foreign = foreign_launch()
+    except ValueError:
+        return None
+    return foreign.rank if foreign is not None else None
 
 
 def launched_by_bagua_run() -> bool:

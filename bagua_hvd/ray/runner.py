@@ -18,6 +18,7 @@ import socket
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
 
+from bagua_hvd.common import config
 from bagua_hvd.runner.hosts import Slot
 
 
@@ -37,6 +38,12 @@ class _Worker:
 
     def set_env(self, env: Dict[str, str]) -> None:
         os.environ.update(env)
+        if config.as_horovod():
+            # The actor's interpreter started before the variable reached it (a Ray cluster's
+            # environment is its own): the start-up hook's work, done now.
+            from bagua_hvd import as_horovod
+
+            as_horovod.install()
 
     def start_executable(self, cls: Any, args: tuple, kwargs: dict) -> None:
         if cls is not None:
@@ -205,6 +212,8 @@ class RayExecutor:
             first = sorted(nics)[0] if isinstance(nics, set) else list(nics)[0]
             env["HOROVOD_GLOO_IFACE"] = first
             env["NCCL_SOCKET_IFNAME"] = ",".join(sorted(nics))
+        if config.as_horovod():  # the driver imports horovod as bagua_hvd: so do the ranks
+            env[config.AS_HOROVOD_ENV] = "1"
         env.update(extra_env_vars or {})
         ray.get(
             [

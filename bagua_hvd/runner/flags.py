@@ -534,6 +534,13 @@ def make_parser() -> argparse.ArgumentParser:
         "and keeps the faster, rank 0 printing the measurements",
     )
 
+    bagua.add_argument(
+        "--as-horovod",
+        action="store_true",
+        help="'import horovod' (horovod.torch, horovod.tensorflow.keras, ...) is bagua_hvd in "
+        "every rank: unmodified Horovod scripts run (BAGUA_HVD_AS_HOROVOD=1)",
+    )
+
     nodes = parser.add_argument_group("several nodes (one bagua-run per node)")
     nodes.add_argument(
         "--num-nodes",
@@ -725,6 +732,7 @@ def tuning_env(args: argparse.Namespace) -> Dict[str, str]:
     put("HOROVOD_LOG_HIDE_TIME", args.log_with_timestamp, lambda with_time: _bit(not with_time))
     put("BAGUA_HVD_TRANSPORT", args.transport)
     put("BAGUA_HVD_ALGORITHM", args.algorithm)
+    put("BAGUA_HVD_AS_HOROVOD", True if args.as_horovod else None, _bit)
     if args.nics:
         env["HOROVOD_GLOO_IFACE"] = args.nics[0]
         env["NCCL_SOCKET_IFNAME"] = ",".join(args.nics)

@@ -20,7 +20,12 @@ from bagua_hvd.runner.job import LaunchError, shell_exit_code
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Variables of the caller's environment that reach every rank, also on other hosts (Open MPI
 # passes its whole environment only to the ranks of its own host).
-_PASSED_ON = {"PYTHONPATH", "HOROVOD_CPU_OPERATIONS", "BAGUA_HVD_CPU_OPERATIONS"}
+_PASSED_ON = {
+    "PYTHONPATH",
+    "HOROVOD_CPU_OPERATIONS",
+    "BAGUA_HVD_CPU_OPERATIONS",
+    "BAGUA_HVD_AS_HOROVOD",  # read at interpreter start (bagua_hvd_as_horovod.pth)
+}
 
 
 def find_mpirun() -> str:
