@@ -10,6 +10,7 @@ import is the costly part, so each job checks several things):
   and only rank 0 wrote checkpoints (holding rank 0's weights);
 - a fit with accumulate_grad_batches=2: gradient allreduce of the mean gradient of each pair of
   batches (the reference's step on the pair joined), one step per pair;
+- the same with a GradientAccumulationScheduler (1 batch per step, then 2);
 - a fit with manual optimization: the reference's gradient allreduce, one step per batch;
 - the same strategy for the standalone pytorch_lightning package;
 - the digits example: accuracy >= 0.95 with equal replicas, then a second job resuming from the
@@ -139,11 +140,11 @@ def test_each_rank_trains_on_its_distributed_sampler_part(worker):
     _, out = worker
     from torch.utils.data import DistributedSampler
 
-    for name, epochs in (("decentralized", 2), ("accumulate", 2), ("manual", 2)):
+    for name in ("decentralized", "accumulate", "accumulate_schedule", "manual"):
         for r, rec in enumerate(records(out, name)):
             seen = torch.cat([b[2] for b in rec["batches"]]).tolist()
             want = []
-            for epoch in range(epochs):
+            for epoch in range(2):  # every fit of the worker runs 2 epochs
                 sampler = DistributedSampler(
                     range(SAMPLES), num_replicas=RANKS, rank=r, shuffle=True, seed=SAMPLER_SEED
                 )
@@ -175,16 +176,31 @@ def test_accumulated_batches_make_one_allreduced_step(worker):
     text, out = worker
     assert all(f"rank {r}: accumulate ok" in text for r in range(RANKS)), text
     recs = records(out, "accumulate")
-    pairs = [
-        [
-            tuple(torch.cat([a[i], b[i]]) for i in range(2))
-            for a, b in zip(rec["batches"][0::2], rec["batches"][1::2])
-        ]
-        for rec in recs
-    ]
+    pairs = [joined_pairs(rec["batches"]) for rec in recs]
     assert len(pairs[0]) == len(recs[0]["batches"]) // 2 == 6
     assert_follows_reference(recs, "gradient_allreduce", pairs)
     assert_same_weights(recs[0]["final"], recs[1]["final"], rtol=0)
+
+
+def joined_pairs(batches: list) -> list:
+    """Batches 0 and 1 joined, 2 and 3, ...: what one step over two accumulated batches sees."""
+    return [
+        tuple(torch.cat([a[i], b[i]]) for i in range(2))
+        for a, b in zip(batches[0::2], batches[1::2])
+    ]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_a_changing_accumulation_is_followed(worker):
+    """GradientAccumulationScheduler({0: 1, 1: 2}): a step per batch in the first epoch, per
+    pair of batches in the second (backward_passes_per_step follows)."""
+    text, out = worker
+    assert all(f"rank {r}: accumulate_schedule ok" in text for r in range(RANKS)), text
+    recs = records(out, "accumulate_schedule")
+    per_epoch = SAMPLES // RANKS // BATCH
+    steps = [rec["batches"][:per_epoch] + joined_pairs(rec["batches"][per_epoch:]) for rec in recs]
+    assert len(steps[0]) == per_epoch + per_epoch // 2
+    assert_follows_reference(recs, "gradient_allreduce", steps)
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)

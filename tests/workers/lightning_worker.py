@@ -8,11 +8,12 @@ In one process (Lightning's import is the costly part), in this order:
 2. ``decentralized``: a fit with ``Decentralized(peer_selection_mode="shift_one")`` on part of the
    digits, 2 epochs, a checkpoint per epoch through a CheckpointIO that prints who writes;
 3. ``accumulate``: a fit with ``GradientAllReduce()`` and ``accumulate_grad_batches=2``;
-4. ``manual``: a fit with manual optimization (Horovod's allreduce);
-5. ``pytorch_lightning``: a fit with the standalone pytorch_lightning package's Trainer and
+4. ``accumulate_schedule``: the same with a GradientAccumulationScheduler (1, then 2 batches);
+5. ``manual``: a fit with manual optimization (Horovod's allreduce);
+6. ``pytorch_lightning``: a fit with the standalone pytorch_lightning package's Trainer and
    ``bagua_hvd.lightning.pytorch_lightning.HorovodStrategy`` (skipped without that package).
 
-Fits 2 to 5 save, per rank, to OUT/<name>-rank<r>.pt: the weights when training started (after
+Fits 2 to 6 save, per rank, to OUT/<name>-rank<r>.pt: the weights when training started (after
 the strategy's broadcast), every batch this rank trained on (with the samples' indices) and the
 final weights; the test replays them through tests/reference_algorithms.py. Each part prints
 "rank R: <name> ok".
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -237,6 +238,13 @@ def main(out: str) -> int:
         accumulate_grad_batches=2,
     )  # fmt: skip
     print(f"rank {hvd.rank()}: accumulate ok", flush=True)
+
+    # Epoch 1 one batch per step, epoch 2 two: the strategy follows the change.
+    fit_and_save(
+        "accumulate_schedule", out, HorovodStrategy(),
+        callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})],
+    )  # fmt: skip
+    print(f"rank {hvd.rank()}: accumulate_schedule ok", flush=True)
 
     fit_and_save("manual", out, HorovodStrategy(), make=make_manual_module)
     print(f"rank {hvd.rank()}: manual ok", flush=True)
