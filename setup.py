@@ -135,8 +135,12 @@ setup(
     extras_require={
         "mpi": ["mpi4py"],
         "ray": ["ray"],
+        # bagua_hvd.lightning's HorovodStrategy (lightning.pytorch; the package brings the
+        # standalone pytorch_lightning too, which bagua_hvd.lightning.pytorch_lightning serves)
+        "lightning": ["lightning>=2,<3"],
         # tests/test_mpi_launch.py runs mpirun (Open MPI's wheel), tests/test_ray.py a Ray
-        # cluster, tests/test_cuda_support.py loads the real NCCL (which needs no GPU to load)
+        # cluster, tests/test_cuda_support.py loads the real NCCL (which needs no GPU to load),
+        # tests/test_lightning.py trains with Lightning
         "test": [
             "pytest",
             "pytest-timeout",
@@ -145,6 +149,7 @@ setup(
             "mpi4py",
             "ray",
             "nvidia-nccl-cu13",
+            "lightning>=2,<3",
         ],
     },
     entry_points={"console_scripts": ["bagua-run = bagua_hvd.runner.launch:run_commandline"]},

@@ -177,19 +177,34 @@ def test_every_environment_variable_a_doc_names_is_read() -> None:
     )
 
 
+def _optional_missing(e: ImportError) -> bool:
+    """The import failed because a package outside bagua_hvd is not installed here (an optional
+    dependency: bagua_hvd.lightning without Lightning): its names cannot be checked here."""
+    return isinstance(e, ModuleNotFoundError) and not (e.name or "bagua_hvd").startswith(
+        "bagua_hvd"
+    )
+
+
 def _resolves(dotted: str) -> bool:
-    """Whether ``a.b.c`` is a module, or an attribute path inside one."""
+    """Whether ``a.b.c`` is a module, or an attribute path inside one (True, unchecked, where
+    an optional dependency it needs is not installed)."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
+        except ImportError as e:
+            if _optional_missing(e):
+                return True
             continue
         try:
             for attr in parts[cut:]:
                 obj = getattr(obj, attr)
         except AttributeError:
             return False
+        except ImportError as e:  # a lazy attribute (bagua_hvd.lightning.HorovodStrategy)
+            if _optional_missing(e):
+                return True
+            raise
         return True
     return False
 
