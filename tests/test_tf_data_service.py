@@ -185,6 +185,32 @@ def test_bad_configs_fail_naming_the_problem(tmp_path):
     assert time.monotonic() - start < 5
 
 
+def test_a_hanging_tf_data_server_stop_does_not_hold_the_job(monkeypatch, caplog):
+    """TensorFlow's worker stop can hang while it still produces for a consumer gone mid-epoch
+    (seen with the example's infinite dataset): the compute job goes on after STOP_WAIT_S."""
+    pytest.importorskip("tensorflow")
+    from bagua_hvd.tensorflow.data import compute_service as tfcs
+
+    release = threading.Event()
+
+    class StuckServer:
+        def _stop(self):
+            release.wait(30)
+
+        def join(self):
+            pass
+
+    monkeypatch.setattr(tfcs, "STOP_WAIT_S", 0.2)
+    start = time.monotonic()
+    try:
+        with caplog.at_level("WARNING", logger=tfcs.__name__):
+            tfcs._stop_server(StuckServer(), "Worker")
+        assert time.monotonic() - start < 5
+        assert "tf.data Worker did not stop within 0.2s" in caplog.text
+    finally:
+        release.set()
+
+
 # ---- jobs ------------------------------------------------------------------------------------
 
 
