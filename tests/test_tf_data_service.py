@@ -33,6 +33,7 @@ from bagua_hvd.rendezvous.compute_service import ComputeClient, ComputeService
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSUMER = ROOT / "tests" / "workers" / "tf_data_service_consumer.py"
+IN_THREAD = ROOT / "tests" / "workers" / "tf_data_service_in_thread.py"
 EXAMPLE = ROOT / "examples" / "tensorflow2" / "tensorflow2_mnist_data_service.py"
 JOB_TIMEOUT_S = 240  # a bound, not an expectation
 KEY = b"k" * 32
@@ -331,6 +332,17 @@ def test_training_side_dispatcher(tmp_path):
     (consumer,) = _serve(tmp_path, "training", [[str(CONSUMER)]])
     _check_consumer(consumer)
     assert "rank 0: compute job shutdown requested" in consumer, consumer
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_compute_job_in_the_training_ranks(tmp_path):
+    """Horovod's own test pattern: compute_worker.main in a thread of each training rank."""
+    pytest.importorskip("tensorflow")
+    out = _finish(_start(2, str(IN_THREAD), str(tmp_path)), "the in-thread job")
+    for rank in (0, 1):
+        for side in ("compute", "training"):
+            assert f"rank {rank}: {side} side in-thread: whole epoch read" in out, out
+    assert list(tmp_path.iterdir()) == [], "config files left behind"
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S)
