@@ -282,11 +282,8 @@ def _serve(hosts: List[Tuple[str, List[str]]]) -> Tuple[str, int, str, str]:
 def _reachable_address(hosts: List[Tuple[str, List[str]]]) -> str:
     """Rank 0's address for the others: HOROVOD_GLOO_IFACE's when set; loopback when every rank
     is on this host; else the address its traffic to another host's leaves from."""
-    iface = config.network_interface()
-    if iface:
-        addr = network.interface_address(iface)
-        if addr is None:
-            raise ValueError(f"HOROVOD_GLOO_IFACE={iface}: no IPv4 address on that interface")
+    addr = network.iface_address()
+    if addr is not None:
         return addr
     names = host_names(hosts)
     other: Optional[List[str]] = next((a for (_, a), n in zip(hosts, names) if n != names[0]), None)

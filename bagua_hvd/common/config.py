@@ -464,3 +464,13 @@ def slurm_step() -> dict:
     out["nodelist"] = out["nodelist"] or _text("SLURM_JOB_NODELIST")
     out["tasks_per_node"] = out["tasks_per_node"] or _text("SLURM_TASKS_PER_NODE")
     return out
+
+
+def rendezvous_endpoint() -> Optional[Tuple[str, int]]:
+    """``HOROVOD_GLOO_RENDEZVOUS_ADDR`` and ``HOROVOD_GLOO_RENDEZVOUS_PORT`` (set by the launcher,
+    or by the bootstrap under mpirun/srun); None outside a launched job or when either is unset
+    or the port is not a number."""
+    addr, port = _text("HOROVOD_GLOO_RENDEZVOUS_ADDR"), _text("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    if not addr or not port.isdigit():
+        return None
+    return addr, int(port)

@@ -8,6 +8,8 @@ import socket
 import struct
 from typing import List, Optional
 
+from bagua_hvd.common import config
+
 _SIOCGIFADDR = 0x8915
 
 
@@ -43,3 +45,15 @@ def address_toward(host: str, port: int) -> str:
         except OSError as e:
             last = e
     raise last or OSError(f"no address for {host}")
+
+
+def iface_address() -> Optional[str]:
+    """The address of ``HOROVOD_GLOO_IFACE`` (the interface the job was told to use); None when
+    it is unset, ValueError when that interface has no IPv4 address."""
+    iface = config.network_interface()
+    if not iface:
+        return None
+    addr = interface_address(iface)
+    if addr is None:
+        raise ValueError(f"HOROVOD_GLOO_IFACE={iface}: no IPv4 address on that interface")
+    return addr
