@@ -15,8 +15,8 @@ from __future__ import annotations
 import copy
 import gc
 import re
-import weakref
 import warnings
+import weakref
 
 import pytest
 import reference_training as ref
