@@ -45,6 +45,27 @@ class MemoryStore : public Store {
 
 enum class Kind { SHM, TCP };
 
+// Rank r's transport in the in-process job job_id of n ranks (see run_ranks).
+inline std::unique_ptr<Transport> connect_rank(Store& store, const std::string& job_id, int r,
+                                               int n, Kind kind, int64_t shm_ring_bytes = 0,
+                                               int hosts = 1) {
+  BootstrapConfig cfg;
+  cfg.rank = r;
+  cfg.size = n;
+  const int per_host = n / hosts;
+  cfg.local_rank = r % per_host;
+  cfg.local_size = per_host;
+  cfg.hostname = "unit-test-host" + std::to_string(r / per_host);
+  cfg.secret = "unit-test-secret";
+  cfg.job_id = job_id;
+  cfg.epoch = 1;
+  cfg.force_tcp = kind == Kind::TCP;
+  cfg.timeout_s = 60;
+  cfg.iface = "lo";
+  cfg.shm_ring_bytes = shm_ring_bytes;
+  return connect_transport(cfg, store);
+}
+
 // Runs body(comm) on n in-process ranks over one kind of transport; fails the test with the
 // first rank's exception, if any.
 // hosts > 1: the ranks are spread over that many host names in consecutive blocks (shared memory
@@ -55,9 +76,10 @@ inline void run_ranks(int n, Kind kind, const std::function<void(Comm&)>& body,
   MemoryStore store;
   const std::string job_id = "unit" + std::to_string(getpid()) + "_" + std::to_string(++job);
   std::vector<std::string> errors(n);
-  // Every rank keeps its transport until all are done, as ranks of a job do until a negotiated
-  // shutdown: one that closed its connections first would look like a failed peer to a rank
-  // still stalled on another (TcpPair::check_alive sees the orderly close).
+  // Every rank keeps its transport until all are done, as ranks of a job do at a negotiated
+  // shutdown (core/farewell.cc): one that closed its connections first, without a bye, would
+  // look like a failed peer to a rank still stalled on another (TcpPair::check_alive sees the
+  // orderly close).
   std::mutex done_mu;
   std::condition_variable done_cv;
   int done = 0;
@@ -72,24 +94,10 @@ inline void run_ranks(int n, Kind kind, const std::function<void(Comm&)>& body,
     threads.emplace_back([&, r] {
       bool arrived = false;
       try {
-        BootstrapConfig cfg;
-        cfg.rank = r;
-        cfg.size = n;
-        const int per_host = n / hosts;
-        cfg.local_rank = r % per_host;
-        cfg.local_size = per_host;
-        cfg.hostname = "unit-test-host" + std::to_string(r / per_host);
-        cfg.secret = "unit-test-secret";
-        cfg.job_id = job_id;
-        cfg.epoch = 1;
-        cfg.force_tcp = kind == Kind::TCP;
-        cfg.timeout_s = 60;
-        cfg.iface = "lo";
-        cfg.shm_ring_bytes = shm_ring_bytes;
-        auto transport = connect_transport(cfg, store);
+        auto transport = connect_rank(store, job_id, r, n, kind, shm_ring_bytes, hosts);
         for (int p = 0; p < n; ++p) {
           if (p == r) continue;
-          const bool local = p / per_host == r / per_host;
+          const bool local = p / (n / hosts) == r / (n / hosts);
           EXPECT_STREQ(transport->kind_to(p), kind == Kind::SHM && local ? "shm" : "tcp");
         }
         std::vector<int> all(n);

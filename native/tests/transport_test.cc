@@ -26,6 +26,7 @@
 #include "collectives/hierarchy.h"
 #include "compression/minmax_uint8.h"
 #include "in_process_ranks.h"
+#include "transport/control_channel.h"
 #include "transport/shm.h"
 
 namespace bagua_hvd {
@@ -96,6 +97,128 @@ TEST(InProcessComm, AWaitInsideACollectiveCallsTheHeartbeat) {
       comm.transport().set_heartbeat(nullptr);
     });
   }
+}
+
+// The end of a job (core/farewell.cc): rank 0 finishes its part of a collective and closes its
+// connections while rank 2 still waits on rank 1. Rank 2, stalled, checks every member and finds
+// rank 0 gone: that fails the collective unless rank 0 said bye on its control channel first.
+// Over TCP, where an orderly close is seen at once (shared memory reports only a dead process).
+std::string stalled_behind_a_closed_member(bool bye) {
+  static int job = 0;
+  testing_ranks::MemoryStore store;
+  const std::string job_id = "bye" + std::to_string(getpid()) + "_" + std::to_string(++job);
+  std::vector<std::string> errors(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto transport = testing_ranks::connect_rank(store, job_id, r, 3, Kind::TCP);
+        ControlChannel ctrl(*transport, 60);
+        transport->set_finished_probe(
+            [&](int peer) { return ctrl.said_bye(peer) != ControlChannel::Bye::kNot; });
+        Comm comm(*transport, {0, 1, 2});
+        char byte = static_cast<char>(r + 1);
+        if (r == 0) {
+          comm.send(2, &byte, 1, "bye test");
+          if (bye) ctrl.send(2, ControlChannel::bye());
+          return;  // closes every connection
+        }
+        if (r == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          comm.send(2, &byte, 1, "bye test");
+          return;
+        }
+        comm.recv(0, &byte, 1, "bye test");
+        EXPECT_EQ(byte, 1);
+        comm.recv(1, &byte, 1, "bye test");  // ~30 checks of every member while rank 1 sleeps
+        EXPECT_EQ(byte, 2);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  return errors[2];
+}
+
+TEST(InProcessComm, AMemberThatSaidByeMayCloseUnderAStalledCollective) {
+  EXPECT_EQ(stalled_behind_a_closed_member(true), "");
+}
+
+TEST(InProcessComm, AMemberThatClosedWithoutByeFailsTheStalledCollective) {
+  const std::string error = stalled_behind_a_closed_member(false);
+  EXPECT_NE(error.find("connection to rank 0"), std::string::npos) << error;
+  EXPECT_NE(error.find("closed"), std::string::npos) << error;
+}
+
+// said_bye looks through the frames without taking them: the ones before the bye are still
+// delivered in order, and a channel that closed without one says no.
+TEST(ControlChannelBye, FoundBehindOtherFramesWithoutTakingThem) {
+  static int job = 0;
+  testing_ranks::MemoryStore store;
+  const std::string job_id = "byech" + std::to_string(getpid()) + "_" + std::to_string(++job);
+  std::string error0, error1;
+  std::mutex mu;
+  std::condition_variable cv;
+  int stage = 0;  // 1: rank 0 sent its frames; 2: rank 1 checked; rank 0 then closes
+  auto wait_for = [&](int s) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(30), [&] { return stage >= s; });
+  };
+  auto reach = [&](int s) {
+    std::lock_guard<std::mutex> lock(mu);
+    stage = s;
+    cv.notify_all();
+  };
+  std::thread t0([&] {
+    try {
+      auto transport = testing_ranks::connect_rank(store, job_id, 0, 2, Kind::TCP);
+      ControlChannel ctrl(*transport, 60);
+      ctrl.send(1, "first");
+      ctrl.send(1, std::string());  // a keepalive
+      ctrl.send(1, ControlChannel::bye());
+      reach(1);
+      wait_for(2);
+    } catch (const std::exception& e) {
+      error0 = e.what();
+      reach(2);
+    }
+  });
+  std::thread t1([&] {
+    try {
+      auto transport = testing_ranks::connect_rank(store, job_id, 1, 2, Kind::TCP);
+      ControlChannel ctrl(*transport, 60);
+      wait_for(1);
+      auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (ctrl.said_bye(0) != ControlChannel::Bye::kSaid &&
+             std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      EXPECT_EQ(ctrl.said_bye(0), ControlChannel::Bye::kSaid);
+      std::string msg;
+      ASSERT_TRUE(ctrl.poll(0, &msg));
+      EXPECT_EQ(msg, "first");
+      ASSERT_TRUE(ctrl.poll(0, &msg));
+      EXPECT_EQ(msg, "");
+      ASSERT_TRUE(ctrl.poll(0, &msg));
+      EXPECT_TRUE(ControlChannel::is_bye(msg));
+      EXPECT_EQ(ctrl.said_bye(0), ControlChannel::Bye::kUnknown);  // taken; channel open
+      reach(2);
+      deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (ctrl.said_bye(0) != ControlChannel::Bye::kNot &&
+             std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      EXPECT_EQ(ctrl.said_bye(0), ControlChannel::Bye::kNot);  // closed, no bye left
+    } catch (const std::exception& e) {
+      error1 = e.what();
+      reach(2);
+    }
+  });
+  t0.join();
+  t1.join();
+  EXPECT_EQ(error0, "");
+  EXPECT_EQ(error1, "");
 }
 
 TEST(InProcessAllreduce, DirectOverTcp) {

@@ -317,10 +317,17 @@ void Comm::run(std::vector<Xfer>& xfers, const char* what, const Work& work) {
         if (idle >= timeout) throw stuck_error(lane, timeout);
       }
       // A rank we are not waiting on may be the one that died (the peer we wait on is then
-      // stuck behind it): check every member so the error names the rank that is gone.
+      // stuck behind it): check every member so the error names the rank that is gone. One
+      // that finished the job (the last collective done, its bye sent) closes normally.
       if (!progress) {
-        for (int r = 0; r < size(); ++r)
-          if (r != rank_) transport_.data(global_ranks_[r]).check_alive();
+        for (int r = 0; r < size(); ++r) {
+          if (r == rank_) continue;
+          try {
+            transport_.data(global_ranks_[r]).check_alive();
+          } catch (const TransportError&) {
+            if (!transport_.may_have_finished(global_ranks_[r])) throw;
+          }
+        }
       }
     }
   }

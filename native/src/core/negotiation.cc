@@ -132,6 +132,7 @@ void Runtime::apply(const ResponseList& list) {
   stats_.cycles++;
   if (list.seq) acked_seq_ = list.seq;
   if (list.shutdown) {
+    ended_by_shutdown_ = abort_reason.empty();
     fail_all(Status::Aborted(abort_reason.empty() ? kShutDown : abort_reason));
     std::lock_guard<std::mutex> lock(mu_);
     stopped_ = true;

@@ -111,6 +111,7 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
   cache_.clear();
   acked_seq_ = 0;
   sent_shutdown_ = false;
+  ended_by_shutdown_ = false;
   oversubscribed_ =
       cfg_.local_size > static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   ctrl_ = std::make_unique<ControlChannel>(*transport_, cfg_.timeout_s);
@@ -120,6 +121,12 @@ Status Runtime::init(const std::vector<std::vector<int32_t>>& static_sets, bool 
     // Only the loop's own thread owns the control channel (the async averaging thread also runs
     // collectives).
     if (std::this_thread::get_id() == loop_thread_id_) send_keepalives(Clock::now());
+  });
+  transport_->set_finished_probe([this](int peer) {
+    if (std::this_thread::get_id() != loop_thread_id_ || !ctrl_) return false;
+    // Its data connection closed: its bye may still be on the way (the ctrl connection is
+    // another stream), so only a ctrl channel that closed without one says it failed.
+    return ctrl_->said_bye(peer) != ControlChannel::Bye::kNot;
   });
   coordinator_.reset();
   if (cfg_.rank == 0) {
@@ -530,6 +537,7 @@ void Runtime::loop() {
         check_peers(last_liveness, last_liveness - previous);
       }
     }
+    if (ended_by_shutdown_) farewell();
   } catch (const std::exception& e) {
     const auto* te = dynamic_cast<const TransportError*>(&e);
     const std::string reason = failure_reason(e.what(), te ? te->peer() : -1);
@@ -573,6 +581,7 @@ std::string Runtime::relayed_failure(int peer) {
         transport_->wait(std::chrono::milliseconds(5));
         continue;
       }
+      if (ControlChannel::is_bye(msg)) return "";  // it finished normally: no notice follows
       std::string notice;
       if (peer == 0 && !coordinator_) {  // the coordinator's ResponseLists
         for (const auto& r : decode_response_list(msg).responses)

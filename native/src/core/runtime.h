@@ -116,6 +116,9 @@ class Runtime {
   std::string relayed_failure(int peer);
   static std::string with_witness(const std::string& reason, int rank);
   void send_failure_notices(const std::string& reason);
+  // The end of a job that shut down (core/farewell.cc): waits, bounded, until every peer has
+  // executed its last response, so that no connection closes under a collective still running.
+  void farewell();
   void drain_local(RequestList* out, bool* any);
   void apply(const ResponseList& list);
   // Execution of one response (core/dispatch.cc).
@@ -170,6 +173,7 @@ class Runtime {
   ResponseCache::Mirror cache_;
   uint64_t acked_seq_ = 0;
   bool sent_shutdown_ = false;
+  bool ended_by_shutdown_ = false;  // the loop applied a plain shutdown (not a failure's)
   std::unique_ptr<ControlChannel> ctrl_;
   std::vector<Clock::time_point> heard_;  // per rank: when a frame from it last arrived
   Clock::time_point last_keepalive_{};

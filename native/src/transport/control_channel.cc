@@ -62,6 +62,25 @@ bool ControlChannel::poll(int peer, std::string* out) {
   return true;
 }
 
+const std::string& ControlChannel::bye() {
+  static const std::string payload("BHBY", 4);
+  return payload;
+}
+
+ControlChannel::Bye ControlChannel::said_bye(int peer) {
+  fill(peer);
+  const std::string& buf = inbox_[peer];
+  size_t off = 0;
+  while (buf.size() - off >= 4) {
+    uint32_t len;
+    std::memcpy(&len, buf.data() + off, 4);
+    if (len > kMaxFrame || buf.size() - off - 4 < len) break;
+    if (is_bye(buf.substr(off + 4, len))) return Bye::kSaid;
+    off += 4 + static_cast<size_t>(len);
+  }
+  return inbox_error_[peer] ? Bye::kNot : Bye::kUnknown;
+}
+
 void ControlChannel::send(int peer, const std::string& payload) {
   Pair& p = transport_.ctrl(peer);
   const std::string f = frame(payload);

@@ -29,6 +29,16 @@ class ControlChannel {
   // nothing is sent to a peer whose channel holds a frame cut off by a timed-out send.
   void send_best_effort(int peer, const std::string& payload);
 
+  // The last frame a rank sends each peer at the end of a job (core/farewell.cc): it has
+  // executed every response, so its connections may close. "BHBY", which starts no
+  // negotiation message (their magics differ; keepalives are empty).
+  static const std::string& bye();
+  static bool is_bye(const std::string& payload) { return payload == bye(); }
+  // Whether peer's frames so far hold a bye, without taking any: yes, no (its channel closed or
+  // failed without one), or not yet known.
+  enum class Bye { kSaid, kNot, kUnknown };
+  Bye said_bye(int peer);
+
   static std::string frame(const std::string& payload);
 
  private:

@@ -99,10 +99,18 @@ class Transport {
   void heartbeat() {
     if (heartbeat_) heartbeat_();
   }
+  // Whether a peer whose connection closed may have ended normally (Comm::run asks before it
+  // fails a collective over a member it was not waiting on): the runtime answers from the
+  // peer's control frames (its bye, core/farewell.cc). Without an answer: no.
+  void set_finished_probe(std::function<bool(int)> f) { finished_probe_ = std::move(f); }
+  bool may_have_finished(int global_rank) {
+    return finished_probe_ && finished_probe_(global_rank);
+  }
 
  protected:
   double timeout_s_ = 30;
   std::function<void()> heartbeat_;
+  std::function<bool(int)> finished_probe_;
 };
 
 // Builds the transport: publishes this rank's address in the store, learns the others', maps
