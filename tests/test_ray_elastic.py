@@ -38,9 +38,15 @@ def batch(step: int, rank: int):
     return rng.standard_normal((BATCH, DIM)), rng.standard_normal(BATCH)
 
 
-def train(steps: int, step_s: float = 0.0):
+# With until_size, the most steps a job takes while it waits for its new size.
+MAX_STEPS = 1000
+
+
+def train(steps: int, step_s: float = 0.0, until_size=None):
     """The workers' function: elastic SGD, one commit per step. Rank 0 logs each step (the
-    test's callback sees the progress); returns the weights, the steps and their sizes."""
+    test's callback sees the progress); returns the weights, the steps and their sizes. With
+    ``until_size`` it goes on past ``steps`` until the job has that size (the cluster's change
+    has landed, however slow the machine), then takes ``steps // 2`` more."""
     import time
 
     import torch
@@ -54,11 +60,21 @@ def train(steps: int, step_s: float = 0.0):
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=LR), named_parameters=model.named_parameters()
     )
-    state = hvd.elastic.TorchState(model, opt, step=0, sizes=[])
+    # reached: the step at which the job first had until_size (-1: not yet).
+    state = hvd.elastic.TorchState(model, opt, step=0, sizes=[], reached=-1)
+
+    def more(state):
+        if until_size is None or state.step >= MAX_STEPS:
+            return state.step < steps
+        if hvd.size() != until_size:
+            return True
+        if state.reached < 0:
+            state.reached = state.step
+        return state.step < max(steps, state.reached + steps // 2)
 
     @hvd.elastic.run
     def loop(state):
-        while state.step < steps:
+        while more(state):
             x, y = batch(state.step, hvd.rank())
             opt.zero_grad()
             out = model(torch.from_numpy(x)).squeeze(1)
@@ -104,7 +120,7 @@ def check_trajectory(results, steps):
     assert [r["rank"] for r in results] == list(range(first["size"]))
     assert len(results) == first["size"]
     for r in results:
-        assert r["step"] == steps and len(r["sizes"]) == steps
+        assert r["step"] >= steps and len(r["sizes"]) == r["step"]
         assert r["sizes"] == first["sizes"]
         assert r["weights"] == first["weights"]  # every rank holds the same model
     np.testing.assert_allclose(first["weights"], replay(first["sizes"]), rtol=1e-9, atol=1e-12)
@@ -136,7 +152,7 @@ def worker_nodes(cluster, n: int):
     cluster.wait_for_nodes()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+        alive = [x for x in ray.nodes() if x["Alive"] and x["Resources"].get("CPU", 0) > 0]
         if len(alive) == n:
             break
         time.sleep(0.2)
@@ -203,10 +219,12 @@ def executor(**settings):
 @pytest.mark.timeout(150)
 def test_node_removed_mid_training_finishes_smaller(cluster):
     nodes = worker_nodes(cluster, 2)
-    steps = 30
+    steps = 20
     progress = Progress()
     ex = executor(min_num_proc=1, max_num_proc=2)
-    t, out = run_in_thread(lambda: ex.run(lambda: train(steps, 0.05), callbacks=[progress]))
+    t, out = run_in_thread(
+        lambda: ex.run(lambda: train(steps, 0.05, until_size=1), callbacks=[progress])
+    )
     progress.wait(5)
     assert progress.records[-1]["size"] == 2
     # Remove the node that does not hold rank 0 (the hosts are ordered oldest first).
@@ -220,10 +238,12 @@ def test_node_removed_mid_training_finishes_smaller(cluster):
 @pytest.mark.timeout(150)
 def test_node_added_mid_training_grows(cluster):
     worker_nodes(cluster, 1)
-    steps = 40
+    steps = 20
     progress = Progress()
     ex = executor(min_num_proc=1)
-    t, out = run_in_thread(lambda: ex.run(lambda: train(steps, 0.05), callbacks=[progress]))
+    t, out = run_in_thread(
+        lambda: ex.run(lambda: train(steps, 0.05, until_size=2), callbacks=[progress])
+    )
     progress.wait(3)
     assert progress.records[-1]["size"] == 1
     cluster.add_node(num_cpus=1)
@@ -233,6 +253,7 @@ def test_node_added_mid_training_grows(cluster):
     assert sizes[0] == 1 and sizes[-1] == 2 and sizes == sorted(sizes)
 
 
+@pytest.mark.timeout(90)
 def test_discovery_counts_slots_per_live_node(cluster):
     from bagua_hvd.ray import RayHostDiscovery
 
@@ -298,6 +319,20 @@ def test_ray_executor_elastic_mode(cluster):
     one = RayExecutor(settings, min_workers=1, max_workers=1, elastic_timeout=30)
     one.start()
     assert one.execute(lambda _: rank_times(Scale(1))) == [(0, 1, 1)]
+    # override_discovery=False: the settings' own discovery, its host named by IP (Horovod's
+    # naming) and placed on a node with that IP.
+    from bagua_hvd.runner.elastic.discovery import HostDiscovery
+
+    class ByIp(HostDiscovery):
+        def find_available_hosts_and_slots(self):
+            return {ray.util.get_node_ip_address(): 1}
+
+    own = RayExecutor.create_settings(timeout_s=30)
+    own.discovery = ByIp()
+    mine = RayExecutor(own, min_workers=1, override_discovery=False, elastic_timeout=30)
+    mine.start()
+    got = mine.run(lambda: (rank_times(Scale(1)), ray.get_runtime_context().get_node_id()))
+    assert got[0][0] == (0, 1, 1) and got[0][1] in {n.node_id for n in cluster.worker_nodes}
 
 
 def fail_everywhere():

@@ -211,18 +211,16 @@ class ElasticAdapter:
                 cpus_per_slot=cpus_per_worker,
                 gpus_per_slot=self.gpus_per_worker or 1,
             )
-        # The job's settings, Horovod's ElasticSettings' names, over RayExecutor's settings.
-        self.settings = SimpleNamespace(
-            **dict(
-                vars(settings),
-                min_num_proc=min_workers,
-                max_num_proc=max_workers,
-                num_proc=min_workers,
-                reset_limit=reset_limit,
-                cooldown_range=cooldown_range,
-                elastic_timeout=elastic_timeout,
-            )
+        self.user_settings = settings  # its discovery may still be set before start()
+        self.params = dict(
+            min_num_proc=min_workers,
+            max_num_proc=max_workers,
+            num_proc=min_workers,
+            reset_limit=reset_limit,
+            cooldown_range=cooldown_range,
+            elastic_timeout=elastic_timeout,
         )
+        self.settings: Any = None
         self.cpus_per_worker = cpus_per_worker
         self.executable: Optional[Tuple[Any, tuple, dict]] = None
         self.env: Dict[str, str] = {}
@@ -234,6 +232,8 @@ class ElasticAdapter:
         executable_kwargs: Optional[Dict[str, Any]] = None,
         extra_env_vars: Optional[Dict[str, str]] = None,
     ) -> None:
+        # The job's settings: Horovod's ElasticSettings' names over RayExecutor's settings.
+        self.settings = SimpleNamespace(**dict(vars(self.user_settings), **self.params))
         _check_settings(self.settings)
         _check_ray()
         self.executable = (executable_cls, tuple(executable_args or ()), executable_kwargs or {})

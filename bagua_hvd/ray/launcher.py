@@ -86,7 +86,7 @@ class RayActorLauncher(WorkerLauncher):
         with self._lock:
             self.results.pop(key, None)  # a value of an earlier worker of this slot is stale
             self._handles.append(handle)
-        node = node_of(info.hostname)
+        node = node_of(info.hostname, {"CPU": self.cpus_per_slot, "GPU": self.gpus_per_slot})
         if node is None:
             self._fail(handle, f"host {info.hostname} is not a live Ray node", events)
             return handle
@@ -166,9 +166,10 @@ class RayActorLauncher(WorkerLauncher):
             self.stop(h)
 
 
-def node_of(host: str) -> Optional[str]:
+def node_of(host: str, demand: Dict[str, float]) -> Optional[str]:
     """The live Ray node that ``host`` names: its node id (as RayHostDiscovery names hosts),
-    else its IP or hostname (as Horovod's discovery and a user's may), the first such node."""
+    else its IP or hostname (as Horovod's discovery and a user's may): the first such node
+    whose resources can hold a worker's ``demand`` (one machine may run several nodes)."""
     import ray
 
     alive = [n for n in ray.nodes() if n.get("Alive", n.get("alive"))]
@@ -177,5 +178,7 @@ def node_of(host: str) -> Optional[str]:
             return n["NodeID"]
     for n in alive:
         if host in (n.get("NodeManagerAddress"), n.get("NodeManagerHostname")):
-            return n["NodeID"]
+            have = n.get("Resources", {})
+            if all(have.get(k, 0) >= v for k, v in demand.items() if v):
+                return n["NodeID"]
     return None
