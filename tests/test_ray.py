@@ -159,8 +159,8 @@ def test_executable_and_bad_arguments(cluster):
         executor.shutdown()
     with pytest.raises(ValueError, match="exactly one of num_workers and num_hosts"):
         RayExecutor(RayExecutor.create_settings(), num_workers=2, num_hosts=1)
-    with pytest.raises(ValueError, match="elastic"):
-        RayExecutor(RayExecutor.create_settings(), min_workers=1)
+    with pytest.raises(ValueError, match="Both `min_workers` and `num_workers` provided"):
+        RayExecutor(RayExecutor.create_settings(), min_workers=1, num_workers=2)
     with pytest.raises(RuntimeError, match="start"):
         RayExecutor(RayExecutor.create_settings(), num_workers=1).run(lambda: 0)
 

@@ -7,50 +7,19 @@ memory; nodes talk TCP) and hands each actor the launcher's contract (its rank v
 store's address and the job's secret) through a method call, never a command line. Functions
 given to ``run``/``execute`` then call ``hvd.init()`` in the actors as in any bagua_hvd job.
 
-Elastic training (``min_workers``/``max_workers``) is not supported yet.
+With ``min_workers`` the job is elastic (Horovod's elastic_v2 adapter): bagua_hvd.ray.elastic
+runs it on bagua_hvd's elastic driver, one actor per worker pinned to its Ray node; each
+``run``/``execute`` is one elastic job to its end.
 """
 
 from __future__ import annotations
 
-import os
 import secrets
-import socket
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
 
-from bagua_hvd.common import config
+from bagua_hvd.ray.worker import RayWorker, contract_env
 from bagua_hvd.runner.hosts import Slot
-
-
-class _Worker:
-    """The body of one rank's actor (wrapped by ray.remote in :meth:`RayExecutor.start`)."""
-
-    def __init__(self) -> None:
-        self.executable: Any = None
-
-    def node(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def hostname(self) -> str:
-        return socket.gethostname()
-
-    def set_env(self, env: Dict[str, str]) -> None:
-        os.environ.update(env)
-        if config.as_horovod():
-            # The actor's interpreter started before the variable reached it (a Ray cluster's
-            # environment is its own): the start-up hook's work, done now.
-            from bagua_hvd import as_horovod
-
-            as_horovod.install()
-
-    def start_executable(self, cls: Any, args: tuple, kwargs: dict) -> None:
-        if cls is not None:
-            self.executable = cls(*args, **kwargs)
-
-    def execute(self, fn: Callable[[Any], Any]) -> Any:
-        return fn(self.executable)
 
 
 class RayExecutor:
@@ -67,9 +36,21 @@ class RayExecutor:
         gpus_per_worker: GPUs per rank when use_gpu.
         use_current_placement_group: place the ranks in the placement group this code runs in,
             if any (default True).
-        min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout,
-            override_discovery: elastic mode, not supported yet (ValueError when min_workers or
-            max_workers is given).
+        min_workers: elastic mode: the fewest workers training goes on with (exclusive with
+            num_workers and num_hosts). The job starts once that many slots are there, with
+            every slot of the cluster up to max_workers.
+        max_workers: the most workers of an elastic job (default: no bound).
+        reset_limit: the most resets of an elastic job before it fails (default: no bound).
+        cooldown_range: ``(min, max)`` seconds a failed node stays blacklisted (default:
+            forever).
+        elastic_timeout: seconds an elastic job waits for min_workers slots (default 600).
+        override_discovery: the elastic job's hosts are the live Ray nodes, cpus_per_worker
+            (and with use_gpu gpus_per_worker) per slot (default True); False keeps
+            ``settings.discovery``.
+
+    In elastic mode ``start`` records the executable and environment, ``run``/``execute``
+    each run one elastic job on new actors and return the last generation's values in rank
+    order; ``run_remote`` and ``execute_single`` raise NotImplementedError, as Horovod's do.
     """
 
     @staticmethod
@@ -109,11 +90,37 @@ class RayExecutor:
         elastic_timeout: int = 600,
         override_discovery: bool = True,
     ) -> None:
-        if min_workers is not None or max_workers is not None:
+        # Horovod's checks and texts.
+        if max_workers and (not min_workers or min_workers <= 0):
             raise ValueError(
-                "RayExecutor: elastic mode (min_workers/max_workers) is not supported by "
-                "bagua_hvd yet; give num_workers or num_hosts"
+                "`max_workers` provided without any positive `min_workers`"
+                "Elastic workloads require a positive `min_workers`"
             )
+        if min_workers and num_workers:
+            raise ValueError(
+                "Both `min_workers` and `num_workers` provided.Only one of the above is allowed "
+                "as workloads cannot be elastic and non-elastic."
+            )
+        self._elastic: Any = None
+        if min_workers is not None:
+            from bagua_hvd.ray.elastic import ElasticAdapter
+
+            if num_hosts is not None:
+                raise ValueError("RayExecutor: num_hosts is for fixed jobs; min_workers is elastic")
+            self.settings = settings
+            self._elastic = ElasticAdapter(
+                settings,
+                min_workers=min_workers,
+                max_workers=max_workers,
+                use_gpu=use_gpu,
+                cpus_per_worker=cpus_per_worker,
+                gpus_per_worker=gpus_per_worker,
+                override_discovery=override_discovery,
+                reset_limit=reset_limit,
+                cooldown_range=cooldown_range,
+                elastic_timeout=elastic_timeout,
+            )
+            return
         if (num_workers is None) == (num_hosts is None):
             raise ValueError("RayExecutor: give exactly one of num_workers and num_hosts")
         for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts),
@@ -150,7 +157,12 @@ class RayExecutor:
     ) -> None:
         """Places the ranks' actors, wires them into one job and builds
         ``executable_cls(*executable_args, **executable_kwargs)`` in each (``execute`` passes
-        it to its function). ``extra_env_vars`` are set in every actor."""
+        it to its function). ``extra_env_vars`` are set in every actor. Elastic: records them
+        for the actors of each run."""
+        if self._elastic is not None:
+            return self._elastic.start(
+                executable_cls, executable_args, executable_kwargs, extra_env_vars
+            )
         import ray
         from ray.util.placement_group import get_current_placement_group, placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -179,7 +191,7 @@ class RayExecutor:
                     f"RayExecutor: the cluster could not place {len(bundles)} bundle(s) of "
                     f"{bundles[0]} ({strategy}) within placement_group_timeout_s={timeout:g}"
                 )
-        actor_cls = ray.remote(_Worker)
+        actor_cls = ray.remote(RayWorker)
         per_bundle = self.num_workers_per_host if self.num_hosts is not None else 1
         actors = []
         for i in range(self.size):
@@ -201,19 +213,12 @@ class RayExecutor:
         self.workers = [actors[i] for i in ranked]
         hosts = [nodes[i] for i in ranked]
 
-        nics = getattr(self.settings, "nics", None)
         addr = ray.util.get_node_ip_address()
         secret = secrets.token_bytes(32)
         self._server = StoreServer(secret, host=addr, port=0)
         self._server.start()
         env = job_env(secret, secrets.token_hex(8), addr, self._server.port)
-        env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(getattr(self.settings, "timeout_s", 30)))
-        if nics:
-            first = sorted(nics)[0] if isinstance(nics, set) else list(nics)[0]
-            env["HOROVOD_GLOO_IFACE"] = first
-            env["NCCL_SOCKET_IFNAME"] = ",".join(sorted(nics))
-        if config.as_horovod():  # the driver imports horovod as bagua_hvd: so do the ranks
-            env[config.AS_HOROVOD_ENV] = "1"
+        env.update(contract_env(self.settings))
         env.update(extra_env_vars or {})
         ray.get(
             [
@@ -232,6 +237,8 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         """Ends the actors and the rendezvous."""
+        if self._elastic is not None:
+            return self._elastic.shutdown()
         import ray
 
         for w in self.workers:
@@ -257,6 +264,8 @@ class RayExecutor:
 
     def execute(self, fn: Callable[[Any], Any], callbacks: Optional[list] = None) -> List[Any]:
         """``fn(executable)`` on every rank; the results in rank order."""
+        if self._elastic is not None:
+            return self._elastic.execute(fn, callbacks)
         import ray
 
         return ray.get(self._remote(fn))
@@ -268,7 +277,10 @@ class RayExecutor:
         kwargs: Optional[dict] = None,
         callbacks: Optional[list] = None,
     ) -> List[Any]:
-        """``fn(*args, **kwargs)`` on every rank; the results in rank order."""
+        """``fn(*args, **kwargs)`` on every rank; the results in rank order (elastic: of the
+        last generation; ``callbacks`` get the workers' ray_logger records)."""
+        if self._elastic is not None:
+            return self._elastic.run(fn, args, kwargs, callbacks)
         import ray
 
         return ray.get(self.run_remote(fn, args, kwargs))
@@ -276,12 +288,16 @@ class RayExecutor:
     def run_remote(
         self, fn: Callable[..., Any], args: Optional[list] = None, kwargs: Optional[dict] = None
     ) -> List[Any]:
-        """As :meth:`run`, but returns the Ray object refs of the results."""
+        """As :meth:`run`, but returns the Ray object refs of the results (not elastic)."""
+        if self._elastic is not None:
+            return self._elastic.run_remote(fn, args, kwargs)
         a, k = list(args or []), dict(kwargs or {})
         return self._remote(lambda _executable: fn(*a, **k))
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(executable)`` on rank 0 only."""
+        """``fn(executable)`` on rank 0 only (not elastic)."""
+        if self._elastic is not None:
+            return self._elastic.execute_single(fn)
         import ray
 
         self._check_started()

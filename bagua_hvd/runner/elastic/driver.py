@@ -19,7 +19,9 @@ What it does, in Horovod's terms:
   publishes a numbered update in the store; the workers' states raise HostsUpdatedInterrupt
   at their next commit (bagua_hvd.common.elastic).
 - Each worker runs under its own agent (bagua_hvd.runner.agent; over ssh for other machines):
-  closing the agent's stdin stops the worker, as for fixed jobs.
+  closing the agent's stdin stops the worker, as for fixed jobs. That is the default launcher
+  (bagua_hvd.runner.elastic.launcher.AgentLauncher); another one (bagua_hvd.ray's actors) may
+  start and stop the workers instead.
 
 Bounded where Horovod waits forever: once a worker of a generation has reset, the others have
 the elastic timeout to record too; the ones that did not are stopped (and so fail).
@@ -32,13 +34,11 @@ import enum
 import os
 import queue
 import secrets
-import shlex
 import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import bagua_hvd.runner.ssh as ssh
 from bagua_hvd.common import config
 from bagua_hvd.common import elastic as worker_api
 from bagua_hvd.runner.elastic.discovery import HostDiscovery
@@ -48,7 +48,7 @@ from bagua_hvd.runner.elastic.hosts import (
     SlotInfo,
     get_host_assignments,
 )
-from bagua_hvd.runner.hosts import Slot, is_local_host
+from bagua_hvd.runner.elastic.launcher import AgentLauncher, WorkerLauncher, slot_of
 from bagua_hvd.runner.job import FAILURE_MESSAGE, LaunchError, SignalTrap, shell_exit_code
 
 # Horovod's module constants (its tests patch them; so may ours).
@@ -116,7 +116,7 @@ class ElasticResult:
 class _Worker:
     key: SlotKey
     generation: int  # the generation it was started in
-    agent: ssh.Agent
+    handle: object  # the launcher's handle (bagua-run's: the agent)
     code: Optional[int] = None  # its exit code once known
     stopped: bool = False  # the driver stopped it
 
@@ -131,9 +131,11 @@ class ElasticDriver:
         discovery: HostDiscovery,
         env: Mapping[str, str],
         on_store: Optional[Callable[[Any], None]] = None,
+        launcher: Optional[WorkerLauncher] = None,
     ) -> None:
         self.command = list(command)
         self.on_store = on_store  # called with the store before the first worker starts
+        self.log_name = "bagua-run"  # who speaks in the log lines
         self.settings = settings
         self.discovery = discovery
         self.hosts = HostManager(discovery, settings.cooldown_range)
@@ -152,9 +154,8 @@ class ElasticDriver:
         self.notified: Optional[Dict[SlotKey, SlotInfo]] = None
         self.resuming_since: Optional[float] = None
         self.barrier_deadline: Optional[float] = None
-        self.copies = ssh.OutputCopies(
-            settings.output_dir, settings.max_num_proc or settings.num_proc
-        )
+        # Who starts the workers: by default ``command`` under agents (bagua-run).
+        self.launcher = launcher or AgentLauncher(command, settings, self.log)
         self.store = None
         self.addr = "127.0.0.1"
         self._results: Dict[SlotKey, int] = {}  # exit codes of the current generation's workers
@@ -164,7 +165,7 @@ class ElasticDriver:
 
     def log(self, message: str, always: bool = False) -> None:
         if always or self.settings.verbose:
-            print(f"bagua-run: elastic: {message}", file=sys.stderr, flush=True)
+            print(f"{self.log_name}: elastic: {message}", file=sys.stderr, flush=True)
 
     # ---- discovery ----------------------------------------------------------------------
 
@@ -206,12 +207,7 @@ class ElasticDriver:
     def _start_store(self, first_hosts: Sequence[str]) -> None:
         from bagua_hvd.rendezvous.store import StoreServer
 
-        if self.settings.nic:
-            self.addr = ssh.interface_address(self.settings.nic)
-        else:
-            remote = [h for h in first_hosts if not is_local_host(h)]
-            if remote:
-                self.addr = ssh.address_toward(remote[0], self.settings.ssh_port or 22)
+        self.addr = self.launcher.address(first_hosts)
         self.secret = secrets.token_bytes(32)
         try:
             self.store = StoreServer(self.secret, host=self.addr, port=0, on_set=self._on_set)
@@ -225,7 +221,7 @@ class ElasticDriver:
     # ---- workers ------------------------------------------------------------------------
 
     def _worker_env(self, info: SlotInfo) -> Dict[str, str]:
-        slot = _slot(info)
+        slot = slot_of(info)
         env = dict(self.env)
         env.update(
             {
@@ -247,38 +243,17 @@ class ElasticDriver:
 
     def _start_worker(self, info: SlotInfo) -> None:
         key = (info.hostname, info.local_rank)
-        spec = {
-            "command": self.command,
-            "env": dict(ssh.forwarded_env(os.environ), **self._worker_env(info)),
-            "cwd": os.getcwd(),
-            "verbose": False,
-            "slots": [dataclasses.asdict(_slot(info))],
-        }
-        if is_local_host(info.hostname):
-            argv = [sys.executable, *ssh.AGENT]
-        else:
-            argv = ssh.ssh_command(
-                info.hostname,
-                self.settings.ssh_port,
-                self.settings.ssh_identity,
-                self.settings.start_timeout,
-            )
-            argv.append(ssh.agent_command(spec["env"]))
-        self.log(
-            f"generation {self.generation}: starting rank {info.rank} on {info.hostname}"
-            f"[{info.local_rank}]: {shlex.join(argv)}"
-        )
-        agent = ssh.start_agent(info.hostname, [_slot(info)], spec, argv, self.copies, self.events)
-        self.workers[key] = _Worker(key=key, generation=self.generation, agent=agent)
+        handle = self.launcher.start(info, self.generation, self._worker_env(info), self.events)
+        self.workers[key] = _Worker(key=key, generation=self.generation, handle=handle)
 
     def _stop_worker(self, worker: _Worker) -> None:
         if not worker.stopped:
             worker.stopped = True
-            worker.agent.close_stdin()
+            self.launcher.stop(worker.handle)
 
-    def _worker_of(self, agent: object) -> Optional[_Worker]:
+    def _worker_of(self, handle: object) -> Optional[_Worker]:
         for w in list(self.workers.values()) + self.retired:
-            if w.agent is agent:
+            if w.handle is handle:
                 return w
         return None
 
@@ -452,7 +427,7 @@ class ElasticDriver:
             self.stop_event.set()
             # A discovery script still running (slow or hung) goes with the job.
             self.discovery.close()
-            self.copies.close()
+            self.launcher.close()
 
     def _supervise(self, trap: SignalTrap) -> ElasticResult:
         seen_signals = 0
@@ -510,8 +485,8 @@ class ElasticDriver:
             return
         self._record(key, Record.READY)
 
-    def _on_exit(self, agent: object, code: int) -> None:
-        worker = self._worker_of(agent)
+    def _on_exit(self, handle: object, code: int) -> None:
+        worker = self._worker_of(handle)
         if worker is None or worker.code is not None:
             return
         worker.code = code
@@ -573,19 +548,7 @@ class ElasticDriver:
         everyone = list(self.workers.values()) + self.retired
         for w in everyone:
             self._stop_worker(w)
-        ssh.end_agents([w.agent for w in everyone], time.monotonic())
-
-
-def _slot(info: SlotInfo) -> Slot:
-    return Slot(
-        rank=info.rank,
-        size=info.size,
-        local_rank=info.local_rank,
-        local_size=info.local_size,
-        cross_rank=info.cross_rank,
-        cross_size=info.cross_size,
-        hostname=info.hostname,
-    )
+        self.launcher.end([w.handle for w in everyone])
 
 
 def _seconds(value: float) -> str:
