@@ -42,11 +42,12 @@ def batch(step: int, rank: int):
 MAX_STEPS = 1000
 
 
-def train(steps: int, step_s: float = 0.0, until_size=None):
+def train(steps: int, step_s: float = 0.0, until_size=None, log: bool = True):
     """The workers' function: elastic SGD, one commit per step. Rank 0 logs each step (the
     test's callback sees the progress); returns the weights, the steps and their sizes. With
     ``until_size`` it goes on past ``steps`` until the job has that size (the cluster's change
-    has landed, however slow the machine), then takes ``steps // 2`` more."""
+    has landed, however slow the machine), then takes ``steps // 2`` more. ``log``: rank 0
+    logs each step through ray_logger (only where a Ray driver listens)."""
     import time
 
     import torch
@@ -83,7 +84,7 @@ def train(steps: int, step_s: float = 0.0, until_size=None):
             opt.step()
             state.sizes.append(hvd.size())
             state.step += 1
-            if hvd.rank() == 0:
+            if log and hvd.rank() == 0:
                 ray_logger.log({"step": state.step, "size": hvd.size()})
             time.sleep(step_s)
             state.commit()
@@ -233,6 +234,21 @@ def test_node_removed_mid_training_finishes_smaller(cluster):
     sizes = check_trajectory(results, steps)
     assert len(results) == 1 and results[0]["size"] == 1
     assert sizes[0] == 2 and sizes[-1] == 1 and sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.timeout(150)
+def test_a_steady_job_matches_the_bagua_run_job(cluster):
+    """Two nodes that stay: the elastic Ray job's results are the bagua_hvd.run job's (the
+    launcher's ranks, the same function), bit for bit."""
+    import bagua_hvd
+
+    worker_nodes(cluster, 2)
+    steps = 12
+    ex = executor(min_num_proc=2, max_num_proc=2)
+    results = ex.run(lambda: train(steps, log=False))
+    assert check_trajectory(results, steps) == [2] * steps
+    reference = bagua_hvd.run(train, args=(steps,), kwargs={"log": False}, np=2)
+    assert results == reference
 
 
 @pytest.mark.timeout(150)
