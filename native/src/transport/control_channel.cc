@@ -78,7 +78,15 @@ ControlChannel::Bye ControlChannel::said_bye(int peer) {
     if (is_bye(buf.substr(off + 4, len))) return Bye::kSaid;
     off += 4 + static_cast<size_t>(len);
   }
-  return inbox_error_[peer] ? Bye::kNot : Bye::kUnknown;
+  if (inbox_error_[peer]) return Bye::kNot;
+  // Shared memory reports a dead peer only here (its reads just find nothing more).
+  try {
+    transport_.ctrl(peer).check_alive();
+  } catch (const TransportError& e) {
+    inbox_error_[peer] = e;
+    return Bye::kNot;
+  }
+  return Bye::kUnknown;
 }
 
 void ControlChannel::send(int peer, const std::string& payload) {

@@ -35,7 +35,7 @@ class ControlChannel {
   static const std::string& bye();
   static bool is_bye(const std::string& payload) { return payload == bye(); }
   // Whether peer's frames so far hold a bye, without taking any: yes, no (its channel closed or
-  // failed without one), or not yet known.
+  // failed, or its process died, without one), or not yet known.
   enum class Bye { kSaid, kNot, kUnknown };
   Bye said_bye(int peer);
 
