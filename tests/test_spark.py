@@ -80,6 +80,37 @@ def test_ranks_are_numbered_host_by_host():
     assert _assign(["x"] * 3) == [0, 1, 2]
 
 
+def test_arguments_and_settings_it_refuses(monkeypatch):
+    """Before any task: no SparkContext, use_mpi, speculation (a second copy of a rank)."""
+    from pyspark import SparkContext
+
+    import bagua_hvd.spark
+
+    monkeypatch.setattr(SparkContext, "_active_spark_context", None)
+    with pytest.raises(RuntimeError, match="Could not find an active SparkContext"):
+        bagua_hvd.spark.run(job)
+    with pytest.raises(ValueError, match="use_mpi=True is not supported"):
+        bagua_hvd.spark.run(job, use_mpi=True)
+    with pytest.raises(ValueError, match="only allow one set True"):
+        bagua_hvd.spark.run(job, use_mpi=True, use_gloo=True)
+    with pytest.raises(NotImplementedError, match="run_elastic is not supported yet"):
+        bagua_hvd.spark.run_elastic(job)
+
+    class Conf(dict):
+        def get(self, key, default=None):
+            return super().get(key, default)
+
+    class Context:
+        defaultParallelism = 2
+
+        def getConf(self):
+            return Conf({"spark.speculation": "true"})
+
+    monkeypatch.setattr(SparkContext, "_active_spark_context", Context())
+    with pytest.raises(ValueError, match="spark.speculation=false"):
+        bagua_hvd.spark.run(job)
+
+
 def test_local_mode_two_ranks():
     """``local[2]``: the tasks run in the driver's JVM, the ranks in processes of their own."""
     import bagua_hvd
@@ -243,6 +274,23 @@ def test_a_failing_rank_fails_the_call_and_leaves_nothing_running(cluster):
     while _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _processes_with(marker) == []
+
+
+def killed_on_rank_one():
+    import os
+    import signal
+
+    if os.environ["HOROVOD_RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "alive"
+
+
+def test_a_rank_killed_by_a_signal_is_named(cluster):
+    import bagua_hvd.spark
+
+    with pytest.raises(RuntimeError, match="rank 1 was killed by signal SIGKILL without a Python"):
+        bagua_hvd.spark.run(killed_on_rank_one, num_proc=2)
+    assert cluster.sparkContext.statusTracker().getActiveStageIds() == []
 
 
 def test_an_executable_that_cannot_start_is_named(cluster):

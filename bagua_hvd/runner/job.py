@@ -511,15 +511,21 @@ def _supervise(
     return JobResult.ended(codes, failed_rank, got_signal, stopped)
 
 
-def _cleanup(ranks: Sequence[_Rank]) -> None:
-    """Ends what the ranks left in their process groups and drains their output (bounded)."""
-    leftover = [r for r in ranks if _terminate_group(r.proc.pid)]
+def end_groups(pgids: Sequence[int]) -> None:
+    """Ends what is left in the process groups of exited guards (a rank's daemonized children):
+    SIGTERM, then SIGKILL to those still there after DRAIN_TIMEOUT_S."""
+    leftover = [g for g in pgids if _terminate_group(g)]
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while leftover and time.monotonic() < deadline:
         time.sleep(_POLL_S)
-        leftover = [r for r in leftover if _group_alive(r.proc.pid)]
-    for r in leftover:
-        _signal_group(r.proc.pid, signal.SIGKILL)
+        leftover = [g for g in leftover if _group_alive(g)]
+    for g in leftover:
+        _signal_group(g, signal.SIGKILL)
+
+
+def _cleanup(ranks: Sequence[_Rank]) -> None:
+    """Ends what the ranks left in their process groups and drains their output (bounded)."""
+    end_groups([r.proc.pid for r in ranks])
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     for r in ranks:
         for thread in r.threads:

@@ -239,6 +239,13 @@ def run(
         raise RuntimeError(
             "Could not find an active SparkContext, are you running in a PySpark session?"
         )
+    conf = sc.getConf()
+    if conf.get("spark.speculation", "false").strip().lower() == "true":
+        # A speculative copy of a task would start a second process for a rank.
+        raise ValueError(
+            "bagua_hvd.spark.run: spark.speculation=true would run a second copy of a rank's "
+            "task; set spark.speculation=false for this SparkContext"
+        )
     timeout = config.spark_start_timeout() if start_timeout is None else float(start_timeout)
     if not timeout > 0:
         raise ValueError(f"start_timeout must be a positive number of seconds, got {timeout!r}")
@@ -254,7 +261,6 @@ def run(
     except Exception as e:
         raise TypeError(f"bagua_hvd.spark.run: fn/args/kwargs cannot be pickled: {e}") from e
 
-    conf = sc.getConf()
     if nic_list:
         bind = addr = _nic_address(nic_list)
     else:
@@ -277,7 +283,7 @@ def run(
         hosts = [hosts_by_index[i] for i in order]
         if verbose >= 2:
             logger.info("bagua_hvd.spark.run: ranks by host: %s", hosts)
-        common = job_env(secret, group, addr, server.port)
+        common = job_env(secret, secrets.token_hex(8), addr, server.port)
         del common[SECRET_ENV]  # never stored: the tasks have it already
         if nic_list:
             common["HOROVOD_GLOO_IFACE"] = nic_list[0]
@@ -291,7 +297,12 @@ def run(
             server.set(spark_task.env_key(index), json.dumps(variables))
 
         _wait_for_ranks(server, job, order, output.rank_of)
-        job.thread.join()
+        job.thread.join(_CANCEL_WAIT_S)  # the tasks end as their ranks report
+        if not job.done():
+            raise RuntimeError(
+                f"bagua_hvd.spark.run: every rank exited, but Spark did not finish the job's "
+                f"tasks within {_CANCEL_WAIT_S:g}s"
+            )
         if job.error is not None:
             raise RuntimeError(f"bagua_hvd.spark.run: the Spark job failed: {job.error}")
         results = []
@@ -355,6 +366,8 @@ def _check_failures(
             raise RuntimeError(f"bagua_hvd.spark.run: rank {rank} failed:\n{outcome[1]}")
         what = f"Spark task {index}" if rank is None else f"rank {rank}"
         detail = f": {report['error']}" if report.get("error") else ""
+        if report["code"] is None:  # the rank never ran
+            raise RuntimeError(f"bagua_hvd.spark.run: {what}{detail}")
         raise RuntimeError(
             f"bagua_hvd.spark.run: {what} {_status(report['code'])} without a Python "
             f"traceback{detail} (its output is above)"

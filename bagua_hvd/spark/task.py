@@ -23,11 +23,12 @@ import select
 import socket
 import sys
 import threading
+import time
 from typing import IO, Any, Iterator, Optional, Tuple
 
 from bagua_hvd.common import config
 from bagua_hvd.rendezvous.store import SECRET_ENV, StoreClient
-from bagua_hvd.runner.job import guard_report, start_guarded
+from bagua_hvd.runner.job import DRAIN_TIMEOUT_S, end_groups, guard_report, start_guarded
 
 PREFIX = "bagua_hvd.spark"
 # Output lines are sent in batches of at most this many bytes (below the store's frame cap).
@@ -104,7 +105,10 @@ def run_task(
     with StoreClient(addr, port, secret, timeout=start_timeout) as store:
         if attempt > 0:
             # A rank that started once cannot rejoin its job: fail the whole run instead.
-            message = f"Spark restarted task {index} (attempt {attempt}): its rank cannot rejoin"
+            message = (
+                f"Spark restarted task {index} (attempt {attempt}; why its first attempt "
+                "failed is in the executor's log): a rank cannot rejoin its job"
+            )
             store.set(exit_key(index), json.dumps({"code": None, "error": message}))
             raise RuntimeError(f"bagua_hvd.spark.run: {message}")
         store.set(host_key(index), json.dumps({"host": host_name(), "pid": os.getpid()}))
@@ -129,8 +133,10 @@ def run_task(
         for t in pumps:
             t.start()
         code = proc.wait()
+        end_groups([proc.pid])  # what the rank left running in its group
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
         for t in pumps:
-            t.join()
+            t.join(max(0.0, deadline - time.monotonic()))
         for s in stores:
             s.close()
     finally:
