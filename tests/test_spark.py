@@ -40,14 +40,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _session(master: str, **conf: str):
+def _session(master: str, monkeypatch: pytest.MonkeyPatch, **conf: str):
     from pyspark.sql import SparkSession
+
+    # The Python workers' interpreter: PySpark reads PYSPARK_PYTHON when the context starts
+    # (spark.pyspark.python is spark-submit's), else runs whatever python3 is on PATH.
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
 
     builder = SparkSession.builder.master(master)
     settings = {
         "spark.driver.host": "127.0.0.1",
         "spark.driver.bindAddress": "127.0.0.1",
-        "spark.pyspark.python": sys.executable,
         "spark.ui.enabled": "false",
         "spark.driver.memory": "512m",
         "spark.executor.memory": "512m",
@@ -111,12 +114,12 @@ def test_arguments_and_settings_it_refuses(monkeypatch):
         bagua_hvd.spark.run(job)
 
 
-def test_local_mode_two_ranks():
+def test_local_mode_two_ranks(monkeypatch):
     """``local[2]``: the tasks run in the driver's JVM, the ranks in processes of their own."""
     import bagua_hvd
     import bagua_hvd.spark
 
-    spark = _session("local[2]")
+    spark = _session("local[2]", monkeypatch)
     try:
         got = bagua_hvd.spark.run(job, args=("local",), start_timeout=120)  # defaultParallelism
     finally:
@@ -171,8 +174,9 @@ def cluster(tmp_path_factory):
             {"BAGUA_HVD_SPARK_HOST": host} if host else {},
         )  # fmt: skip
     spark = None
+    patch = pytest.MonkeyPatch()
     try:
-        spark = _session(master_url, **{"spark.cores.max": "4"})
+        spark = _session(master_url, patch, **{"spark.cores.max": "4"})
         deadline = time.monotonic() + 120
         # Both workers' executors registered (the driver counts itself too).
         while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 3:
@@ -182,6 +186,7 @@ def cluster(tmp_path_factory):
     finally:
         if spark is not None:
             spark.stop()
+        patch.undo()
         for p in procs:
             try:
                 os.killpg(p.pid, signal.SIGTERM)

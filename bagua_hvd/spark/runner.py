@@ -205,8 +205,8 @@ def run(
         nics: network interfaces for the job's TCP traffic (the first one; default: the
             address Spark's executors reach the driver at).
         prefix_output_with_timestamp: start each forwarded line with the time (default False).
-        executable: the Python that runs each rank on the executors (default: the Python of
-            the executor's Spark worker, ``spark.pyspark.python``).
+        executable: the Python that runs each rank on the executors (default: the Python that
+            runs the task, Spark's Python worker: ``PYSPARK_PYTHON``).
 
     Returns:
         ``results[r]`` is what ``fn`` returned on rank r.
