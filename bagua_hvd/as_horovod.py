@@ -9,9 +9,10 @@ nothing when it is not. When it is, it calls :func:`install_if_asked`: with the 
 - ``horovod.X.Y`` is ``bagua_hvd.X.Y`` itself (the same module object in ``sys.modules`` under
   both names: ``horovod.torch is bagua_hvd.torch``). bagua_hvd keeps Horovod's module layout
   (``torch``, ``tensorflow``, ``tensorflow.keras``, ``keras``, ``_keras``, ``common``, ``data``,
-  ``runner``, ``ray``, ...), so the name is the only thing that changes.
-- A Horovod module bagua_hvd does not have (``horovod.spark``, ``horovod.mxnet``, ...) raises
-  ``ModuleNotFoundError`` naming it and saying why, at once (no real Horovod module is mixed in).
+  ``runner``, ``ray``, ``spark``, ...), so the name is the only thing that changes.
+- A Horovod module bagua_hvd does not have (``horovod.spark.keras``, ``horovod.mxnet``, ...)
+  raises ``ModuleNotFoundError`` naming it and saying why, at once (no real Horovod module is
+  mixed in).
 - ``horovod`` itself is a small package of its own: ``horovod.run`` is ``bagua_hvd.run`` and
   ``horovod.__version__`` is ``"0.28.1+bagua_hvd.<version>"``: the Horovod release whose API
   bagua_hvd provides (so scripts comparing versions take their 0.28 paths), and a local label
@@ -129,7 +130,8 @@ class HorovodAliasFinder:
                 f"No module named {fullname!r}: {config.AS_HOROVOD_ENV}=1 makes 'horovod' bagua_hvd "
                 f"{__version__}, which has no {name} (bagua_hvd provides horovod.torch, "
                 "horovod.tensorflow, horovod.tensorflow.keras, horovod.keras, horovod.runner, "
-                f"horovod.ray, ...). Unset {config.AS_HOROVOD_ENV} to import a real Horovod.",
+                f"horovod.ray, horovod.spark, ...). Unset {config.AS_HOROVOD_ENV} to import a real "
+                "Horovod.",
                 name=fullname,
             )
         return importlib.machinery.ModuleSpec(

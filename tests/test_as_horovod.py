@@ -112,8 +112,8 @@ def test_without_the_variable_import_horovod_is_as_before() -> None:
 @needs_hook
 def test_horovod_modules_are_bagua_hvds() -> None:
     """horovod.X is bagua_hvd.X itself (torch's modules here; the Keras job below imports
-    horovod.tensorflow.keras); horovod.__version__ and horovod.run; a module bagua_hvd lacks
-    fails at once, naming itself."""
+    horovod.tensorflow.keras); horovod.__version__, horovod.run and horovod.spark.run; a module
+    bagua_hvd lacks (horovod.spark.keras: the estimators) fails at once, naming itself."""
     pytest.importorskip("torch")
     names = [
         "torch", "torch.elastic", "torch.mpi_ops", "torch.compression", "torch.functions",
@@ -121,7 +121,7 @@ def test_horovod_modules_are_bagua_hvds() -> None:
         "common.util", "common.exceptions", "common.process_sets", "common.elastic", "data",
         "runner", "runner.launch", "runner.gloo_run", "runner.mpi_run", "runner.js_run",
         "runner.common.util.env", "runner.common.util.secret", "runner.elastic.discovery",
-        "ray",
+        "ray", "spark",
     ]  # fmt: skip
     code = f"""
 import importlib, importlib.util, pickle, sys
@@ -135,9 +135,10 @@ for n in {names!r}:
 assert hvd is bagua_hvd.torch and horovod.torch is hvd and horovod.torch.elastic is hvd.elastic
 assert DistributedOptimizer is bagua_hvd.torch.DistributedOptimizer
 assert horovod.run is bagua_hvd.run
+assert horovod.spark.run is bagua_hvd.spark.run  # pyspark itself is imported only by a run
 assert pickle.loads(pickle.dumps(hvd.Average)) == hvd.Average
 print("version", horovod.__version__)
-for missing in ("horovod.spark", "horovod.mxnet", "horovod.torch.no_such_module"):
+for missing in ("horovod.spark.keras", "horovod.mxnet", "horovod.torch.no_such_module"):
     for how in (importlib.import_module, importlib.util.find_spec):
         try:
             how(missing)
@@ -154,7 +155,7 @@ for missing in ("horovod.spark", "horovod.mxnet", "horovod.torch.no_such_module"
     assert len(errors) == 6, proc.stdout
     for e in errors:
         assert f"{VAR}=1" in e and "bagua_hvd" in e, e
-    assert "No module named 'horovod.spark'" in errors[0] and "bagua_hvd.spark" in errors[0]
+    assert "No module named 'horovod.spark.keras'" in errors[0] and "bagua_hvd.spark" in errors[0]
     if importlib.util.find_spec("horovod") is None:
         assert not proc.stderr, proc.stderr  # no Horovod here: no note
 

@@ -12,34 +12,12 @@ ray = pytest.importorskip("ray")
 import sys  # noqa: E402
 
 import cloudpickle  # noqa: E402
+from cluster_job import horovod_job, job, numpy_sum  # noqa: E402
 from ray import cloudpickle as ray_cloudpickle  # noqa: E402
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def job(tag: str):
-    """What both launchers run: the rank variables and two collectives' results."""
-    import numpy as np
-    import torch
-
-    import bagua_hvd.torch as hvd
-
-    hvd.init()
-    r = hvd.rank()
-    x = torch.from_numpy(np.random.default_rng(r).standard_normal(100_000).astype(np.float32))
-    total = hvd.allreduce(x, op=hvd.Sum, name=f"{tag}.ar")
-    ranks = hvd.allgather(torch.tensor([[r, hvd.local_rank()]]), name=f"{tag}.ag")
-    out = {
-        "rank": r,
-        "size": hvd.size(),
-        "local": (hvd.local_rank(), hvd.local_size()),
-        "cross": (hvd.cross_rank(), hvd.cross_size()),
-        "sum": total.numpy().tobytes(),
-        "gathered": ranks.tolist(),
-    }
-    hvd.shutdown()
-    return out
+for _module in (sys.modules[__name__], sys.modules[job.__module__]):
+    cloudpickle.register_pickle_by_value(_module)
+    ray_cloudpickle.register_pickle_by_value(_module)
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +33,6 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
-
-
-def _numpy_sum(n: int):
-    import numpy as np
-
-    data = [np.random.default_rng(r).standard_normal(100_000).astype(np.float32) for r in range(n)]
-    return sum(data)
 
 
 def test_two_workers_match_the_bagua_run_job(cluster):
@@ -82,20 +53,8 @@ def test_two_workers_match_the_bagua_run_job(cluster):
     for g, r in zip(got, ref):
         assert g["gathered"] == [[0, 0], [1, 1]]
         assert g["sum"] == r["sum"]  # the same bits as the bagua-run job
-        np.testing.assert_allclose(np.frombuffer(g["sum"], np.float32), _numpy_sum(2),
+        np.testing.assert_allclose(np.frombuffer(g["sum"], np.float32), numpy_sum(2),
                                    rtol=1e-5, atol=1e-5)  # fmt: skip
-
-
-def horovod_job():
-    """A Horovod user's function: ``import horovod.torch`` in the actor."""
-    import horovod.torch as hvd
-    import torch
-
-    hvd.init()
-    total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum, name="as_horovod")
-    out = (hvd.__name__, hvd.rank(), total.item())
-    hvd.shutdown()
-    return out
 
 
 def test_actors_import_horovod_as_bagua_hvd_when_the_driver_does(cluster, monkeypatch):
@@ -134,7 +93,7 @@ def test_two_hosts_of_two_workers(cluster):
     ref = bagua_hvd.run(job, args=("ray4",), np=4)
     for g, r in zip(got, ref):
         assert g["sum"] == r["sum"]
-    np.testing.assert_allclose(np.frombuffer(got[0]["sum"], np.float32), _numpy_sum(4),
+    np.testing.assert_allclose(np.frombuffer(got[0]["sum"], np.float32), numpy_sum(4),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 

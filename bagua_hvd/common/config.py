@@ -474,3 +474,26 @@ def rendezvous_endpoint() -> Optional[Tuple[str, int]]:
     if not addr or not port.isdigit():
         return None
     return addr, int(port)
+
+
+# bagua_hvd.spark.run (Horovod's variable for its start timeout, and the host override).
+SPARK_START_TIMEOUT_ENV = "HOROVOD_SPARK_START_TIMEOUT"
+DEFAULT_SPARK_START_TIMEOUT_S = 600.0  # Horovod's default
+SPARK_HOST_ENV = "BAGUA_HVD_SPARK_HOST"
+
+
+def spark_start_timeout() -> float:
+    """``HOROVOD_SPARK_START_TIMEOUT`` (default 600): seconds for the Spark tasks of
+    ``bagua_hvd.spark.run`` to start and register; ValueError when it is not a positive
+    number."""
+    value = seconds(SPARK_START_TIMEOUT_ENV, DEFAULT_SPARK_START_TIMEOUT_S)
+    if not value > 0:
+        raise ValueError(f"{SPARK_START_TIMEOUT_ENV} must be a positive number of seconds")
+    return value
+
+
+def spark_host() -> str:
+    """``BAGUA_HVD_SPARK_HOST`` ("" when unset): the host name by which a Spark executor's
+    ranks are grouped (local rank, local size) instead of the machine's hostname; set it apart
+    for containers that share a hostname but not memory."""
+    return _text(SPARK_HOST_ENV)

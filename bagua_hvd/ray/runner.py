@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
 
 from bagua_hvd.ray.worker import RayWorker, contract_env
-from bagua_hvd.runner.hosts import Slot
+from bagua_hvd.runner.hosts import slot_among
 
 
 class RayExecutor:
@@ -222,7 +222,7 @@ class RayExecutor:
         env.update(extra_env_vars or {})
         ray.get(
             [
-                w.set_env.remote(dict(env, **_slot(hosts, rank).env()))
+                w.set_env.remote(dict(env, **slot_among(hosts, rank).env()))
                 for rank, w in enumerate(self.workers)
             ]
         )
@@ -306,19 +306,3 @@ class RayExecutor:
     def _remote(self, fn: Callable[[Any], Any]) -> List[Any]:
         self._check_started()
         return [w.execute.remote(fn) for w in self.workers]
-
-
-def _slot(hosts: List[str], rank: int) -> Slot:
-    """The rank variables of ``rank`` given every rank's node (ranks grouped by node)."""
-    from bagua_hvd.common.bootstrap import placement
-
-    local_rank, local_size, cross_rank, cross_size = placement(hosts, rank)
-    return Slot(
-        rank=rank,
-        size=len(hosts),
-        local_rank=local_rank,
-        local_size=local_size,
-        cross_rank=cross_rank,
-        cross_size=cross_size,
-        hostname=hosts[rank],
-    )

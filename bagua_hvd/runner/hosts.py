@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import socket
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from bagua_hvd.rendezvous.hostlist import HostError
 
@@ -47,6 +47,23 @@ class Slot:
             "HOROVOD_CROSS_SIZE": str(self.cross_size),
             "HOROVOD_HOSTNAME": self.hostname,
         }
+
+
+def slot_among(hostnames: Sequence[str], rank: int) -> Slot:
+    """The slot of ``rank`` given every rank's host (ranks already grouped by host, as the Ray
+    and Spark runners number them): local and cross ranks as the bootstrap computes them."""
+    from bagua_hvd.common.bootstrap import placement
+
+    local_rank, local_size, cross_rank, cross_size = placement(hostnames, rank)
+    return Slot(
+        rank=rank,
+        size=len(hostnames),
+        local_rank=local_rank,
+        local_size=local_size,
+        cross_rank=cross_rank,
+        cross_size=cross_size,
+        hostname=hostnames[rank],
+    )
 
 
 def parse_hosts(spec: str) -> List[Tuple[str, int]]:

@@ -336,21 +336,9 @@ def _start_rank(command, slot, env, output_dir, out, events, cwd, watch_fd) -> _
             copies = {kind: open(rank_dir / kind, "wb") for kind in copies}
         except OSError as e:
             raise LaunchError(f"cannot write --output-filename files in {rank_dir}: {e}") from e
-    status_r, status_w = os.pipe()
-    guard = [sys.executable, "-I", "-S", _GUARD, str(watch_fd), str(status_w), str(KILL_AFTER_S)]
     try:
-        proc = subprocess.Popen(
-            guard + list(command),
-            env=full_env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            pass_fds=(watch_fd, status_w),
-        )
+        proc, status_r = start_guarded(command, full_env, watch_fd, cwd)
     except OSError as e:
-        os.close(status_r)
         for copy in copies.values():
             if copy is not None:
                 copy.close()
@@ -358,8 +346,6 @@ def _start_rank(command, slot, env, output_dir, out, events, cwd, watch_fd) -> _
             f"cannot start rank {slot.rank}: {sys.executable!r} (the rank's guard): "
             f"{e.strerror or e}",
         ) from e
-    finally:
-        os.close(status_w)
     threads = []
     for kind, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
         prefix = f"[{slot.rank}]<{kind}>:".encode()
@@ -383,27 +369,66 @@ def _start_rank(command, slot, env, output_dir, out, events, cwd, watch_fd) -> _
 def _confirm_start(rank: _Rank, command: Sequence[str]) -> Optional[int]:
     """Waits for the guard's report on starting the command; returns the rank's pid (None when
     the guard died before it could tell). Raises LaunchError when the command cannot run."""
+    pid, error = guard_report(rank.status_fd)
+    if error is not None:
+        code, message = error
+        raise LaunchError(
+            f"cannot start rank {rank.slot.rank} command {command[0]!r}: {message}",
+            exit_code=127 if code == errno.ENOENT else 126,
+        )
+    return pid
+
+
+def start_guarded(
+    command: Sequence[str], env: Mapping[str, str], watch_fd: int, cwd: Optional[str] = None
+) -> tuple[subprocess.Popen, int]:
+    """Starts ``command`` under a guard (bagua_hvd.runner.guard) that stops it once
+    ``watch_fd``'s pipe reaches end of file; its stdout and stderr are pipes. Returns the guard
+    and the read end of its start report (for :func:`guard_report`). OSError when the guard
+    cannot start."""
+    status_r, status_w = os.pipe()
+    guard = [sys.executable, "-I", "-S", _GUARD, str(watch_fd), str(status_w), str(KILL_AFTER_S)]
+    try:
+        proc = subprocess.Popen(
+            guard + list(command),
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=(watch_fd, status_w),
+        )
+    except OSError:
+        os.close(status_r)
+        raise
+    finally:
+        os.close(status_w)
+    return proc, status_r
+
+
+def guard_report(status_fd: int) -> tuple[Optional[int], Optional[tuple[int, str]]]:
+    """Reads (and closes) a guard's start report: (the command's pid, None), or (None,
+    (errno, message)) when the command could not start; (None, None) when the guard died
+    before it could tell."""
     data = b""
     deadline = time.monotonic() + GUARD_START_TIMEOUT_S
     try:
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([rank.status_fd], [], [], deadline - time.monotonic())
+            ready, _, _ = select.select([status_fd], [], [], deadline - time.monotonic())
             if not ready:
                 break
-            chunk = os.read(rank.status_fd, 4096)
+            chunk = os.read(status_fd, 4096)
             if not chunk:
                 break
             data += chunk
     finally:
-        os.close(rank.status_fd)
+        os.close(status_fd)
     word, _, rest = data.decode("utf-8", "replace").strip().partition(" ")
     if word == "error":
         code, _, message = rest.partition(" ")
-        raise LaunchError(
-            f"cannot start rank {rank.slot.rank} command {command[0]!r}: {message}",
-            exit_code=127 if code == str(errno.ENOENT) else 126,
-        )
-    return int(rest) if word == "ok" and rest.isdigit() else None
+        return None, (int(code) if code.isdigit() else errno.EIO, message)
+    return (int(rest) if word == "ok" and rest.isdigit() else None), None
 
 
 def _stop(ranks: Sequence[_Rank]) -> None:
@@ -486,15 +511,21 @@ def _supervise(
     return JobResult.ended(codes, failed_rank, got_signal, stopped)
 
 
-def _cleanup(ranks: Sequence[_Rank]) -> None:
-    """Ends what the ranks left in their process groups and drains their output (bounded)."""
-    leftover = [r for r in ranks if _terminate_group(r.proc.pid)]
+def end_groups(pgids: Sequence[int]) -> None:
+    """Ends what is left in the process groups of exited guards (a rank's daemonized children):
+    SIGTERM, then SIGKILL to those still there after DRAIN_TIMEOUT_S."""
+    leftover = [g for g in pgids if _terminate_group(g)]
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while leftover and time.monotonic() < deadline:
         time.sleep(_POLL_S)
-        leftover = [r for r in leftover if _group_alive(r.proc.pid)]
-    for r in leftover:
-        _signal_group(r.proc.pid, signal.SIGKILL)
+        leftover = [g for g in leftover if _group_alive(g)]
+    for g in leftover:
+        _signal_group(g, signal.SIGKILL)
+
+
+def _cleanup(ranks: Sequence[_Rank]) -> None:
+    """Ends what the ranks left in their process groups and drains their output (bounded)."""
+    end_groups([r.proc.pid for r in ranks])
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     for r in ranks:
         for thread in r.threads:
