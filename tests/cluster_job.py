@@ -50,3 +50,27 @@ def numpy_sum(n: int):
 
     data = [np.random.default_rng(r).standard_normal(100_000).astype(np.float32) for r in range(n)]
     return sum(data)
+
+
+def job_left_running(marks: str) -> int:
+    """A rank that returns without ``hvd.shutdown()`` (as Horovod users' functions often do):
+    when its job ends, while still up, it writes ``<marks>/<rank>``. Its launcher must end the
+    job as a process's exit does before it discards the rank."""
+    import pathlib
+
+    import torch
+
+    import bagua_hvd.torch as hvd
+    from bagua_hvd.common import basics
+
+    hvd.init()
+    rank = hvd.rank()
+    hvd.allreduce(torch.ones(4), name="left_running")
+
+    def mark() -> None:
+        # Only while the job is still up: a rank killed or failed writes nothing.
+        hvd.allreduce(torch.ones(1), name="left_running.last")
+        pathlib.Path(marks, str(rank)).write_text("ended")
+
+    basics.before_shutdown(mark)
+    return rank

@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 import sys  # noqa: E402
 
 import cloudpickle  # noqa: E402
-from cluster_job import horovod_job, job, numpy_sum  # noqa: E402
+from cluster_job import horovod_job, job, job_left_running, numpy_sum  # noqa: E402
 from ray import cloudpickle as ray_cloudpickle  # noqa: E402
 
 for _module in (sys.modules[__name__], sys.modules[job.__module__]):
@@ -148,3 +148,19 @@ def test_the_readme_block_runs_as_a_driver(cluster, tmp_path):
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0 and "driver OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_job_left_running_is_ended_before_its_actors_go(cluster, tmp_path):
+    """Functions that return without hvd.shutdown(): RayExecutor.shutdown() ends their job on
+    every rank together (each rank's shutdown runs while the job is still up, as at a
+    process's exit) before it kills the actors."""
+    from bagua_hvd.ray import RayExecutor
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    executor.start()
+    try:
+        assert executor.run(job_left_running, args=[str(tmp_path)]) == [0, 1]
+    finally:
+        executor.shutdown()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1"]
+

@@ -20,11 +20,13 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("torch")
 
 import cloudpickle  # noqa: E402
+import cluster_job  # noqa: E402
 from ray import cloudpickle as ray_cloudpickle  # noqa: E402
 
-# The actors cannot import this test module: send its functions by value.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
+# The actors cannot import this test module (nor tests/cluster_job.py): send them by value.
+for _module in (sys.modules[__name__], cluster_job):
+    cloudpickle.register_pickle_by_value(_module)
+    ray_cloudpickle.register_pickle_by_value(_module)
 
 DIM = 5
 BATCH = 4
@@ -249,6 +251,17 @@ def test_a_steady_job_matches_the_bagua_run_job(cluster):
     assert check_trajectory(results, steps) == [2] * steps
     reference = bagua_hvd.run(train, args=(steps,), kwargs={"log": False}, np=2)
     assert results == reference
+
+
+@pytest.mark.timeout(120)
+def test_a_job_left_running_is_ended_before_its_actors_go(cluster, tmp_path):
+    """Workers whose function returns without hvd.shutdown(): each actor's job ends as at a
+    process's exit (its shutdown runs while the job is still up) before the actor is killed,
+    so a peer still inside the last collective sees it finish, not vanish."""
+    worker_nodes(cluster, 2)
+    ex = executor(min_num_proc=2, max_num_proc=2)
+    assert ex.run(lambda: cluster_job.job_left_running(str(tmp_path))) == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1"]
 
 
 @pytest.mark.timeout(150)

@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 SlotKey = Tuple[str, int]
 # How long ending the job waits for each killed actor's waiting thread (seconds).
 _JOIN_S = 10.0
+# How long a worker that returned may take to end its job (its shutdown's wait for the peers is
+# bounded by HOROVOD_GLOO_TIMEOUT_SECONDS, 30 s by default).
+_END_JOB_S = 120.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -128,8 +131,10 @@ class RayActorLauncher(WorkerLauncher):
             return
         with self._lock:
             self.results[handle.key] = value
-        # As a process that ends: its connections close, so peers still waiting on it fail
-        # (and reset) instead of waiting for the operation timeout.
+        # As a process that ends: the job ends as at its exit (a bye to the peers), then its
+        # connections close, so peers still waiting on it fail (and reset) instead of waiting
+        # for the operation timeout.
+        end_jobs([handle.actor])
         self.stop(handle)
         events.put(("gone", handle, 0))
 
@@ -164,6 +169,17 @@ class RayActorLauncher(WorkerLauncher):
             handles, self._handles = self._handles, []
         for h in handles:
             self.stop(h)
+
+
+def end_jobs(actors: Sequence[Any]) -> None:
+    """The actors' bagua_hvd job ends as at their processes' exit (RayWorker.end_job), all
+    together (each rank's shutdown waits for the others'), bounded."""
+    import ray
+
+    try:
+        ray.get([a.end_job.remote() for a in actors], timeout=_END_JOB_S)
+    except Exception as e:  # noqa: BLE001 - the actors are killed next either way
+        logger.warning("ending the job in the workers' actors failed: %s", e)
 
 
 def node_of(host: str, demand: Dict[str, float]) -> Optional[str]:

@@ -241,6 +241,9 @@ class RayExecutor:
             return self._elastic.shutdown()
         import ray
 
+        from bagua_hvd.ray.launcher import end_jobs
+
+        end_jobs(self.workers)
         for w in self.workers:
             ray.kill(w)
         self.workers = []

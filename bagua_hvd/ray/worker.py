@@ -47,6 +47,18 @@ class RayWorker:
     def execute(self, fn: Callable[[Any], Any]) -> Any:
         return fn(self.executable)
 
+    def end_job(self) -> None:
+        """What a rank's process does as it exits (the shutdown bagua_hvd registers with
+        atexit), which ``ray.kill`` skips: a job still running here ends with the negotiated
+        shutdown, so its peers see this rank finish (its bye, native/src/core/farewell.cc)
+        rather than vanish under a collective they are still in. Nothing when no frontend was
+        used."""
+        import sys
+
+        frontend = sys.modules.get("bagua_hvd.common.frontend")
+        if frontend is not None:
+            frontend.basics.shutdown()
+
 
 def contract_env(settings: Any) -> Dict[str, str]:
     """What every rank's actor gets from the executor's settings besides the job's store and

@@ -70,7 +70,6 @@ optimizer = hvd.DistributedOptimizer(
 )
 
 
-
 def settled_count(path: str) -> int:
     """Entries of ``path`` (this process's threads or descriptors), the fewest of a few looks
     50 ms apart: one opened and closed in passing (a connection being set up or torn down) is
@@ -81,6 +80,7 @@ def settled_count(path: str) -> int:
         counts.append(len(os.listdir(path)))
         time.sleep(0.05)
     return min(counts)
+
 
 def hosts_for(epoch: int):
     return schedule.get(epoch, schedule.get(None))
