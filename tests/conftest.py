@@ -8,6 +8,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 collect_ignore = ["mp"]
 
 _SM_ENV = "OMPI_MCA_btl_sm_backing_directory"
@@ -28,3 +30,13 @@ def pytest_unconfigure(config):
     if _sm_dir is not None:
         os.environ.pop(_SM_ENV, None)
         shutil.rmtree(_sm_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def spark_cluster(tmp_path_factory):
+    """A local Spark standalone cluster (two workers of 2 cores, the second one's ranks on
+    another host name) and a session on it, one per test module (tests/spark_cluster.py)."""
+    from spark_cluster import standalone_cluster
+
+    with standalone_cluster(tmp_path_factory.mktemp("spark")) as spark:
+        yield spark

@@ -4,15 +4,11 @@ Python workers), against the same function run by bagua_hvd.run."""
 
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,56 +19,10 @@ if shutil.which("java") is None:
 # The ranks cannot import this test module: send its functions by value.
 import cloudpickle  # noqa: E402
 from cluster_job import horovod_job, job, numpy_sum  # noqa: E402
+from spark_cluster import OTHER_HOST, processes_with, session  # noqa: E402
 
 for _module in (sys.modules[__name__], sys.modules[job.__module__]):
     cloudpickle.register_pickle_by_value(_module)
-
-REPO = Path(__file__).resolve().parent.parent
-SPARK_HOME = Path(pyspark.__file__).resolve().parent
-# The second worker's executors group their ranks under another host name (as on a second
-# machine), so that ranks span two hosts.
-OTHER_HOST = "spark-test-host-b"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _session(master: str, monkeypatch: pytest.MonkeyPatch, **conf: str):
-    from pyspark.sql import SparkSession
-
-    # The Python workers' interpreter: PySpark reads PYSPARK_PYTHON when the context starts
-    # (spark.pyspark.python is spark-submit's), else runs whatever python3 is on PATH.
-    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
-
-    builder = SparkSession.builder.master(master)
-    settings = {
-        "spark.driver.host": "127.0.0.1",
-        "spark.driver.bindAddress": "127.0.0.1",
-        "spark.ui.enabled": "false",
-        "spark.driver.memory": "512m",
-        "spark.executor.memory": "512m",
-        "spark.executorEnv.PYTHONPATH": str(REPO),
-        **conf,
-    }
-    for key, value in settings.items():
-        builder = builder.config(key, value)
-    return builder.getOrCreate()
-
-
-def _processes_with(marker: str) -> list:
-    """Pids of this user's processes whose environment holds ``marker`` (the ranks of a run)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker.encode() in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def test_ranks_are_numbered_host_by_host():
@@ -96,8 +46,8 @@ def test_arguments_and_settings_it_refuses(monkeypatch):
         bagua_hvd.spark.run(job, use_mpi=True)
     with pytest.raises(ValueError, match="only allow one set True"):
         bagua_hvd.spark.run(job, use_mpi=True, use_gloo=True)
-    with pytest.raises(NotImplementedError, match="run_elastic is not supported yet"):
-        bagua_hvd.spark.run_elastic(job)
+    with pytest.raises(RuntimeError, match="Could not find an active SparkContext"):
+        bagua_hvd.spark.run_elastic(job)  # its own checks: tests/test_spark_elastic.py
 
     class Conf(dict):
         def get(self, key, default=None):
@@ -119,7 +69,7 @@ def test_local_mode_two_ranks(monkeypatch):
     import bagua_hvd
     import bagua_hvd.spark
 
-    spark = _session("local[2]", monkeypatch)
+    spark = session("local[2]", monkeypatch)
     try:
         got = bagua_hvd.spark.run(job, args=("local",), start_timeout=120)  # defaultParallelism
     finally:
@@ -129,85 +79,8 @@ def test_local_mode_two_ranks(monkeypatch):
     assert [g["sum"] for g in got] == [r["sum"] for r in ref]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A standalone master and two workers (2 cores each), bound to 127.0.0.1; a session on it.
-    Every JVM is the leader of its process group (a worker's executors join its group), so the
-    teardown stops them all."""
-    root = tmp_path_factory.mktemp("spark")
-    port = _free_port()
-    master_url = f"spark://127.0.0.1:{port}"
-    env = dict(os.environ)
-    env.update(
-        SPARK_HOME=str(SPARK_HOME),
-        SPARK_DAEMON_MEMORY="256m",
-        SPARK_LOCAL_IP="127.0.0.1",
-        SPARK_LOCAL_DIRS=str(root / "local"),
-        SPARK_LOG_DIR=str(root / "logs"),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
-    spark_class = str(SPARK_HOME / "bin" / "spark-class")
-    procs = []
-
-    def start(name: str, args: list, extra: dict) -> None:
-        log = open(root / f"{name}.log", "wb")
-        procs.append(
-            subprocess.Popen(
-                [spark_class, *args],
-                env=dict(env, **extra),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        )
-
-    start("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                     "--port", str(port), "--webui-port", str(_free_port())], {})  # fmt: skip
-    for i, host in enumerate((None, OTHER_HOST)):
-        work = root / f"worker{i}"
-        start(
-            f"worker{i}",
-            ["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "2",
-             "--memory", "1g", "--webui-port", str(_free_port()), "--work-dir", str(work),
-             master_url],
-            {"BAGUA_HVD_SPARK_HOST": host} if host else {},
-        )  # fmt: skip
-    spark = None
-    patch = pytest.MonkeyPatch()
-    try:
-        spark = _session(master_url, patch, **{"spark.cores.max": "4"})
-        deadline = time.monotonic() + 120
-        # Both workers' executors registered (the driver counts itself too).
-        while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 3:
-            assert time.monotonic() < deadline, f"executors did not register; logs in {root}"
-            time.sleep(0.5)
-        yield spark
-    finally:
-        if spark is not None:
-            spark.stop()
-        patch.undo()
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        time.sleep(1)
-        for p in procs:  # the executors too (same process groups)
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 @pytest.mark.parametrize("n", [2, 3])
-def test_ranks_match_the_bagua_run_job(cluster, n):
+def test_ranks_match_the_bagua_run_job(spark_cluster, n):
     import numpy as np
 
     import bagua_hvd
@@ -234,7 +107,7 @@ def test_ranks_match_the_bagua_run_job(cluster, n):
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
-def test_three_ranks_span_both_workers(cluster):
+def test_three_ranks_span_both_workers(spark_cluster):
     """4 slots, 3 ranks: Spark spreads the tasks over both executors (2 cores each), so two host
     names appear and ranks on the same worker share their host's local ranks."""
     import bagua_hvd.spark
@@ -262,7 +135,7 @@ def failing(marker_seconds: float):
     return hvd.rank()
 
 
-def test_a_failing_rank_fails_the_call_and_leaves_nothing_running(cluster):
+def test_a_failing_rank_fails_the_call_and_leaves_nothing_running(spark_cluster):
     import bagua_hvd.spark
 
     marker = f"BAGUA_HVD_SPARK_TEST_{secrets.token_hex(6)}"
@@ -273,12 +146,12 @@ def test_a_failing_rank_fails_the_call_and_leaves_nothing_running(cluster):
     assert time.monotonic() - start < 120  # not the sleeping ranks' 300 s
     text = str(info.value)
     assert "rank 1 failed" in text and "ValueError: rank one gives up" in text
-    tracker = cluster.sparkContext.statusTracker()
+    tracker = spark_cluster.sparkContext.statusTracker()
     assert tracker.getActiveStageIds() == [] and tracker.getActiveJobsIds() == []
     deadline = time.monotonic() + 15
-    while _processes_with(marker) and time.monotonic() < deadline:
+    while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _processes_with(marker) == []
+    assert processes_with(marker) == []
 
 
 def killed_on_rank_one():
@@ -290,32 +163,32 @@ def killed_on_rank_one():
     return "alive"
 
 
-def test_a_rank_killed_by_a_signal_is_named(cluster):
+def test_a_rank_killed_by_a_signal_is_named(spark_cluster):
     import bagua_hvd.spark
 
     with pytest.raises(RuntimeError, match="rank 1 was killed by signal SIGKILL without a Python"):
         bagua_hvd.spark.run(killed_on_rank_one, num_proc=2)
-    assert cluster.sparkContext.statusTracker().getActiveStageIds() == []
+    assert spark_cluster.sparkContext.statusTracker().getActiveStageIds() == []
 
 
-def test_an_executable_that_cannot_start_is_named(cluster):
+def test_an_executable_that_cannot_start_is_named(spark_cluster):
     import bagua_hvd.spark
 
     with pytest.raises(RuntimeError, match="cannot start '/no/such/python'"):
         bagua_hvd.spark.run(job, args=("x",), num_proc=2, executable="/no/such/python")
-    assert cluster.sparkContext.statusTracker().getActiveStageIds() == []
+    assert spark_cluster.sparkContext.statusTracker().getActiveStageIds() == []
 
 
-def test_too_few_slots_time_out(cluster):
+def test_too_few_slots_time_out(spark_cluster):
     """5 ranks on 4 slots: the start times out, naming the count, and the tasks are cancelled."""
     import bagua_hvd.spark
 
     with pytest.raises(TimeoutError, match="4 of 5 registered"):
         bagua_hvd.spark.run(job, args=("never",), num_proc=5, start_timeout=8)
-    assert cluster.sparkContext.statusTracker().getActiveStageIds() == []
+    assert spark_cluster.sparkContext.statusTracker().getActiveStageIds() == []
 
 
-def test_ranks_import_horovod_as_bagua_hvd_when_the_driver_does(cluster, monkeypatch):
+def test_ranks_import_horovod_as_bagua_hvd_when_the_driver_does(spark_cluster, monkeypatch):
     """BAGUA_HVD_AS_HOROVOD=1 on the driver: ``horovod.spark.run`` is bagua_hvd's, and the
     ranks, started by workers without the variable, import horovod as bagua_hvd too."""
     from bagua_hvd import as_horovod

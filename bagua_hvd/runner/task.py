@@ -34,8 +34,14 @@ class KeyValue(Protocol):
     def get(self, key: str, timeout: float) -> bytes: ...
 
 
+# Where a launcher tells its workers apart by something else than their rank (bagua_hvd.spark's
+# elastic workers, whose ranks change from one generation to the next), it names in this
+# variable the key of each worker's outcome.
+RESULT_KEY_ENV = "BAGUA_HVD_RESULT_KEY"
+
+
 def result_key(rank: int) -> str:
-    """The key under which rank ``rank`` puts its outcome."""
+    """The key under which rank ``rank`` puts its outcome (unless RESULT_KEY_ENV names one)."""
     return f"bagua_hvd.run/result/{rank}"
 
 
@@ -91,7 +97,7 @@ def _put_outcome(rank: int, outcome: tuple) -> None:
 
     data = cloudpickle.dumps(outcome)
     with _connect() as store:
-        put_blob(store, result_key(rank), data)
+        put_blob(store, os.environ.get(RESULT_KEY_ENV) or result_key(rank), data)
 
 
 def _report_error(rank: int, text: str) -> None:
@@ -102,12 +108,13 @@ def _report_error(rank: int, text: str) -> None:
         pass  # the traceback is on stderr anyway
 
 
-def read_outcome(store: KeyValue, rank: int) -> Optional[tuple]:
-    """Rank ``rank``'s ``("ok", value)`` or ``("error", text)``; None when it left none."""
+def read_outcome(store: KeyValue, rank: int, key: Optional[str] = None) -> Optional[tuple]:
+    """Rank ``rank``'s ``("ok", value)`` or ``("error", text)`` (the outcome under ``key``
+    when given); None when it left none."""
     from bagua_hvd.rendezvous.store import StoreTimeoutError
 
     try:
-        data = get_blob(store, result_key(rank), 0.0)
+        data = get_blob(store, key or result_key(rank), 0.0)
     except StoreTimeoutError:
         return None
     import cloudpickle

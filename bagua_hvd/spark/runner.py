@@ -90,8 +90,11 @@ class _Output:
 class _SparkJob:
     """The Spark job of the tasks, collected in a thread of its own (a job group per run)."""
 
-    def __init__(self, sc: Any, group: str, n: int, mapper: Callable) -> None:
+    def __init__(
+        self, sc: Any, group: str, n: int, mapper: Callable, name: str = "bagua_hvd.spark.run"
+    ) -> None:
         self.sc = sc
+        self.name = name
         self.group = group
         self.error: Optional[BaseException] = None
         self.result: Optional[List[Tuple[int, int]]] = None
@@ -100,7 +103,7 @@ class _SparkJob:
             try:
                 # Set in this thread: PySpark pins a Python thread to a JVM thread, and local
                 # properties (the job group) belong to the thread that submits the job.
-                sc.setJobGroup(group, "bagua_hvd.spark.run", interruptOnCancel=True)
+                sc.setJobGroup(group, name, interruptOnCancel=True)
                 rdd = sc.parallelize(range(n), n).mapPartitionsWithIndex(mapper)
                 self.result = rdd.collect()
             except BaseException as e:  # noqa: B036 - reported by the driver's loop
@@ -133,8 +136,8 @@ class _SparkJob:
         left = self.active_tasks()
         if left:
             logger.warning(
-                "bagua_hvd.spark.run: %d Spark task(s) of job group %s still running %gs after "
-                "the cancel",
+                "%s: %d Spark task(s) of job group %s still running %gs after the cancel",
+                self.name,
                 left,
                 self.group,
                 _CANCEL_WAIT_S,
@@ -217,16 +220,11 @@ def run(
         TimeoutError: the tasks did not all start within ``start_timeout``.
         ValueError: bad arguments.
     """
-    import cloudpickle
-    from pyspark import SparkContext
-
     from bagua_hvd.rendezvous.store import SECRET_ENV, StoreServer
     from bagua_hvd.runner import task as rank_task
     from bagua_hvd.runner.bagua_run import job_env
     from bagua_hvd.runner.hosts import slot_among
 
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if use_mpi and use_gloo:
         raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
     if use_mpi:
@@ -234,39 +232,12 @@ def run(
             "bagua_hvd.spark.run: use_mpi=True is not supported (no mpirun runs across Spark "
             "tasks); the ranks form the job through bagua_hvd's own rendezvous (use_gloo)"
         )
-    sc = SparkContext._active_spark_context
-    if sc is None:
-        raise RuntimeError(
-            "Could not find an active SparkContext, are you running in a PySpark session?"
-        )
-    conf = sc.getConf()
-    if conf.get("spark.speculation", "false").strip().lower() == "true":
-        # A speculative copy of a task would start a second process for a rank.
-        raise ValueError(
-            "bagua_hvd.spark.run: spark.speculation=true would run a second copy of a rank's "
-            "task; set spark.speculation=false for this SparkContext"
-        )
-    timeout = config.spark_start_timeout() if start_timeout is None else float(start_timeout)
-    if not timeout > 0:
-        raise ValueError(f"start_timeout must be a positive number of seconds, got {timeout!r}")
-    n = sc.defaultParallelism if num_proc is None else num_proc
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"num_proc must be an int >= 1, got {n!r}")
-    nic_list = sorted(nics) if isinstance(nics, (set, frozenset)) else list(nics or [])
+    sc, timeout, n, nic_list = checked_arguments("run", fn, start_timeout, num_proc, nics)
     if verbose >= 1:
         what = "" if num_proc is not None else " (inferred from spark.default.parallelism)"
         logger.info("Running %d processes%s...", n, what)
-    try:
-        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
-    except Exception as e:
-        raise TypeError(f"bagua_hvd.spark.run: fn/args/kwargs cannot be pickled: {e}") from e
-
-    if nic_list:
-        bind = addr = _nic_address(nic_list)
-    else:
-        # Where Spark's executors reach the driver, and the address Spark itself binds to.
-        addr = conf.get("spark.driver.host") or "127.0.0.1"
-        bind = conf.get("spark.driver.bindAddress") or addr
+    payload = pickled("run", fn, args, kwargs)
+    bind, addr = addresses(sc, nic_list)
     secret = secrets.token_bytes(32)
     output = _Output(stdout, stderr, prefix_output_with_timestamp)
     server = StoreServer(secret, host=bind, port=0, on_set=output.on_set)
@@ -285,12 +256,7 @@ def run(
             logger.info("bagua_hvd.spark.run: ranks by host: %s", hosts)
         common = job_env(secret, secrets.token_hex(8), addr, server.port)
         del common[SECRET_ENV]  # never stored: the tasks have it already
-        if nic_list:
-            common["HOROVOD_GLOO_IFACE"] = nic_list[0]
-            common["NCCL_SOCKET_IFNAME"] = ",".join(nic_list)
-        if config.as_horovod():  # the driver imports horovod as bagua_hvd: so do the ranks
-            common[config.AS_HOROVOD_ENV] = "1"
-        common.update({k: str(v) for k, v in (env or {}).items()})
+        common.update(rank_env(nic_list, env))
         for rank, index in enumerate(order):
             output.rank_of[index] = rank
             variables = dict(common, **slot_among(hosts, rank).env())
@@ -316,6 +282,74 @@ def run(
         if job is not None and not job.done():
             job.cancel()
         server.stop()
+
+
+def checked_arguments(
+    name: str,
+    fn: Callable[..., Any],
+    start_timeout: Optional[float],
+    num_proc: Optional[int],
+    nics: Optional[Sequence[str]],
+) -> Tuple[Any, float, int, List[str]]:
+    """What ``run`` and ``run_elastic`` (``name``) check before any task: the active
+    SparkContext, the start timeout (seconds), the number of processes and the NICs (a list)."""
+    from pyspark import SparkContext
+
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    sc = SparkContext._active_spark_context
+    if sc is None:
+        raise RuntimeError(
+            "Could not find an active SparkContext, are you running in a PySpark session?"
+        )
+    if sc.getConf().get("spark.speculation", "false").strip().lower() == "true":
+        # A speculative copy of a task would start a second process for a rank.
+        raise ValueError(
+            f"bagua_hvd.spark.{name}: spark.speculation=true would run a second copy of a "
+            "rank's task; set spark.speculation=false for this SparkContext"
+        )
+    timeout = config.spark_start_timeout() if start_timeout is None else float(start_timeout)
+    if not timeout > 0:
+        raise ValueError(f"start_timeout must be a positive number of seconds, got {timeout!r}")
+    n = sc.defaultParallelism if num_proc is None else num_proc
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_proc must be an int >= 1, got {n!r}")
+    nic_list = sorted(nics) if isinstance(nics, (set, frozenset)) else list(nics or [])
+    return sc, timeout, n, nic_list
+
+
+def pickled(name: str, fn: Callable[..., Any], args: Sequence[Any], kwargs: Any) -> bytes:
+    """``(fn, args, kwargs)`` as the ranks read it (cloudpickle); TypeError when it cannot be."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    except Exception as e:
+        raise TypeError(f"bagua_hvd.spark.{name}: fn/args/kwargs cannot be pickled: {e}") from e
+
+
+def addresses(sc: Any, nic_list: Sequence[str]) -> Tuple[str, str]:
+    """Where the driver's store binds and the address the executors reach it at: the first
+    NIC's, else where Spark's executors reach the driver and the address Spark binds to."""
+    if nic_list:
+        address = _nic_address(nic_list)
+        return address, address
+    conf = sc.getConf()
+    addr = conf.get("spark.driver.host") or "127.0.0.1"
+    return conf.get("spark.driver.bindAddress") or addr, addr
+
+
+def rank_env(nic_list: Sequence[str], env: Optional[Dict[str, str]]) -> Dict[str, str]:
+    """The variables every rank gets besides the job's contract: the NICs for TCP, ``import
+    horovod`` as bagua_hvd when the driver has it, then the caller's ``env``."""
+    out: Dict[str, str] = {}
+    if nic_list:
+        out["HOROVOD_GLOO_IFACE"] = nic_list[0]
+        out["NCCL_SOCKET_IFNAME"] = ",".join(nic_list)
+    if config.as_horovod():  # the driver imports horovod as bagua_hvd: so do the ranks
+        out[config.AS_HOROVOD_ENV] = "1"
+    out.update({k: str(v) for k, v in (env or {}).items()})
+    return out
 
 
 def _wait_for_hosts(server: Any, job: _SparkJob, n: int, timeout: float) -> List[str]:

@@ -132,6 +132,7 @@ class ElasticDriver:
         env: Mapping[str, str],
         on_store: Optional[Callable[[Any], None]] = None,
         launcher: Optional[WorkerLauncher] = None,
+        store: Optional[Tuple[Any, bytes]] = None,
     ) -> None:
         self.command = list(command)
         self.on_store = on_store  # called with the store before the first worker starts
@@ -156,6 +157,9 @@ class ElasticDriver:
         self.barrier_deadline: Optional[float] = None
         # Who starts the workers: by default ``command`` under agents (bagua-run).
         self.launcher = launcher or AgentLauncher(command, settings, self.log)
+        # A started StoreServer and its secret that the launcher's workers already reach (the
+        # caller forwards its SETs to on_set and stops it); None: the driver serves its own.
+        self.served = store
         self.store = None
         self.addr = "127.0.0.1"
         self._results: Dict[SlotKey, int] = {}  # exit codes of the current generation's workers
@@ -200,7 +204,8 @@ class ElasticDriver:
 
     # ---- the store ----------------------------------------------------------------------
 
-    def _on_set(self, key: bytes, value: bytes) -> None:
+    def on_set(self, key: bytes, value: bytes) -> None:
+        """The store's hook: a worker recorded READY."""
         if key.startswith(b"elastic/ready/"):
             self.events.put(("ready", key.decode(errors="replace"), None))
 
@@ -208,12 +213,15 @@ class ElasticDriver:
         from bagua_hvd.rendezvous.store import StoreServer
 
         self.addr = self.launcher.address(first_hosts)
-        self.secret = secrets.token_bytes(32)
-        try:
-            self.store = StoreServer(self.secret, host=self.addr, port=0, on_set=self._on_set)
-            self.store.start()
-        except OSError as e:
-            raise LaunchError(f"cannot serve the rendezvous on {self.addr}: {e}") from e
+        if self.served is not None:
+            self.store, self.secret = self.served
+        else:
+            self.secret = secrets.token_bytes(32)
+            try:
+                self.store = StoreServer(self.secret, host=self.addr, port=0, on_set=self.on_set)
+                self.store.start()
+            except OSError as e:
+                raise LaunchError(f"cannot serve the rendezvous on {self.addr}: {e}") from e
         if self.on_store is not None:
             self.on_store(self.store)
         self.job_id = secrets.token_hex(8)
@@ -422,7 +430,8 @@ class ElasticDriver:
                     return self._supervise(trap)
                 finally:
                     self._stop_all()
-                    self.store.stop()
+                    if self.served is None:
+                        self.store.stop()
         finally:
             self.stop_event.set()
             # A discovery script still running (slow or hung) goes with the job.
@@ -452,6 +461,9 @@ class ElasticDriver:
                     self.log(str(value["error"]), always=True)
             elif what == "gone":
                 self._on_exit(subject, shell_exit_code(value))
+            elif what == "abort":  # the launcher cannot go on (bagua_hvd.spark: its Spark job)
+                self.log(subject, always=True)
+                return ElasticResult(1, subject, self.reset_count, self.generation)
             if self.resuming_since is not None:
                 result = self._try_resume()
                 if result is not None:

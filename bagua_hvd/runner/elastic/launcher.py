@@ -3,7 +3,8 @@
 The driver decides which slot runs a worker and when; a :class:`WorkerLauncher` does the
 starting and stopping, and reports each worker's end on the driver's event queue as
 ``("gone", handle, returncode)`` (Popen's convention: 0 success, non-zero failure, -N killed by
-signal N). :class:`AgentLauncher`, the default, runs each worker's command as a process under
+signal N); a launcher that cannot go on may put ``("abort", message, None)``, which ends the job
+as failed with that message. :class:`AgentLauncher`, the default, runs each worker's command as a process under
 its own agent (bagua_hvd.runner.agent, over ssh for other machines), as bagua-run always did;
 bagua_hvd.ray.launcher runs a function in a Ray actor instead.
 """
