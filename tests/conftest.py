@@ -8,6 +8,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 collect_ignore = ["mp"]
 
 _SM_ENV = "OMPI_MCA_btl_sm_backing_directory"
@@ -28,3 +30,12 @@ def pytest_unconfigure(config):
     if _sm_dir is not None:
         os.environ.pop(_SM_ENV, None)
         shutil.rmtree(_sm_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def spark_cluster(tmp_path_factory):
+    """A local Spark standalone cluster (a master and two workers of 2 cores, bound to
+    127.0.0.1) and a SparkSession on it, for the module (tests/spark_cluster.py)."""
+    import spark_cluster as helper
+
+    yield from helper.run_cluster(tmp_path_factory)

@@ -1,5 +1,6 @@
 """horovod.spark for bagua_hvd: ``bagua_hvd.spark.run`` runs a function on ranks in Spark tasks
-(docs/spark.md). Elastic runs (``run_elastic``) and the estimators are not supported yet."""
+(docs/spark.md). Elastic runs (``run_elastic``) are not supported yet. The estimators are in
+bagua_hvd.spark.torch and bagua_hvd.spark.keras, the Store in bagua_hvd.spark.common.store."""
 
 from typing import Any
 
