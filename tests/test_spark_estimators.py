@@ -73,7 +73,8 @@ def digits(spark_cluster):
         rows = [(i, Vectors.dense(f), f.tolist(), int(t)) for i, (f, t) in enumerate(zip(x, y))]
         return spark_cluster.createDataFrame(rows, ["id", "features", "pixels", "label"])
 
-    return frame(x_train, y_train), frame(x_test, y_test), y_test
+    # One partition to predict: one Spark Python worker loads the model (and its framework).
+    return frame(x_train, y_train), frame(x_test, y_test).coalesce(1), y_test
 
 
 def _accuracy(model, test_df, y_test) -> float:

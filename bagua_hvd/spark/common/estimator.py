@@ -74,8 +74,10 @@ class HorovodEstimator(Estimator, EstimatorParams):
         store = self._get_store()
         self._check_supported()
         backend = self._get_or_create_backend()
-        metadata = util.column_metadata(df, self._columns())
-        self._check_params(metadata)
+        # Missing columns fail here, before the Spark job that measures the others.
+        present = {c: {} for c in self._columns() if c in df.columns}
+        self._check_params(present)
+        metadata = util.column_metadata(df, list(present))
         with util.prepare_data(
             backend.num_processes(),
             store,
