@@ -193,6 +193,7 @@ def train(
             Run(),
             *callbacks,
         ],
+        shuffle=False,  # each rank's batches come shuffled (remote.batches)
         verbose=0,
     )
     if rank != 0:
