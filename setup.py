@@ -135,15 +135,16 @@ setup(
     extras_require={
         "mpi": ["mpi4py"],
         "ray": ["ray"],
-        # bagua_hvd.spark.run (Spark also needs a Java runtime, from the system's packages)
-        "spark": ["pyspark"],
+        # bagua_hvd.spark.run (Spark also needs a Java runtime, from the system's packages);
+        # the estimators (bagua_hvd.spark.torch/keras) read their Parquet data with pyarrow
+        "spark": ["pyspark", "pyarrow"],
         # bagua_hvd.lightning's HorovodStrategy (lightning.pytorch; the package brings the
         # standalone pytorch_lightning too, which bagua_hvd.lightning.pytorch_lightning serves)
         "lightning": ["lightning>=2,<3"],
         # tests/test_mpi_launch.py runs mpirun (Open MPI's wheel), tests/test_ray.py a Ray
         # cluster, tests/test_cuda_support.py loads the real NCCL (which needs no GPU to load),
         # tests/test_lightning.py trains with Lightning, tests/test_spark.py a Spark standalone
-        # cluster
+        # cluster (tests/test_spark_estimators.py also pyarrow)
         "test": [
             "pytest",
             "pytest-timeout",
@@ -152,6 +153,7 @@ setup(
             "mpi4py",
             "ray",
             "pyspark",
+            "pyarrow",
             "nvidia-nccl-cu13",
             "lightning>=2,<3",
         ],

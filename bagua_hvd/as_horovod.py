@@ -10,7 +10,7 @@ nothing when it is not. When it is, it calls :func:`install_if_asked`: with the 
   both names: ``horovod.torch is bagua_hvd.torch``). bagua_hvd keeps Horovod's module layout
   (``torch``, ``tensorflow``, ``tensorflow.keras``, ``keras``, ``_keras``, ``common``, ``data``,
   ``runner``, ``ray``, ``spark``, ...), so the name is the only thing that changes.
-- A Horovod module bagua_hvd does not have (``horovod.spark.keras``, ``horovod.mxnet``, ...)
+- A Horovod module bagua_hvd does not have (``horovod.spark.lightning``, ``horovod.mxnet``, ...)
   raises ``ModuleNotFoundError`` naming it and saying why, at once (no real Horovod module is
   mixed in).
 - ``horovod`` itself is a small package of its own: ``horovod.run`` is ``bagua_hvd.run`` and

@@ -113,7 +113,7 @@ def test_without_the_variable_import_horovod_is_as_before() -> None:
 def test_horovod_modules_are_bagua_hvds() -> None:
     """horovod.X is bagua_hvd.X itself (torch's modules here; the Keras job below imports
     horovod.tensorflow.keras); horovod.__version__, horovod.run and horovod.spark.run; a module
-    bagua_hvd lacks (horovod.spark.keras: the estimators) fails at once, naming itself."""
+    bagua_hvd lacks (horovod.spark.lightning: Lightning's estimator) fails at once, naming itself."""
     pytest.importorskip("torch")
     names = [
         "torch", "torch.elastic", "torch.mpi_ops", "torch.compression", "torch.functions",
@@ -138,7 +138,7 @@ assert horovod.run is bagua_hvd.run
 assert horovod.spark.run is bagua_hvd.spark.run  # pyspark itself is imported only by a run
 assert pickle.loads(pickle.dumps(hvd.Average)) == hvd.Average
 print("version", horovod.__version__)
-for missing in ("horovod.spark.keras", "horovod.mxnet", "horovod.torch.no_such_module"):
+for missing in ("horovod.spark.lightning", "horovod.mxnet", "horovod.torch.no_such_module"):
     for how in (importlib.import_module, importlib.util.find_spec):
         try:
             how(missing)
@@ -155,7 +155,9 @@ for missing in ("horovod.spark.keras", "horovod.mxnet", "horovod.torch.no_such_m
     assert len(errors) == 6, proc.stdout
     for e in errors:
         assert f"{VAR}=1" in e and "bagua_hvd" in e, e
-    assert "No module named 'horovod.spark.keras'" in errors[0] and "bagua_hvd.spark" in errors[0]
+    assert (
+        "No module named 'horovod.spark.lightning'" in errors[0] and "bagua_hvd.spark" in errors[0]
+    )
     if importlib.util.find_spec("horovod") is None:
         assert not proc.stderr, proc.stderr  # no Horovod here: no note
 

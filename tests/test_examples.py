@@ -313,3 +313,21 @@ def test_readme_main_job_names_an_existing_example():
     assert scripts, "README.md has no `bagua-run -np 2 python <example>.py` command"
     for script in scripts:
         assert (ROOT / script).is_file(), f"README.md runs {script}, which does not exist"
+
+
+SPARK_DIGITS = ROOT / "examples" / "spark" / "digits_estimator.py"
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_spark_digits_estimator_runs_in_one_command(tmp_path: Path):
+    """examples/spark/digits_estimator.py starts Spark in local mode itself, fits the digits
+    with TorchEstimator at 2 processes (rank 0's epoch lines reach the driver) and prints the
+    test accuracy of its model's transform."""
+    for module in ("pyspark", "pyarrow"):
+        pytest.importorskip(module)
+    if shutil.which("java") is None:
+        pytest.skip("no java on PATH: Spark needs a Java runtime")
+    proc = run([sys.executable, str(SPARK_DIGITS), "--num-proc", "2", "--epochs", "8",
+                "--store", str(tmp_path / "store"), "--min-accuracy", "0.9"])  # fmt: skip
+    assert "[0]<stdout>:epoch 8/8  loss" in proc.stdout, proc.stdout
+    assert float(re.search(r"test accuracy: (\d\.\d+)", proc.stdout).group(1)) >= 0.9
