@@ -2,8 +2,6 @@
 ``bagua_hvd.spark.run_elastic`` as an elastic job (docs/spark.md). The estimators are in
 bagua_hvd.spark.torch and bagua_hvd.spark.keras, the Store in bagua_hvd.spark.common.store."""
 
-from typing import Any
-
 from bagua_hvd.spark.elastic import run_elastic
 from bagua_hvd.spark.runner import run
 
