@@ -89,8 +89,8 @@ def worker(args: argparse.Namespace) -> int:
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
 
-            # Auto's default schedule (2 + 2 x 6 steps) and a few more; the others warm up alike.
-            for _ in range(20):
+            # Auto's default schedule (2 + 2 x 2 x 4 steps) and a few more; the others alike.
+            for _ in range(24):
                 step()
             if mode != "gar":
                 state = opt.state_dict()["bagua_hvd_auto"]

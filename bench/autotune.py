@@ -39,7 +39,8 @@ Modes:
   gradient_allreduce, bytegrad, auto
                DistributedOptimizer(algorithm=GradientAllReduce() / ByteGrad() / Auto()), BAGUA's
                bucket size (10 MiB); auto measures both in each of its blocks (its schedule: 2 +
-               2 x 6 steps, untimed) and is timed after its choice
+               2 rounds x 2 x 4 steps, untimed) and is timed after its choice; the two alone
+               run as many untimed steps first
 The fusion/cycle modes run with BAGUA_HVD_BUCKET_MB=0: DistributedOptimizer enqueues one
 allreduce per parameter as it is ready, as Horovod does, and the core fuses them (with
 buckets, the frontend would fuse them itself and the fusion threshold would matter little).
@@ -551,10 +552,11 @@ def worker(args: argparse.Namespace) -> int:
             if kind == "autotune":
                 note.update(tune(hvd, torch, step, log, the_plan["tune_steps"]))
                 last_best = note["best"] or last_best
-            if name == "auto":
-                # Auto's schedule: warm-up 2, 1 + 5 per candidate; the choice is made at the
-                # start of the next step, which the warm-up (at least one step) runs.
-                for _ in range(2 + 2 * 6):
+            if kind == "algorithm":
+                # Auto's schedule: warm-up 2, 2 rounds of 1 + 3 steps per candidate; the choice
+                # is made at the start of the next step, which the warm-up (>= 1 step) runs.
+                # The candidates alone run as many steps first: both are timed in steady state.
+                for _ in range(2 + 2 * 2 * 4):
                     step()
             for _ in range(max(the_plan["warmup"], name == "auto")):
                 step()

@@ -3,10 +3,10 @@ launcher: the choice is made, then the job is reset for real (a host joins, or a
 killed), and every rank, a new one included, keeps the choice without measuring again.
 
 The job is tests/workers/elastic_torch_main.py (hvd.elastic.run, TorchState, a commit per
-batch, 10 batches per epoch) with two candidates, 2 warm-up steps and 5 measured steps per
-candidate (``Auto``'s defaults), one candidate made 100 ms slower per step by the test hook. By
-the documented schedule, steps 0 to 7 run the first candidate, 8 to 13 the second, and the
-choice runs from step 14 (epoch 1, batch 4).
+batch, 10 batches per epoch) with two candidates, 2 warm-up steps, 2 rounds of 3 measured steps
+per candidate (``Auto``'s defaults), one candidate made 100 ms slower per step by the test hook.
+By the documented schedule, steps 0 to 5 run the first candidate, 6 to 9 the second, 10 to 13
+the first, 14 to 17 the second, and the choice runs from step 18 (epoch 1, batch 8).
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import reference_algorithms as ra  # noqa: E402
 
 pytestmark = needs_core
 
-DECISION = 2 + 2 * (5 + 1)  # the first step of the chosen candidate (docs/algorithms.md)
-MEASURING = [[c, False] for c in [0] * 8 + [1] * 6]  # steps 0-13: (candidate, final)
+DECISION = 2 + 2 * 2 * (3 + 1)  # the first step of the chosen candidate (docs/algorithms.md)
+# Steps 0-17, (candidate, final): warm-up, then two rounds of each candidate's 1 + 3 steps.
+MEASURING = [[c, False] for c in [0] * 2 + ([0] * 4 + [1] * 4) * 2]
+MEASURED = 2 * 2 * 3  # steps a rank measures (rounds x candidates x steps per candidate)
 # The default candidates (GradientAllReduce, ByteGrad), ByteGrad slow.
 ENV = {"BAGUA_HVD_ALGORITHM": "auto", "BAGUA_HVD_TEST_ALGORITHM_DELAY": "ByteGrad:0.1"}
 JOIN = [(0, ["localhost:2"]), (1, ["localhost:2"]), (None, ["localhost:2", "127.0.0.1:1"])]
@@ -54,14 +56,14 @@ def _check_first_epochs(
     out: str, auto: dict[int, dict[int, dict]], ranks: range, chosen: int, name: str
 ) -> None:
     """Epochs 0 and 1 of the workers from the start (``ranks``): the measurement, then the
-    choice of candidate ``chosen`` (``name``) from step 14, printed once."""
+    choice of candidate ``chosen`` (``name``) from step 18, printed once."""
     assert out.count("bagua_hvd auto: chose") == 1, out
     assert f"bagua_hvd auto: chose {name} from step {DECISION}" in out, out
     for r in ranks:
         assert auto[r][0]["steps"] == MEASURING[:10], auto[r][0]
-        assert auto[r][1]["steps"] == MEASURING[10:] + [[chosen, True]] * 6, auto[r][1]
+        assert auto[r][1]["steps"] == MEASURING[10:] + [[chosen, True]] * 2, auto[r][1]
         assert (auto[r][1]["chosen"], auto[r][1]["chosen_step"]) == (chosen, DECISION)
-        assert auto[r][1]["measured"] == 2 * 5, auto[r][1]
+        assert auto[r][1]["measured"] == MEASURED, auto[r][1]
 
 
 def _check_last_epoch(
@@ -69,17 +71,17 @@ def _check_last_epoch(
 ) -> None:
     """Epoch 2, after the reset, on every rank (``new``: the ranks that joined): the chosen
     candidate at every step, the choice's step from rank 0, nothing measured since the first
-    epochs' 2 x 5 steps (on a new rank: nothing)."""
+    epochs' 2 x 2 x 3 steps (on a new rank: nothing)."""
     for r in range(size):
         row = auto[r][2]
         assert row["size"] == size, row
         assert row["steps"] == [[chosen, True]] * 10, row
         assert (row["chosen"], row["chosen_step"]) == (chosen, DECISION), row
-        assert row["measured"] == (0 if r in new else 2 * 5), row
+        assert row["measured"] == (0 if r in new else MEASURED), row
 
 
 def test_auto_choice_survives_a_host_joining(tmp_path: Path) -> None:
-    """Two workers on localhost choose GradientAllReduce at step 14 (epoch 1); after epoch 1 a
+    """Two workers on localhost choose GradientAllReduce at step 18 (epoch 1); after epoch 1 a
     third host appears and the job resets to 3 ranks. In epoch 2 every rank, the new worker
     (rank 2) included, runs the chosen GradientAllReduce at every step, with the step count
     taken from rank 0, and measures nothing. The weights after epoch 2 are the same on every
@@ -96,7 +98,7 @@ def test_auto_choice_survives_a_host_joining(tmp_path: Path) -> None:
 
 
 def test_auto_choice_survives_a_worker_killed(tmp_path: Path) -> None:
-    """Three workers on two hosts choose GradientAllReduce at step 14; the one on 127.0.0.1
+    """Three workers on two hosts choose GradientAllReduce at step 18; the one on 127.0.0.1
     (start rank 2) is killed before batch 3 of epoch 2: the two others restore the commit after
     batch 2 (its optimizer state holds the choice) and go on at size 2 with the chosen
     GradientAllReduce, measuring nothing. The weights after epoch 2 equal the replay from epoch
@@ -126,9 +128,9 @@ def _sample(rank: int, epoch: int, batch: int) -> tuple:
 def test_auto_decentralized_choice_survives_a_host_joining(tmp_path: Path) -> None:
     """``Auto([GradientAllReduce(), Decentralized(peer_selection_mode="shift_one",
     communication_interval=2, hierarchical=False)])``, GradientAllReduce slow: the two workers
-    choose the decentralized SGD at step 14; the same host joins after epoch 1. After the reset
+    choose the decentralized SGD at step 18; the same host joins after epoch 1. After the reset
     (the sync gives every rank rank 0's weights) every rank, the new one included, runs it at
-    every step with its step count continued from rank 0's (6 steps since the choice, 16 at the
+    every step with its step count continued from rank 0's (2 steps since the choice, 12 at the
     end), so the steps that average and the shift_one pairs go on; each rank's weights after
     epoch 2 equal tests/reference_algorithms.py's decentralized SGD of 3 ranks from rank 0's
     weights after epoch 1, from step 6 of its count."""

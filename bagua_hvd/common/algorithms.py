@@ -367,8 +367,11 @@ BY_NAME: Dict[str, Callable[[], Algorithm]] = {
 AUTO_NAME = "auto"
 #: steps run with the first candidate before any measurement (allocations, first traces)
 DEFAULT_WARMUP_STEPS = 2
-#: measured steps per candidate (each after one unmeasured step with it)
-DEFAULT_STEPS_PER_CANDIDATE = 5
+#: measured steps per candidate and round (each after one unmeasured step with it)
+DEFAULT_STEPS_PER_CANDIDATE = 3
+#: rounds through the candidates: a slow phase of the machine during one round, or the first
+#: steps of a job, cannot decide alone
+DEFAULT_ROUNDS = 2
 
 # Candidates Auto refuses, and why.
 _REFUSED = {
@@ -426,11 +429,12 @@ def _count(value: Any, name: str, least: int) -> int:
 class Auto(Algorithm):
     """Chooses the fastest of ``candidates`` by measured step time, once, and keeps it.
 
-    The first ``warmup_steps`` steps run the first candidate unmeasured; then each candidate in
-    turn runs ``1 + steps_per_candidate`` steps, the first after the switch unmeasured, the
-    others timed (wall time from the start of one step to the start of the next). The ranks'
-    medians are averaged; the candidate with the smallest average runs from the next step on,
-    on every rank, with fresh state. Rank 0 prints the table once (``verbose``).
+    The first ``warmup_steps`` steps run the first candidate unmeasured; then, ``rounds`` times,
+    each candidate in turn runs ``1 + steps_per_candidate`` steps, the first after the switch
+    unmeasured, the others timed (wall time from the start of one step to the start of the
+    next). A candidate's time on a rank is the smallest of its rounds' medians; the ranks'
+    times are averaged; the candidate with the smallest average runs from the next step on, on
+    every rank, with fresh state. Rank 0 prints the table once (``verbose``).
 
     ``candidates``: algorithm objects or names of ``bagua-run --algorithm`` (default:
     ``[GradientAllReduce(), ByteGrad()]``, which keep every rank's model identical);
@@ -446,6 +450,7 @@ class Auto(Algorithm):
         warmup_steps: int = DEFAULT_WARMUP_STEPS,
         steps_per_candidate: int = DEFAULT_STEPS_PER_CANDIDATE,
         verbose: bool = True,
+        rounds: int = DEFAULT_ROUNDS,
     ) -> None:
         if candidates is None:
             cands = _default_candidates()
@@ -472,6 +477,7 @@ class Auto(Algorithm):
         self.candidates: List[Algorithm] = cands
         self.warmup_steps = _count(warmup_steps, "warmup_steps", 0)
         self.steps_per_candidate = _count(steps_per_candidate, "steps_per_candidate", 1)
+        self.rounds = _count(rounds, "rounds", 1)
         self.verbose = bool(verbose)
         self.average = averages.pop()
         self._latest: Optional[weakref.ref] = None
@@ -542,7 +548,7 @@ class Auto(Algorithm):
     def __repr__(self) -> str:
         return (
             f"Auto(candidates={self.candidates!r}, warmup_steps={self.warmup_steps}, "
-            f"steps_per_candidate={self.steps_per_candidate})"
+            f"steps_per_candidate={self.steps_per_candidate}, rounds={self.rounds})"
         )
 
 

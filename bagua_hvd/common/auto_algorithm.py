@@ -105,25 +105,28 @@ class AutoSchedule:
         self.chosen: Optional[int] = None
         self.chosen_step: Optional[int] = None  #: the first step of the chosen candidate
         self.step_times: Optional[List[float]] = None
-        self._times: List[List[float]] = [[] for _ in alg.candidates]  # this rank's
+        self._times = self._no_times()  # this rank's, per candidate and round
         self._origin = 0  # the step the schedule (re)started at
-        self._timed: Optional[int] = None  # the candidate whose step is being timed
+        self._timed: Optional[Tuple[int, int]] = None  # (candidate, round) of the step timed
         self._last = 0.0
         self._agree = True
         self._printed = False
         _LIVE.add(self)
 
     # -- the schedule ------------------------------------------------------------------------------
-    def _planned(self, step: int) -> Tuple[int, bool]:
-        """``(candidate, timed)`` of ``step`` before the decision; candidate -1: decide now."""
+    def _planned(self, step: int) -> Tuple[int, Optional[int]]:
+        """``(candidate, the round its step is timed in, or None)`` of ``step`` before the
+        decision; candidate -1: decide now."""
         alg = self.alg
         m = step - self._origin - alg.warmup_steps
         if m < 0:
-            return 0, False
-        c, pos = divmod(m, alg.steps_per_candidate + 1)
-        if c >= len(alg.candidates):
-            return -1, False
-        return c, pos >= 1
+            return 0, None
+        per = alg.steps_per_candidate + 1
+        r, rest = divmod(m, per * len(alg.candidates))
+        if r >= alg.rounds:
+            return -1, None
+        c, pos = divmod(rest, per)
+        return c, (r if pos >= 1 else None)
 
     def begin_step(self) -> Tuple[int, bool]:
         """A step begins (before any of its communication; called once per step on every
@@ -132,18 +135,19 @@ class AutoSchedule:
         Sleeps for the test hook (:data:`TEST_DELAY_ENV`) in the candidate's steps."""
         now = time.perf_counter()
         if self._timed is not None:
-            self._times[self._timed].append(now - self._last)
+            c, r = self._timed
+            self._times[c][r].append(now - self._last)
             self._timed = None
         if self._agree:
             self._agree_with_root()
         if self.chosen is None:
-            c, timed = self._planned(self.step)
+            c, r = self._planned(self.step)
             if c < 0:
                 self._decide()
             else:
                 self.current = c
-                if timed:
-                    self._timed = c
+                if r is not None:
+                    self._timed = (c, r)
         if self.chosen is not None:
             self.current = self.chosen
         self.step += 1
@@ -174,13 +178,24 @@ class AutoSchedule:
         else:
             self.chosen = self.chosen_step = None
             self._origin = self.step
-            self._times = [[] for _ in self.alg.candidates]
+            self._times = self._no_times()
         self._timed = None
 
+    def _no_times(self) -> List[List[List[float]]]:
+        return [[[] for _ in range(self.alg.rounds)] for _ in self.alg.candidates]
+
+    @property
+    def measured(self) -> int:
+        """Steps this rank measured since the schedule (re)started."""
+        return sum(len(t) for rounds in self._times for t in rounds)
+
     def _decide(self) -> None:
-        """Averages each candidate's median step time over the ranks; every rank takes rank
-        0's argmin."""
-        medians = [statistics.median(t) if t else float("inf") for t in self._times]
+        """Averages each candidate's step time (the smallest of its rounds' medians) over the
+        ranks; every rank takes rank 0's argmin."""
+        medians = [
+            min((statistics.median(t) for t in rounds if t), default=float("inf"))
+            for rounds in self._times
+        ]
         times = _host_collective(
             _ops.OP_ALLREDUCE,
             medians,
@@ -203,9 +218,11 @@ class AutoSchedule:
         """The measurements and the choice, as rank 0 prints them."""
         labels = self.alg.labels()
         width = max(len(s) for s in labels + ["candidate"])
+        alg = self.alg
+        rounds = f", the best of {alg.rounds} rounds" if alg.rounds > 1 else ""
         lines = [
-            f"bagua_hvd auto: median step time of {self.alg.steps_per_candidate} steps per "
-            f"candidate, averaged over {_ops.process_set_size(self.ps_id)} ranks",
+            f"bagua_hvd auto: median step time of {alg.steps_per_candidate} steps per "
+            f"candidate{rounds}, averaged over {_ops.process_set_size(self.ps_id)} ranks",
             f"  {'candidate':<{width}}  step (ms)",
         ]
         for i, label in enumerate(labels):

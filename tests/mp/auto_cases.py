@@ -38,8 +38,11 @@ def case(name: str, slow_decentralized: bool) -> Case:
     return Case(make, "GradientAllReduce", dec_class, 1, name, kwargs)
 
 
-def schedule(chosen: int, warmup: int, per: int, after: int) -> List[Tuple[int, bool]]:
+def schedule(chosen: int, warmup: int, per: int, rounds: int, after: int) -> List[Tuple[int, bool]]:
     """(candidate, final) of each step by docs/algorithms.md's schedule of two candidates:
-    the first in warm-up and its measurement, the second's measurement, then the choice."""
-    measuring = [(0, False)] * (warmup + per + 1) + [(1, False)] * (per + 1)
+    the first in warm-up, each round the first's measurement then the second's, then the
+    choice."""
+    measuring = [(0, False)] * warmup + (
+        [(0, False)] * (per + 1) + [(1, False)] * (per + 1)
+    ) * rounds
     return measuring + [(chosen, True)] * after

@@ -34,8 +34,8 @@ from bagua_hvd.tensorflow import algorithms as A  # noqa: E402
 IN, HIDDEN, OUT = 6, 16, 3
 SHAPES = [(IN, HIDDEN), (HIDDEN,), (HIDDEN, HIDDEN), (HIDDEN,), (HIDDEN, OUT), (OUT,)]
 LR = 2.0**-5
-WARMUP, PER = 1, 3
-DECISION = WARMUP + 2 * (PER + 1)  # the first step of the chosen candidate
+WARMUP, PER, ROUNDS = 1, 3, 2  # ROUNDS: Auto's default
+DECISION = WARMUP + ROUNDS * 2 * (PER + 1)  # the first step of the chosen candidate (of two)
 AFTER = 4
 DELAY = "0.1"
 RTOL = 1e-5
@@ -246,7 +246,7 @@ def test_tape_auto_with_a_decentralized_candidate(monkeypatch, capfd, name, slow
         train(step, t, 1)
         schedule = A.tape_impl(alg, hvd.global_process_set).schedule
         keys.append((schedule.current, schedule.chosen is not None))
-    assert keys == auto_cases.schedule(case.chosen, WARMUP, PER, AFTER), keys
+    assert keys == auto_cases.schedule(case.chosen, WARMUP, PER, ROUNDS, AFTER), keys
     same_on_every_rank(keys)
     state = alg.state_dict()
     assert type(alg.chosen).__name__ == case.expected, state
@@ -255,7 +255,7 @@ def test_tape_auto_with_a_decentralized_candidate(monkeypatch, capfd, name, slow
     if hvd.rank() == 0:
         assert printed.count("bagua_hvd auto: chose") == 1, printed
         assert f"chose {case.expected} from step {DECISION}" in printed, printed
-    # The decentralized measurement (steps 5 to 8) left the ranks' models different.
+    # The decentralized measurement (steps 5-8 and 13-16) left the ranks' models different.
     assert any(any((x != y).any() for x, y in zip(s, start[0])) for s in start[1:])
     ref = ra.ReferenceCluster(
         case.reference, hvd.size(), lambda r: TorchQuadratic(start[r]), torch_loss,

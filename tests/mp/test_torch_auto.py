@@ -24,8 +24,8 @@ from bagua_hvd.common.auto_algorithm import TEST_DELAY_ENV
 from bagua_hvd.torch import algorithms as A
 
 IN, HIDDEN, OUT, BATCH = 6, 16, 3, 8
-WARMUP, PER = 1, 3
-DECISION = WARMUP + 2 * (PER + 1)  # the first step of the chosen candidate (two candidates)
+WARMUP, PER, ROUNDS = 1, 3, 2  # ROUNDS: Auto's default
+DECISION = WARMUP + ROUNDS * 2 * (PER + 1)  # the first step of the chosen candidate (of two)
 AFTER = 4  # steps compared with the chosen algorithm alone
 DELAY = "0.1"
 RTOL = 1e-5
@@ -130,6 +130,24 @@ def test_auto_chooses_the_faster_and_trains_as_it(monkeypatch, capsys, slow, exp
     compare(model, ref, f"auto -> {expected}")
 
 
+def test_a_slow_round_does_not_decide(monkeypatch):
+    """GradientAllReduce slowed by 0.3 s a step in the first round only, ByteGrad by 0.1 s in
+    both: a candidate's time is the smallest of its rounds' medians, so GradientAllReduce is
+    chosen. (The median of all its measured steps, half of them 0.3 s, would choose
+    ByteGrad.)"""
+    model = make_model()
+    opt = make_opt(model, auto(verbose=False))
+    second_round = WARMUP + 2 * (PER + 1)
+    for step in range(DECISION + 1):
+        slow = "GradientAllReduce:0.3," if step < second_round else ""
+        monkeypatch.setenv(TEST_DELAY_ENV, f"{slow}ByteGrad:0.1")
+        train(model, opt, 1, first=step)
+    schedule = opt._algo_impl.schedule
+    assert schedule.chosen == 0, schedule.table()
+    assert schedule.step_times[0] < 0.1 < schedule.step_times[1] < 0.3, schedule.table()
+    assert schedule.measured == ROUNDS * 2 * PER
+
+
 def test_gradient_allreduce_after_the_choice_is_averaged_sgd(monkeypatch):
     """An independent reference: after the choice of GradientAllReduce, each step is SGD with
     momentum on the gradient averaged over the ranks (computed here with allgather)."""
@@ -177,7 +195,7 @@ def test_state_dict_keeps_the_choice(monkeypatch):
     impl = opt2._algo_impl
     assert impl._key == (1, True) and isinstance(impl.impl.alg, A.ByteGrad)
     assert impl.schedule.chosen_step == DECISION
-    assert all(not t for t in impl.schedule._times)
+    assert impl.schedule.measured == 0
 
 
 def test_restored_on_rank_0_only_before_the_first_step(monkeypatch):
@@ -212,6 +230,8 @@ def test_bad_inputs():
         A.Auto([b, b])
     with pytest.raises(ValueError, match="steps_per_candidate must be an integer >= 1"):
         A.Auto(steps_per_candidate=0)
+    with pytest.raises(ValueError, match="rounds must be an integer >= 1"):
+        A.Auto(rounds=0)
     with pytest.raises(ValueError, match="must be an algorithm"):
         A.Auto([3])
     with pytest.raises(ValueError, match='algorithms or "auto", got .fastest.'):
@@ -231,7 +251,7 @@ def test_auto_by_name_uses_the_default_candidates():
     opt = make_opt(model, "auto")
     alg = opt._algo_impl.alg
     assert [type(c).__name__ for c in alg.candidates] == ["GradientAllReduce", "ByteGrad"]
-    assert (alg.warmup_steps, alg.steps_per_candidate) == (2, 5)
+    assert (alg.warmup_steps, alg.steps_per_candidate, alg.rounds) == (2, 3, 2)
 
 
 @pytest.mark.parametrize("slow_decentralized", [False, True], ids=["to", "from"])
@@ -259,7 +279,7 @@ def test_auto_with_a_decentralized_candidate(monkeypatch, capsys, name, slow_dec
             )
         train(model, opt, 1, first=step)
         keys.append(opt._algo_impl._key)
-    assert keys == auto_cases.schedule(case.chosen, WARMUP, PER, AFTER), keys
+    assert keys == auto_cases.schedule(case.chosen, WARMUP, PER, ROUNDS, AFTER), keys
     same_on_every_rank(keys)
     assert type(alg.chosen).__name__ == case.expected, opt._algo_impl.schedule.table()
     assert opt._algo_impl.schedule.chosen_step == DECISION
@@ -267,7 +287,7 @@ def test_auto_with_a_decentralized_candidate(monkeypatch, capsys, name, slow_dec
     if hvd.rank() == 0:
         assert printed.count("bagua_hvd auto: chose") == 1, printed
         assert f"chose {case.expected} from step {DECISION}" in printed, printed
-    # The decentralized measurement (steps 5 to 8) left the ranks' models different.
+    # The decentralized measurement (steps 5-8 and 13-16) left the ranks' models different.
     first = [p.tolist() for p in start[0][0].values()]
     assert any([p.tolist() for p in s[0].values()] != first for s in start[1:])
 

@@ -13,7 +13,7 @@ model = torch.nn.Linear(8, 2)
 opt = hvd.DistributedOptimizer(
     torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
 )
-steps = 2 + 2 * (5 + 1) + 2  # the default schedule, then two steps of the chosen candidate
+steps = 2 + 2 * 2 * (3 + 1) + 2  # the default schedule, then two steps of the chosen candidate
 for step in range(steps):
     opt.zero_grad()
     g = torch.Generator().manual_seed(100 * hvd.rank() + step)

@@ -108,7 +108,7 @@ def auto_epoch_line(epoch: int) -> None:
     line = {
         "epoch": epoch, "rank": hvd.rank(), "size": hvd.size(), "start_rank": start_rank,
         "steps": list(auto_steps), "step": schedule.step, "chosen": schedule.chosen,
-        "chosen_step": schedule.chosen_step, "measured": sum(map(len, schedule._times)),
+        "chosen_step": schedule.chosen_step, "measured": schedule.measured,
         # The steps of the candidate's implementation (None: Horovod's allreduce).
         "impl_step": getattr(optimizer._algo_impl.impl, "step", None),
         "params": [float(v) for p in model.parameters() for v in p.detach().flatten()],
